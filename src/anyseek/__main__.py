@@ -1,0 +1,3 @@
+from anyseek.cli import main
+
+raise SystemExit(main())

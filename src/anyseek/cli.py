@@ -1,0 +1,61 @@
+"""The `anyseek` command. Each subcommand lives in its own module as two plain functions:
+
+    configure(parser: argparse.ArgumentParser) -> None   # add its arguments
+    run(args: argparse.Namespace, extra: list[str]) -> int   # do the work, return an exit code
+
+`extra` holds arguments argparse did not know (used by `train` for `--section.key=value` overrides).
+Modules are imported only when their subcommand runs, so `anyseek --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("anyseek.train.cli", "train a model (default: tiny flavor on the built-in Wikipedia sample)"),
+    "prepare": ("anyseek.data.cli_prepare", "turn a text source into token shards and a tokenizer"),
+    "data": ("anyseek.data.cli_data", "inspect prepared data (`anyseek data inspect DIR`)"),
+    "doctor": ("anyseek.doctor", "report what this machine supports and which kernels will run"),
+}
+
+
+def _load(name: str):
+    module, _ = COMMANDS[name]
+    return importlib.import_module(module)
+
+
+def build_parser(load_modules: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="anyseek", description="Train and run DeepSeek-V3-style models anywhere.")
+    from anyseek import __version__
+
+    parser.add_argument("--version", action="version", version=f"anyseek {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == load_modules:
+            _load(name).configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in COMMANDS:
+        command = None
+    parser = build_parser(load_modules=command)
+    if command is None:
+        args = parser.parse_args(argv)  # prints help / version / an error for an unknown command
+        parser.print_help()
+        return 0
+    args, extra = parser.parse_known_args(argv)
+    module = _load(command)
+    if extra and not getattr(module, "ACCEPTS_EXTRA", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return int(module.run(args, extra) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

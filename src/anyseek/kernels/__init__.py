@@ -1,0 +1,71 @@
+"""The two seams through which the model reaches kernels, and nothing else.
+
+(a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
+(b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine).
+
+Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
+reference) and says why. `import anyseek.kernels` never imports Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anyseek.kernels import registry
+
+
+def mla_attention(
+    q: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """MLA attention on a packed batch.
+
+    q [T, H, nope+rope] (nope part first), k_nope [T, H, nope], k_pe [T, rope] (shared by all heads),
+    v [T, H, v_dim], cu_seqlens int32 [B+1] (document starts; attention never crosses one), max_seqlen:
+    the longest document. Returns out [T, H, v_dim]. softmax_scale defaults to 1/sqrt(nope+rope).
+    """
+    fn = registry.get("mla_attention", q)
+    return fn(q, k_nope, k_pe, v, cu_seqlens, max_seqlen, softmax_scale, causal)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Attention on a packed batch with head dims up to 256 (qk and v may differ).
+
+    q [T, H, d_qk], k [T, H, d_qk], v [T, H, d_v], cu_seqlens int32 [B+1] -> out [T, H, d_v].
+    """
+    fn = registry.get("varlen_attention", q)
+    return fn(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
+
+
+def routed_experts(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    gate_proj_EID: torch.Tensor,
+    up_proj_EID: torch.Tensor,
+    down_proj_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k].
+
+    x [T, D], topk_ids int [T, K], topk_weights [T, K] (already normalised and scaled by the router),
+    gate_proj/up_proj [E, I, D], down_proj [E, D, I] (nn.Linear layout per expert). Returns y [T, D] in x's dtype.
+    """
+    fn = registry.get("routed_experts", x_TD)
+    return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_proj_EID, up_proj_EID, down_proj_EDI)
+
+
+__all__ = ["mla_attention", "varlen_attention", "routed_experts", "registry"]

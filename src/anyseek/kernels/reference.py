@@ -1,0 +1,77 @@
+"""Pure-PyTorch twins of every kernel: the fallback on any device and the oracle in tests.
+
+Shape legend (suffixes, as in torchtitan): T tokens in a packed batch, H heads, B documents,
+N nope dim, R rope dim, V value dim, D model dim, E experts, I expert hidden dim, K experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# Attention over packed variable-length batches.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_varlen(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the token count {q.shape[0]}, "
+            f"got {int(cu_seqlens[0])}..{int(cu_seqlens[-1])}"
+        )
+
+
+def varlen_attention(
+    q_THD: torch.Tensor,
+    k_THD: torch.Tensor,
+    v_THV: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Oracle: softmax(q k^T * scale) v per document, computed in fp32, returned in q's dtype.
+
+    q [T, H, Dqk], k [T, H, Dqk], v [T, H, Dv], cu_seqlens int [B+1] -> out [T, H, Dv].
+    Attention never crosses a document boundary; with causal=True a token sees itself and earlier tokens.
+    """
+    _check_varlen(q_THD, cu_seqlens)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THD.shape[-1])
+    out = torch.empty(*v_THV.shape[:2], v_THV.shape[-1], dtype=q_THD.dtype, device=q_THD.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q = q_THD[start:end].float().transpose(0, 1)  # (H, L, Dqk)
+        k = k_THD[start:end].float().transpose(0, 1)
+        v = v_THV[start:end].float().transpose(0, 1)
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (H, L, L)
+        if causal:
+            n = end - start
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+            s = s.masked_fill(mask, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[start:end] = torch.matmul(p, v).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def mla_attention(
+    q_THC: torch.Tensor,
+    k_nope_THN: torch.Tensor,
+    k_pe_TR: torch.Tensor,
+    v_THV: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Oracle for MLA's split form. q [T, H, N+R] (nope part first), k_nope [T, H, N],
+    k_pe [T, R] shared by all heads, v [T, H, V] -> out [T, H, V]."""
+    T, H, _ = q_THC.shape
+    k_THC = torch.cat([k_nope_THN, k_pe_TR[:, None, :].expand(T, H, k_pe_TR.shape[-1])], dim=-1)
+    return varlen_attention(q_THC, k_THC, v_THV, cu_seqlens, max_seqlen, softmax_scale, causal)
