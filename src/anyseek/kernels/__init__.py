@@ -55,17 +55,17 @@ def routed_experts(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
     topk_weights_TK: torch.Tensor,
-    gate_proj_EID: torch.Tensor,
-    up_proj_EID: torch.Tensor,
+    gate_up_proj_EFD: torch.Tensor,
     down_proj_EDI: torch.Tensor,
 ) -> torch.Tensor:
     """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k].
 
     x [T, D], topk_ids int [T, K], topk_weights [T, K] (already normalised and scaled by the router),
-    gate_proj/up_proj [E, I, D], down_proj [E, D, I] (nn.Linear layout per expert). Returns y [T, D] in x's dtype.
+    gate_up_proj [E, 2*I, D] (rows 0..I-1 the gate projection, I..2I-1 the up projection; nn.Linear layout),
+    down_proj [E, D, I]. Returns y [T, D] in x's dtype.
     """
     fn = registry.get("routed_experts", x_TD)
-    return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_proj_EID, up_proj_EID, down_proj_EDI)
+    return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI)
 
 
 __all__ = ["mla_attention", "varlen_attention", "routed_experts", "registry"]

@@ -1,6 +1,4 @@
-"""Pure-PyTorch twins of every kernel: the fallback on any device and the oracle in tests.
-
-Shape legend (suffixes, as in torchtitan): T tokens in a packed batch, H heads, B documents,
+"""Reference attention over packed variable-length batches (pure PyTorch, fp32 math).
 N nope dim, R rope dim, V value dim, D model dim, E experts, I expert hidden dim, K experts per token.
 """
 
