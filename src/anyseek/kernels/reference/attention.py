@@ -1,5 +1,7 @@
 """Reference attention over packed variable-length batches (pure PyTorch, fp32 math).
-N nope dim, R rope dim, V value dim, D model dim, E experts, I expert hidden dim, K experts per token.
+
+Shape legend: T tokens in a packed batch, H heads, B documents, C = N + R query/key dim,
+N nope dim, R rope dim, V value dim.
 """
 
 from __future__ import annotations
@@ -8,11 +10,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-# ----------------------------------------------------------------------------------------------
-# Attention over packed variable-length batches.
-# ----------------------------------------------------------------------------------------------
-
 
 def _check_varlen(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
