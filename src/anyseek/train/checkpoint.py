@@ -1,0 +1,218 @@
+"""Training checkpoints: `DIR/step-N/` is a complete Hugging Face model folder plus the training state.
+
+    step-N/
+      config.json  model.safetensors  generation_config.json      the model (transformers loads it)
+      tokenizer.json  tokenizer_config.json  special_tokens_map.json
+      run_config.json                                              the resolved anyseek config
+      optimizer.safetensors  optimizer.json  rng.safetensors  train_state.json
+      checkpoint.json                                              written last: every file with its size
+
+A checkpoint is assembled in a hidden temporary folder and renamed into place, so a crash or `kill -9` at any moment
+leaves either the complete new checkpoint or none; the previous ones are untouched. Nothing here is a pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+MARKER = "checkpoint.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that is missing pieces or cannot be read; the message names it."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+
+
+def list_checkpoints(out_dir: Path) -> list[Checkpoint]:
+    """Folders named step-N in `out_dir`, oldest first (complete or not)."""
+    if not out_dir.is_dir():
+        return []
+    found = [Checkpoint(p, int(m.group(1))) for p in out_dir.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found, key=lambda c: c.step)
+
+
+def verify(ckpt: Path) -> None:
+    """Raise CheckpointError unless every file listed in checkpoint.json is there with its recorded size."""
+    marker = ckpt / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"{ckpt}: no {MARKER} (the save did not finish)")
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{marker}: unreadable ({e})") from e
+    for name, size in files.items():
+        f = ckpt / name
+        if not f.is_file():
+            raise CheckpointError(f"{ckpt}: missing {name}")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{ckpt}: {name} has {f.stat().st_size} bytes, expected {size} (truncated?)")
+
+
+def save_checkpoint(
+    out_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    run_config: dict[str, Any],
+    tokenizer_files: list[Path],
+    keep_last: int,
+) -> Path:
+    """Write `out_dir/step-{step}` atomically, then delete all but the newest `keep_last` complete checkpoints."""
+    from anyseek.train.optim import save_optimizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"step-{step}"
+    tmp = out_dir / f".step-{step}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)  # writes config.json, model.safetensors, generation_config.json
+    for f in tokenizer_files:
+        shutil.copy2(f, tmp / f.name)
+    (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
+    save_optimizer(optimizer, model, tmp)
+    save_file(_torch_rng_state(), str(tmp / "rng.safetensors"))
+    state = {**train_state, "step": step, "python_rng": _python_rng_state(), "saved_at": time.time()}
+    (tmp / "train_state.json").write_text(json.dumps(state, indent=1))
+    _hook("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving the same step (e.g. a resumed run saving again): swap atomically
+        old = out_dir / f".step-{step}.old-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(out_dir)
+    _prune(out_dir, keep_last)
+    return final
+
+
+def latest_checkpoint(out_dir: Path, log=print) -> Checkpoint | None:
+    """The newest complete checkpoint; incomplete or corrupt ones are reported by name and skipped."""
+    for ckpt in reversed(list_checkpoints(out_dir)):
+        try:
+            verify(ckpt.path)
+            return ckpt
+        except CheckpointError as e:
+            log(f"warning: skipping checkpoint {ckpt.path}: {e}")
+    return None
+
+
+def load_training_state(
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json."""
+    from anyseek.model.hf import load_pretrained
+    from anyseek.train.optim import load_optimizer
+
+    verify(ckpt)
+    try:
+        loaded = load_pretrained(ckpt, dtype=next(model.parameters()).dtype, device="cpu")
+        with torch.no_grad():
+            model.load_state_dict(loaded.state_dict(), strict=True)
+        del loaded
+        load_optimizer(optimizer, model, ckpt)
+        state = json.loads((ckpt / "train_state.json").read_text())
+        _set_torch_rng_state(load_file(str(ckpt / "rng.safetensors")))
+        random.setstate(_python_rng_from_json(state["python_rng"]))
+    except CheckpointError:
+        raise
+    except Exception as e:  # corrupt tensors, bad JSON, shape mismatches: name the checkpoint
+        raise CheckpointError(f"{ckpt}: cannot be loaded: {type(e).__name__}: {e}") from e
+    return state
+
+
+def _prune(out_dir: Path, keep_last: int) -> None:
+    complete = []
+    for c in list_checkpoints(out_dir):
+        try:
+            verify(c.path)
+            complete.append(c)
+        except CheckpointError:
+            pass
+    for c in complete[:-keep_last]:
+        shutil.rmtree(c.path, ignore_errors=True)
+    for leftover in out_dir.glob(".step-*.tmp-*"):  # debris of saves killed half-way (never a live one: ours is renamed)
+        if not _pid_alive(leftover.name.rsplit("-", 1)[-1]):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _pid_alive(pid_text: str) -> bool:
+    try:
+        os.kill(int(pid_text), 0)
+        return True
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+
+
+def _torch_rng_state() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"cuda.{i}"] = s
+    return states
+
+
+def _set_torch_rng_state(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if torch.cuda.is_available():
+        cuda = [states[k] for k in sorted(k for k in states if k.startswith("cuda."))]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _python_rng_state() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _python_rng_from_json(value: list) -> tuple:
+    version, internal, gauss = value
+    return (version, tuple(internal), gauss)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    if os.name == "nt":  # directories cannot be fsynced on Windows; rename is still atomic there
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hook(var: str) -> None:
+    """Test hook: sleep here when the variable is set, so a test can kill -9 the process in the middle of a save."""
+    delay = os.environ.get(var)
+    if delay:
+        print(f"[{var}] sleeping {delay}s mid-save", flush=True)
+        time.sleep(float(delay))

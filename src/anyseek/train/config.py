@@ -1,0 +1,235 @@
+"""Run configuration: model, data and train sections, from a flavor name or a TOML/JSON file, plus dotted overrides.
+
+    cfg = load_run_config("tiny", ["--train.max_steps=200", "--train.lr=3e-4"])
+
+Every section is a dataclass; an unknown key or a value of the wrong type is a `ConfigError` that names the key and
+lists the valid ones. The resolved config (`cfg.to_dict()`) is written beside every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value; the message names it."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "wiki-sample"  # what `anyseek prepare --source` takes; prepared into the cache if `path` is unset
+    path: str | None = None  # a folder written by `anyseek prepare` (overrides source)
+    vocab_size: int = 4096  # BPE size when the source must be prepared here
+    tokens_per_batch: int = 4096  # tokens in one micro-batch (whole documents packed, no padding)
+    max_seqlen: int = 512  # longer documents are split into segments of at most this many tokens
+    num_workers: int = 0  # reserved: the loader runs in the training process
+
+    def __post_init__(self) -> None:
+        _positive(self, "tokens_per_batch", "max_seqlen", "vocab_size")
+        if self.max_seqlen > self.tokens_per_batch:
+            raise ConfigError(
+                f"data.max_seqlen ({self.max_seqlen}) must not exceed data.tokens_per_batch ({self.tokens_per_batch})"
+            )
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1500
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # "cosine" or "wsd" (warmup-stable-decay)
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    dtype: str = "auto"  # autocast dtype: "auto" (bf16 on CUDA, none on CPU), "bf16", "fp32"
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    compile: bool = False
+    log_every: int = 10
+    eval_every: int = 250
+    eval_tokens: int = 65536  # validation tokens per evaluation
+    save_every: int = 500
+    keep_last: int = 3  # checkpoints kept in the output folder
+    max_bad_steps: int = 5  # NaN/Inf losses in a row before the run stops
+    sample_prompt: str = "The history of"
+    sample_tokens: int = 40
+    tensorboard: bool = True  # write event files when tensorboard is installed
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_steps", "grad_accum", "log_every", "eval_every", "save_every", "keep_last",
+                  "max_bad_steps")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ConfigError(f"train.schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"train.dtype must be one of auto, bf16, fp32, got {self.dtype!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be positive, got {self.lr}")
+
+
+@dataclass
+class RunConfig:
+    """model: a flavor name plus ModelConfig overrides (resolved by `model_config()`); data; train."""
+
+    model: dict[str, Any] = field(default_factory=lambda: {"flavor": "tiny"})
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def model_config(self, vocab_size: int | None = None):
+        """The ModelConfig: the flavor, then the [model] overrides; `vocab_size` (the tokenizer's) applies unless
+        the config sets model.vocab_size itself."""
+        from anyseek.model.config import ModelConfig
+
+        overrides = {k: v for k, v in self.model.items() if k != "flavor"}
+        base = ModelConfig.from_name(self.model.get("flavor", "tiny"))
+        if vocab_size is not None and "vocab_size" not in overrides:
+            overrides["vocab_size"] = vocab_size
+        valid = {f.name for f in dataclasses.fields(ModelConfig)}
+        for key in overrides:
+            if key not in valid:
+                raise ConfigError(f"unknown key model.{key}; valid keys: flavor, {', '.join(sorted(valid))}")
+        try:
+            return dataclasses.replace(base, **overrides)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"invalid [model] section: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": dict(self.model), "data": dataclasses.asdict(self.data), "train": dataclasses.asdict(self.train)}
+
+
+# Built-in configs: a model flavor plus the data/train settings that suit it.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"model": {"flavor": "tiny"}},
+    "small": {
+        "model": {"flavor": "small"},
+        "data": {"tokens_per_batch": 8192, "max_seqlen": 2048},
+        "train": {"max_steps": 5000, "lr": 1e-3, "warmup_steps": 200, "eval_every": 500, "save_every": 1000},
+    },
+}
+
+
+def load_run_config(config: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """`config`: a preset/flavor name (tiny, small, 16B, ...) or a .toml/.json file; `overrides`: `--section.key=value`."""
+    raw = _load_raw(config or "tiny")
+    for item in overrides or []:
+        section, key, value = _parse_override(item)
+        raw.setdefault(section, {})[key] = value
+    return from_dict(raw, origin=config or "tiny")
+
+
+def from_dict(raw: dict[str, Any], origin: str = "<dict>") -> RunConfig:
+    unknown = set(raw) - {"model", "data", "train"}
+    if unknown:
+        raise ConfigError(f"{origin}: unknown section(s) {sorted(unknown)}; valid sections: model, data, train")
+    model = dict(raw.get("model") or {})
+    model.setdefault("flavor", "tiny")
+    return RunConfig(
+        model=model,
+        data=_build(DataConfig, raw.get("data") or {}, "data"),
+        train=_build(TrainConfig, raw.get("train") or {}, "train"),
+    )
+
+
+def _load_raw(config: str) -> dict[str, Any]:
+    path = Path(config)
+    if path.suffix in (".toml", ".json"):
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            text = path.read_text(encoding="utf-8")
+            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: {e}") from e
+        return raw
+    if config in PRESETS:
+        return json.loads(json.dumps(PRESETS[config]))  # a deep copy
+    from anyseek.model.config import ModelConfig
+
+    try:
+        ModelConfig.from_name(config)
+    except Exception as e:
+        raise ConfigError(
+            f"--config {config!r} is neither a .toml/.json file nor a known flavor ({', '.join(PRESETS)}, ...): {e}"
+        ) from e
+    return {"model": {"flavor": config}}
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    body = item[2:] if item.startswith("--") else item
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r} must look like --section.key=value (e.g. --train.max_steps=200)")
+    dotted, value = body.split("=", 1)
+    section, key = dotted.split(".", 1)
+    return section, key, _literal(value)
+
+
+def _literal(text: str) -> Any:
+    """Parse an override value as TOML would (numbers, booleans, quoted strings); anything else is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _build(cls: type, values: dict[str, Any], section: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown key {section}.{key}; valid keys: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise ConfigError(f"{name} must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def _positive(obj: Any, *names: str) -> None:
+    section = "data" if isinstance(obj, DataConfig) else "train"
+    for n in names:
+        if getattr(obj, n) <= 0:
+            raise ConfigError(f"{section}.{n} must be positive, got {getattr(obj, n)}")

@@ -1,0 +1,94 @@
+"""AdamW with DeepSeek-style parameter groups, the learning-rate schedule, and optimizer state in safe formats.
+
+Optimizer state is saved as safetensors (tensors keyed by parameter name) plus JSON (hyper-parameters), so a resumed
+run never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from anyseek.train.config import TrainConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not norms, not embeddings' biases); fused on CUDA."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **extra)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine or warmup-stable-decay."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    total = max(cfg.max_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / total, 1.0)
+    if cfg.schedule == "cosine":
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay_start = 1.0 - cfg.decay_fraction  # wsd
+    if progress < decay_start:
+        return peak
+    return peak - (peak - floor) * (progress - decay_start) / cfg.decay_fraction
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path) -> None:
+    """optimizer.safetensors: `{param_name}/{state_key}` -> tensor; optimizer.json: param groups by name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{names[id(p)]}/{key}"] = t.detach().to("cpu").contiguous()
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    save_file(tensors, str(folder / "optimizer.safetensors"))
+    (folder / "optimizer.json").write_text(json.dumps({"param_groups": groups}, indent=1))
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path) -> None:
+    params = dict(model.named_parameters())
+    meta = json.loads((folder / "optimizer.json").read_text())
+    saved_groups = meta["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{folder / 'optimizer.json'}: {len(saved_groups)} param groups, expected "
+                         f"{len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        mine = [n for p in group["params"] for n, q in params.items() if q is p]
+        if mine != saved["params"]:
+            raise ValueError(f"{folder / 'optimizer.json'}: parameter list differs from the model's")
+        group.update({k: v for k, v in saved.items() if k != "params"})
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    tensors = load_file(str(folder / "optimizer.safetensors"))
+    optimizer.state.clear()
+    for key, value in tensors.items():
+        name, state_key = key.rsplit("/", 1)
+        if name not in params:
+            raise ValueError(f"{folder / 'optimizer.safetensors'}: state for unknown parameter {name!r}")
+        p = params[name]
+        # AdamW keeps `step` as a CPU float tensor unless fused/capturable; keep each value where torch expects it.
+        device = p.device if state_key != "step" or value.dim() > 0 else "cpu"
+        if state_key == "step" and (optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")):
+            device = p.device
+        optimizer.state[p][state_key] = value.to(device)

@@ -1,0 +1,111 @@
+"""The loss-curve PNG written at the end of a run.
+
+Uses matplotlib when it is installed; otherwise draws the curve itself (pure Python + zlib) so a fresh machine still
+gets a picture: training loss in blue, validation loss as red squares, y-axis ticks labelled with a 3x5 digit font.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+W, H, MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 800, 450, 60, 20, 20, 40
+
+
+def write_loss_curve(path: Path, train: list[tuple[int, float]], val: list[tuple[int, float]], title: str = "") -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        _write_png(path, _draw(train, val))
+        return path
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if val:
+        ax.plot(*zip(*val), "s-", label="validation loss", ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# 3x5 glyphs, rows top to bottom, 3 bits each.
+_FONT = {
+    "0": [7, 5, 5, 5, 7], "1": [2, 6, 2, 2, 7], "2": [7, 1, 7, 4, 7], "3": [7, 1, 7, 1, 7], "4": [5, 5, 7, 1, 1],
+    "5": [7, 4, 7, 1, 7], "6": [7, 4, 7, 5, 7], "7": [7, 1, 1, 1, 1], "8": [7, 5, 7, 5, 7], "9": [7, 5, 7, 1, 7],
+    ".": [0, 0, 0, 0, 2], "-": [0, 0, 7, 0, 0],
+}
+
+
+def _draw(train: list[tuple[int, float]], val: list[tuple[int, float]]) -> list[bytearray]:
+    img = [bytearray(b"\xff" * (W * 3)) for _ in range(H)]
+    points = train + val
+    if not points:
+        return img
+    x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
+    y0, y1 = min(p[1] for p in points), max(p[1] for p in points)
+    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1e-3)
+
+    def px(x: float, y: float) -> tuple[int, int]:
+        u = MARGIN_L + (x - x0) / (x1 - x0) * (W - MARGIN_L - MARGIN_R)
+        v = H - MARGIN_B - (y - y0) / (y1 - y0) * (H - MARGIN_T - MARGIN_B)
+        return int(round(u)), int(round(v))
+
+    def dot(u: int, v: int, rgb: tuple[int, int, int], r: int = 0) -> None:
+        for yy in range(v - r, v + r + 1):
+            for xx in range(u - r, u + r + 1):
+                if 0 <= xx < W and 0 <= yy < H:
+                    img[yy][3 * xx: 3 * xx + 3] = bytes(rgb)
+
+    def line(a: tuple[int, int], b: tuple[int, int], rgb: tuple[int, int, int]) -> None:
+        n = max(abs(b[0] - a[0]), abs(b[1] - a[1]), 1)
+        for i in range(n + 1):
+            dot(a[0] + (b[0] - a[0]) * i // n, a[1] + (b[1] - a[1]) * i // n, rgb)
+
+    grey, black = (200, 200, 200), (0, 0, 0)
+    for i in range(5):  # horizontal grid lines with labels
+        y = y0 + (y1 - y0) * i / 4
+        u, v = px(x0, y)
+        line((MARGIN_L, v), (W - MARGIN_R, v), grey)
+        _text(img, f"{y:.2f}", 4, v - 7, black)
+    line((MARGIN_L, H - MARGIN_B), (W - MARGIN_R, H - MARGIN_B), black)
+    line((MARGIN_L, MARGIN_T), (MARGIN_L, H - MARGIN_B), black)
+    _text(img, str(x0), MARGIN_L, H - MARGIN_B + 8, black)
+    _text(img, str(x1), W - MARGIN_R - 12 * len(str(x1)), H - MARGIN_B + 8, black)
+    for a, b in zip(train, train[1:]):
+        line(px(*a), px(*b), (31, 119, 180))
+    for p in val:
+        dot(*px(*p), (214, 39, 40), r=3)
+    return img
+
+
+def _text(img: list[bytearray], s: str, u: int, v: int, rgb: tuple[int, int, int], scale: int = 3) -> None:
+    for k, ch in enumerate(s):
+        for row, bits in enumerate(_FONT.get(ch, [0] * 5)):
+            for col in range(3):
+                if bits >> (2 - col) & 1:
+                    for dy in range(scale):
+                        for dx in range(scale):
+                            x, y = u + k * 4 * scale + col * scale + dx, v + row * scale + dy
+                            if 0 <= x < W and 0 <= y < H:
+                                img[y][3 * x: 3 * x + 3] = bytes(rgb)
+
+
+def _write_png(path: Path, rows: list[bytearray]) -> None:
+    raw = b"".join(b"\x00" + bytes(r) for r in rows)
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", W, len(rows), 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6))
+                     + chunk(b"IEND", b""))

@@ -1,0 +1,351 @@
+"""The training loop: packed Wikipedia batches -> DeepSeek-V3 -> AdamW, with validation, checkpoints and logs.
+
+    summary = Trainer(load_run_config("tiny"), Path("runs/tiny")).run()
+
+One optimizer step = `grad_accum` micro-batches of `data.tokens_per_batch` tokens. After each step the MoE routing
+biases move toward balance (auxiliary-loss-free balancing). A NaN/Inf loss or gradient skips the step; `max_bad_steps`
+in a row stop the run with the last good checkpoint intact. SIGINT/SIGTERM save a checkpoint and exit cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from anyseek.train import checkpoint as ckpt_lib
+from anyseek.train.config import RunConfig
+from anyseek.train.metrics import MetricsLog, Progress, peak_flops
+from anyseek.train.optim import build_optimizer, lr_at, set_lr
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite losses in a row."""
+
+
+@dataclass
+class StepStats:
+    """Sums over the micro-batches of one optimizer step (tensors stay on the device until logged)."""
+
+    loss: torch.Tensor | float = 0.0
+    parts: dict[str, torch.Tensor | float] = field(default_factory=dict)
+    expert_load: torch.Tensor | None = None
+    tokens: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, out_dir: Path, resume: bool = False, log: Callable[[str], None] = print):
+        self.cfg, self.out_dir, self.resume, self.log = cfg, Path(out_dir), resume, log
+        self.stop_requested = False
+        t = cfg.train
+        if t.threads > 0:
+            torch.set_num_threads(t.threads)
+        self.device = _pick_device(t.device)
+        self.autocast_dtype = _autocast_dtype(t.dtype, self.device)
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+
+        self.data_dir = self._prepare_data()
+        from anyseek.data.tokenizer import load_tokenizer, tokenizer_files
+
+        self.tokenizer = load_tokenizer(self.data_dir)
+        self.tokenizer_files = tokenizer_files(self.data_dir)
+        self.manifest = _read_manifest(self.data_dir)
+
+        from anyseek.model.transformer import DeepSeekV3
+
+        self.model_cfg = cfg.model_config(vocab_size=int(self.manifest["vocab_size"]))
+        self.model = DeepSeekV3(self.model_cfg).to(self.device)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, t, self.device)
+        self.forward = torch.compile(self.model) if t.compile else self.model
+        self.step = 0
+        self.tokens_seen = 0
+        self.bad_in_a_row = 0
+        self.train_loader = self._loader("train", loop=True)
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _prepare_data(self) -> Path:
+        d = self.cfg.data
+        if d.path:
+            path = Path(d.path)
+            if not (path / "manifest.json").is_file():
+                raise FileNotFoundError(f"data.path {path} has no manifest.json; run `anyseek prepare --out {path}`")
+            return path
+        from anyseek.data.prepare import ensure_prepared
+
+        return Path(ensure_prepared(source=d.source, vocab_size=d.vocab_size))
+
+    def _loader(self, split: str, loop: bool):
+        from anyseek.data.loader import PackedLoader
+
+        d = self.cfg.data
+        return PackedLoader(self.data_dir, split=split, tokens_per_batch=d.tokens_per_batch, max_seqlen=d.max_seqlen,
+                            seed=self.cfg.train.seed, loop=loop)
+
+    def _resume(self) -> None:
+        for ckpt in reversed(ckpt_lib.list_checkpoints(self.out_dir)):
+            try:
+                state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer)
+            except ckpt_lib.CheckpointError as e:
+                self.log(f"warning: checkpoint {ckpt.path} is unusable ({e}); trying the previous one")
+                continue
+            self.train_loader.load_state_dict(state["loader"])
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.log(f"resumed from {ckpt.path} at step {self.step}")
+            return
+        self.log(f"no usable checkpoint in {self.out_dir}; starting from scratch")
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def run(self) -> dict[str, Any]:
+        t = self.cfg.train
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.resume:
+            self._resume()
+        elif ckpt_lib.list_checkpoints(self.out_dir):
+            raise FileExistsError(
+                f"{self.out_dir} already holds checkpoints; pass --resume to continue that run or --out NEW_DIR"
+            )
+        self._describe()
+        metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard)
+        progress = Progress(t.max_steps, start=self.step, every=t.log_every)
+        old_handlers = self._install_signal_handlers()
+        peak = peak_flops(self.device)
+        flops_per_token = self.model.flops_per_token(self.cfg.data.max_seqlen)
+        batches = iter(self.train_loader)
+        t_start = time.perf_counter()
+        window_t, window_tokens = time.perf_counter(), 0
+        summary: dict[str, Any] = {}
+        try:
+            while self.step < t.max_steps and not self.stop_requested:
+                lr = lr_at(self.step, t)
+                set_lr(self.optimizer, lr)
+                stats = self._accumulate(batches)
+                ok, loss, grad_norm = self._apply(stats)
+                window_tokens += stats.tokens
+                if not ok:
+                    metrics.write("skip", self.step, {"loss": loss, "grad_norm": grad_norm, "in_a_row": self.bad_in_a_row})
+                    continue
+                self.step += 1
+                self.tokens_seen += stats.tokens
+                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    elapsed = time.perf_counter() - window_t
+                    tps = window_tokens / max(elapsed, 1e-9)
+                    row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+                           "tokens_seen": self.tokens_seen, "tflops": tps * flops_per_token / 1e12}
+                    row.update({k: float(v) / t.grad_accum for k, v in stats.parts.items()})
+                    if peak:
+                        row["mfu"] = tps * flops_per_token / peak
+                    metrics.write("train", self.step, row)
+                    progress.update(self.step, loss, tps)
+                    window_t, window_tokens = time.perf_counter(), 0
+                if self.step % t.eval_every == 0 and self.step < t.max_steps:
+                    self._evaluate(metrics)
+                if self.step % t.save_every == 0 and self.step < t.max_steps:
+                    self._save()
+            progress.close()
+            if self.stop_requested:
+                self.log(f"stop requested: saving step {self.step} and exiting")
+                self._save()
+                summary = {"stopped_early": True}
+            else:
+                summary = self._finish(metrics)
+        except TrainingDiverged as e:
+            progress.close()
+            self.log(f"error: {e}")
+            summary = {"diverged": str(e)}
+            raise
+        finally:
+            metrics.close()
+            self._restore_signal_handlers(old_handlers)
+            summary.update(step=self.step, tokens_seen=self.tokens_seen, wall_s=time.perf_counter() - t_start)
+        return summary
+
+    def _accumulate(self, batches) -> StepStats:
+        t = self.cfg.train
+        stats = StepStats()
+        for _ in range(t.grad_accum):
+            batch = next(batches)
+            ids = batch.input_ids.to(self.device, non_blocking=True)
+            targets = batch.targets.to(self.device, non_blocking=True)
+            cu = batch.cu_seqlens.to(self.device, non_blocking=True)
+            with self._autocast():
+                out = self.forward(ids, cu_seqlens=cu, targets=targets, max_seqlen=batch.max_seqlen,
+                                   return_logits=False)
+            (out.loss / t.grad_accum).backward()
+            stats.loss = stats.loss + out.loss.detach()
+            for name in ("lm_loss", "mtp_loss", "balance_loss"):
+                value = getattr(out, name)
+                if value is not None:
+                    stats.parts[name] = stats.parts.get(name, 0.0) + value.detach().float()
+            if out.expert_load is not None:
+                load = out.expert_load.detach()
+                stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
+            stats.tokens += int(ids.numel())
+        return stats
+
+    def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
+        """Clip and step, or skip a non-finite step. Returns (stepped, mean loss, grad norm)."""
+        t = self.cfg.train
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        loss = float(stats.loss) / t.grad_accum  # the one host sync per step
+        norm = float(grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_in_a_row += 1
+            self.log(f"warning: step {self.step + 1}: non-finite loss {loss} / grad norm {norm}; step skipped "
+                     f"({self.bad_in_a_row} in a row)")
+            if self.bad_in_a_row >= t.max_bad_steps:
+                raise TrainingDiverged(
+                    f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. The last good "
+                    f"checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
+                )
+            return False, loss, norm
+        self.bad_in_a_row = 0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if stats.expert_load is not None:
+            self.model.update_routing_bias(stats.expert_load)
+        return True, loss, norm
+
+    # ------------------------------------------------------------------------------------------ eval, save, end
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """Mean next-token loss on the first `eval_tokens` validation tokens, and how many targets it covered."""
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            for batch in self._loader("val", loop=False):
+                targets = batch.targets.to(self.device)
+                n = int((targets != -100).sum())
+                if n == 0:
+                    continue
+                with self._autocast():
+                    out = self.model(batch.input_ids.to(self.device), cu_seqlens=batch.cu_seqlens.to(self.device),
+                                     targets=targets, max_seqlen=batch.max_seqlen, return_logits=False)
+                total += float(out.lm_loss) * n
+                count += n
+                if count >= self.cfg.train.eval_tokens:
+                    break
+        finally:
+            self.model.train()
+        return (total / count if count else float("nan")), count
+
+    def _evaluate(self, metrics: MetricsLog) -> float:
+        loss, count = self.evaluate()
+        ppl = math.exp(loss) if loss < 50 else float("inf")
+        metrics.write("val", self.step, {"loss": loss, "perplexity": ppl, "tokens": count})
+        self.log(f"step {self.step}: validation loss {loss:.4f}, perplexity {ppl:.2f} ({count:,} tokens)")
+        return loss
+
+    def _save(self) -> Path:
+        state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
+                 "bad_in_a_row": self.bad_in_a_row}
+        path = ckpt_lib.save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state,
+                                        self.cfg.to_dict(), self.tokenizer_files, self.cfg.train.keep_last)
+        self.log(f"saved {path}")
+        return path
+
+    def _finish(self, metrics: MetricsLog) -> dict[str, Any]:
+        val_loss = self._evaluate(metrics)
+        path = self._save()
+        from anyseek.train.plot import write_loss_curve
+        from anyseek.train.metrics import read_metrics
+
+        rows = read_metrics(metrics.path)
+        curve = write_loss_curve(
+            self.out_dir / "loss.png",
+            [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"],
+            [(r["step"], r["loss"]) for r in rows if r["kind"] == "val"],
+            title=f"{self.cfg.model.get('flavor', '')} on {self.cfg.data.path or self.cfg.data.source}",
+        )
+        sample = self.sample()
+        self.log(f"loss curve: {curve}")
+        self.log(f"sample: {self.cfg.train.sample_prompt}{sample}")
+        return {"val_loss": val_loss, "val_perplexity": math.exp(val_loss) if val_loss < 50 else float("inf"),
+                "checkpoint": str(path), "sample": sample}
+
+    def sample(self) -> str:
+        from anyseek.infer.generate import generate
+
+        t = self.cfg.train
+        prompt = self.tokenizer.encode(t.sample_prompt).ids
+        with self._autocast():
+            new = generate(self.model, prompt, t.sample_tokens, eos_token_id=self.manifest.get("eos_token_id"),
+                           seed=t.seed)
+        return self.tokenizer.decode(new)
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def _describe(self) -> None:
+        from anyseek.kernels import registry
+
+        m = self.model
+        d = self.cfg.data
+        self.log(f"model: {self.cfg.model.get('flavor')} | {m.num_parameters() / 1e6:.2f}M parameters "
+                 f"({m.num_parameters(active_only=True) / 1e6:.2f}M active) | device {self.device} "
+                 f"| autocast {self.autocast_dtype}")
+        self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "
+                 f"{self.cfg.train.grad_accum} micro-batches per step")
+        describe = getattr(registry, "describe", None)
+        if describe is not None:
+            for row in describe(device=self.device):
+                self.log("kernel: " + " | ".join(str(c) for c in row))
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _install_signal_handlers(self) -> dict:
+        def request_stop(signum, frame):
+            if self.stop_requested:  # a second Ctrl-C: stop now
+                raise KeyboardInterrupt
+            self.stop_requested = True
+            self.log(f"\nreceived signal {signum}: finishing step {self.step + 1}, then saving")
+
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[sig] = signal.signal(sig, request_stop)
+            except ValueError:  # not the main thread
+                pass
+        return old
+
+    @staticmethod
+    def _restore_signal_handlers(old: dict) -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"train.device={name!r} but this PyTorch build sees no CUDA GPU (see `anyseek doctor`)")
+    return device
+
+
+def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"bf16": torch.bfloat16, "fp32": None}[name]
+
+
+def _read_manifest(data_dir: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((data_dir / "manifest.json").read_text())
