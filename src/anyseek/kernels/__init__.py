@@ -68,4 +68,4 @@ def routed_experts(
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI)
 
 
-__all__ = ["mla_attention", "varlen_attention", "routed_experts", "registry"]
+__all__ = ["mla_attention", "registry", "routed_experts", "varlen_attention"]

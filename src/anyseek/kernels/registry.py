@@ -1,19 +1,193 @@
-"""Pick a backend per op. (Minimal version; the Triton issue grows it: priorities, availability checks with
-reasons, ANYSEEK_<OP> / explicit requests that raise, one warning on automatic fallback.)"""
+"""Pick a backend per op, and say why.
+
+Each op has backends in priority order. A backend is a name, a loader (imports lazily, returns the function),
+an availability check `available(example) -> (ok, reason)` and the device types it is meant for. Choice:
+
+- explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
+  for both attention ops, `ANYSEEK_MOE=name` for routed_experts. A backend requested explicitly that cannot run
+  raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
+- automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
+  device that cannot run is skipped with ONE warning per (op, backend, reason).
+
+`describe()` returns (op, backend, why) rows for `anyseek doctor` and training logs.
+Nothing here imports Triton: the triton backend's loader and check import it on first use, on CUDA only.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+AUTO = "auto"
+# op -> environment variable that requests a backend for it
+ENV_VARS = {
+    "mla_attention": "ANYSEEK_ATTENTION",
+    "varlen_attention": "ANYSEEK_ATTENTION",
+    "routed_experts": "ANYSEEK_MOE",
+}
+# short names accepted by set_backend for groups of ops
+OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",)}
 
-def _reference(op: str) -> Callable:
-    from anyseek.kernels import reference
 
-    return getattr(reference, op)
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    load: Callable[[], Callable]  # returns the op's function; imports happen here, not at registration
+    available: Callable[[torch.Tensor], tuple[bool, str]]
+    devices: tuple[str, ...] | None = None  # device types it is meant for (None: every device)
+
+
+_BACKENDS: dict[str, list[Backend]] = {}
+_requested: dict[str, str] = {}
+_warned: set[tuple[str, str, str]] = set()
+_cache: dict[tuple, tuple[Callable, str, str]] = {}
+
+
+def _import(path: str) -> Callable:
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _lazy(path: str) -> Callable[[], Callable]:
+    return lambda: _import(path)
+
+
+def _always(reason: str) -> Callable[[torch.Tensor], tuple[bool, str]]:
+    return lambda example: (True, reason)
+
+
+def register(op: str, backend: Backend, before: str | None = None) -> None:
+    """Add `backend` to `op`, last in priority unless `before` names a backend it should precede."""
+    chain = _BACKENDS.setdefault(op, [])
+    chain[:] = [b for b in chain if b.name != backend.name]
+    names = [b.name for b in chain]
+    chain.insert(names.index(before) if before in names else len(chain), backend)
+    _cache.clear()
+
+
+def ops() -> list[str]:
+    return list(_BACKENDS)
+
+
+def backends(op: str) -> list[Backend]:
+    """The backends of `op` in priority order."""
+    if op not in _BACKENDS:
+        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(_BACKENDS)}")
+    return list(_BACKENDS[op])
+
+
+def set_backend(op: str, name: str | None) -> None:
+    """Request backend `name` for `op` (or for a group: "attention", "moe"); None or "auto" clears the request."""
+    targets = OP_GROUPS.get(op, (op,))
+    for target in targets:
+        known = [b.name for b in backends(target)]
+        if name not in (None, AUTO) and name not in known:
+            raise ValueError(f"unknown backend {name!r} for op {target!r}; known: {', '.join(known)} (or 'auto')")
+    for target in targets:
+        if name in (None, AUTO):
+            _requested.pop(target, None)
+        else:
+            _requested[target] = name
+    _cache.clear()
+
+
+def requested(op: str) -> tuple[str, str]:
+    """(name, where it came from): set_backend wins over the environment; ("auto", "default") when neither."""
+    if op in _requested:
+        return _requested[op], "set_backend"
+    env = ENV_VARS.get(op)
+    value = os.environ.get(env, "").strip() if env else ""
+    if value:
+        return value, env
+    return AUTO, "default"
+
+
+def choose(op: str, example: torch.Tensor) -> tuple[Callable, str, str]:
+    """(function, backend name, why) for running `op` on tensors like `example`."""
+    name, source = requested(op)
+    key = (op, name, example.device.type, example.dtype, tuple(example.shape[1:]))
+    if key not in _cache:
+        _cache[key] = _choose_explicit(op, name, source, example) if name != AUTO else _choose_auto(op, example)
+    return _cache[key]
+
+
+def _choose_explicit(op: str, name: str, source: str, example: torch.Tensor) -> tuple[Callable, str, str]:
+    chain = {b.name: b for b in backends(op)}
+    if name not in chain:
+        raise ValueError(f"{source} asks for backend {name!r} for op {op!r}; known: {', '.join(chain)} (or 'auto')")
+    ok, reason = chain[name].available(example)
+    if not ok:
+        raise RuntimeError(f"backend {name!r} for op {op!r} was requested ({source}) but cannot run here: {reason}")
+    return chain[name].load(), name, f"requested by {source}: {reason}"
+
+
+def _choose_auto(op: str, example: torch.Tensor) -> tuple[Callable, str, str]:
+    skipped = []
+    for b in backends(op):
+        if b.devices is not None and example.device.type not in b.devices:
+            continue
+        ok, reason = b.available(example)
+        if ok:
+            why = reason if not skipped else f"{reason} (skipped {'; '.join(skipped)})"
+            return b.load(), b.name, why
+        skipped.append(f"{b.name}: {reason}")
+        if (op, b.name, reason) not in _warned:
+            _warned.add((op, b.name, reason))
+            warnings.warn(f"anyseek: {op} falls back from backend {b.name!r}: {reason}", RuntimeWarning, stacklevel=4)
+    raise RuntimeError(f"no backend for op {op!r} can run on {example.device.type}: {'; '.join(skipped)}")
 
 
 def get(op: str, example: torch.Tensor) -> Callable:
     """The function that runs `op` for tensors like `example`."""
-    return _reference(op)
+    return choose(op, example)[0]
+
+
+def example_for(op: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor shaped like the first input of `op` (DeepSeek-V3 shapes) on `device`, for describe()."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024)}
+    return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
+
+
+def describe(device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> list[tuple[str, str, str]]:
+    """(op, chosen backend, why) for every op on `device` (default: the first GPU, else the CPU)."""
+    rows = []
+    for op in _BACKENDS:
+        try:
+            _, name, why = choose(op, example_for(op, device, dtype))
+        except (RuntimeError, ValueError) as e:
+            name, why = "-", str(e)
+        rows.append((op, name, why))
+    return rows
+
+
+def _register_defaults() -> None:
+    triton_ok = _lazy("anyseek.kernels.triton.check.available")
+    for op in ("mla_attention", "varlen_attention"):
+        register(op, Backend("triton", _lazy(f"anyseek.kernels.ops.{op}"), lambda ex: triton_ok()(ex), ("cuda",)))
+        register(op, Backend("sdpa", _lazy(f"anyseek.kernels.torch_backends.sdpa_{op}"), _sdpa_ok))
+        register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
+    register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
+
+
+def _sdpa_ok(example: torch.Tensor) -> tuple[bool, str]:
+    from anyseek.kernels.torch_backends import sdpa_available
+
+    return sdpa_available(example)
+
+
+def _moe_ref_ok(example: torch.Tensor) -> tuple[bool, str]:
+    try:
+        _import("anyseek.kernels.reference.moe.routed_experts")
+    except (ImportError, AttributeError) as e:
+        return False, f"anyseek.kernels.reference.moe is missing ({e})"
+    return True, "pure PyTorch (grouped by expert)"
+
+
+_register_defaults()

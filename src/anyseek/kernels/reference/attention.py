@@ -6,10 +6,11 @@ N nope dim, R rope dim, V value dim.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
-import torch.nn.functional as F
+
 
 def _check_varlen(q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -39,7 +40,7 @@ def varlen_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THD.shape[-1])
     out = torch.empty(*v_THV.shape[:2], v_THV.shape[-1], dtype=q_THD.dtype, device=q_THD.device)
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         if end == start:
             continue
         q = q_THD[start:end].float().transpose(0, 1)  # (H, L, Dqk)

@@ -1,0 +1,155 @@
+"""Attention backends built from PyTorch ops alone: run on any device, differentiable through autograd.
+
+`sdpa`: gather the documents of a packed batch into padded [n, Lmax] batches, bucketed by length so that one
+long document does not pad a thousand short ones, and call `F.scaled_dot_product_attention` once per bucket.
+With causal masking a valid query never sees a padded key (padding sits at the end of each row), so no mask
+tensor is built; with causal=False a key-padding mask is passed. MLA's shared k_pe is expanded per head only
+inside the call, bucket by bucket.
+
+Shape legend: T tokens in the packed batch, H heads, C = N + R query/key dim, N nope dim, R rope dim, V value
+dim, n documents in one bucket, L the bucket's padded length.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Documents whose lengths share a bucket differ by at most this factor, so padding wastes < 1 - 1/GROWTH.
+_BUCKET_GROWTH = 1.5
+
+
+def _buckets(lengths: list[int]) -> list[list[int]]:
+    """Document indices grouped by length (longest bucket first); empty documents are dropped."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    lo = 0
+    for i in order:
+        if not groups or lengths[i] > lo * _BUCKET_GROWTH:
+            groups.append([])
+            lo = lengths[i]
+        groups[-1].append(i)
+    return groups[::-1]
+
+
+def _bucket_index(starts: list[int], lengths: list[int], docs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx [n, L] token positions (padding points at the document's first token), valid [n, L] bool."""
+    L = max(lengths[d] for d in docs)
+    start_n = torch.tensor([starts[d] for d in docs], dtype=torch.long, device=device)
+    len_n = torch.tensor([lengths[d] for d in docs], dtype=torch.long, device=device)
+    pos_L = torch.arange(L, dtype=torch.long, device=device)
+    valid_nL = pos_L[None, :] < len_n[:, None]
+    idx_nL = start_n[:, None] + torch.where(valid_nL, pos_L[None, :], 0)
+    return idx_nL, valid_nL
+
+
+def _padded_sdpa(q_THC, make_k, v_THV, cu_seqlens, softmax_scale, causal) -> torch.Tensor:
+    """Shared driver: make_k(idx_nL) -> k [n, H, L, C] for one bucket."""
+    T, H, C = q_THC.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(C)
+    bounds = cu_seqlens.tolist()  # host sync: this backend sizes its buckets on the host
+    if bounds[0] != 0 or bounds[-1] != T or any(b > e for b, e in itertools.pairwise(bounds)):
+        raise ValueError(f"cu_seqlens must rise from 0 to the token count {T}, got {bounds[:4]}...{bounds[-2:]}")
+    starts, lengths = bounds[:-1], [e - s for s, e in itertools.pairwise(bounds)]
+    outs, perms = [], []
+    for docs in _buckets(lengths):
+        idx_nL, valid_nL = _bucket_index(starts, lengths, docs, q_THC.device)
+        q = q_THC[idx_nL].transpose(1, 2)  # (n, H, L, C)
+        v = v_THV[idx_nL].transpose(1, 2)  # (n, H, L, V)
+        k = make_k(idx_nL)
+        mask = None if causal else valid_nL[:, None, None, :]
+        Vd = v.shape[-1]
+        if q.device.type == "cpu" and Vd < C:  # the CPU flash kernel needs d_v == d_qk; the math path is 2x slower
+            v = F.pad(v, (0, C - Vd))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)[..., :Vd]
+        outs.append(o.transpose(1, 2)[valid_nL])  # (tokens of the bucket, H, V)
+        perms.append(idx_nL[valid_nL])
+    if not outs:
+        return v_THV.new_zeros(T, H, v_THV.shape[-1]).to(q_THC.dtype)
+    perm = torch.cat(perms)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return torch.cat(outs)[inv].to(q_THC.dtype)
+
+
+def check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens) -> None:
+    """Raise ValueError naming the tensor whose shape does not fit MLA's split form."""
+    if q_THC.dim() != 3 or k_nope_THN.dim() != 3 or k_pe_TR.dim() != 2 or v_THV.dim() != 3:
+        raise ValueError(
+            "mla_attention expects q [T, H, N+R], k_nope [T, H, N], k_pe [T, R], v [T, H, V]; got "
+            f"q {tuple(q_THC.shape)}, k_nope {tuple(k_nope_THN.shape)}, k_pe {tuple(k_pe_TR.shape)}, "
+            f"v {tuple(v_THV.shape)}"
+        )
+    T, H, C = q_THC.shape
+    N, R = k_nope_THN.shape[-1], k_pe_TR.shape[-1]
+    if k_nope_THN.shape[:2] != (T, H) or v_THV.shape[:2] != (T, H) or k_pe_TR.shape[0] != T or N + R != C:
+        raise ValueError(
+            f"mla_attention shapes disagree: q {tuple(q_THC.shape)} needs k_nope [{T}, {H}, N], k_pe [{T}, R] "
+            f"with N+R={C}, v [{T}, {H}, V]; got k_nope {tuple(k_nope_THN.shape)}, k_pe {tuple(k_pe_TR.shape)}, "
+            f"v {tuple(v_THV.shape)}"
+        )
+    _check_cu(cu_seqlens)
+
+
+def check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens) -> None:
+    """Raise ValueError naming the tensor whose shape does not fit varlen attention."""
+    if q_THD.dim() != 3 or k_THD.shape != q_THD.shape or v_THV.dim() != 3 or v_THV.shape[:2] != q_THD.shape[:2]:
+        raise ValueError(
+            "varlen_attention expects q [T, H, D], k [T, H, D], v [T, H, V]; got "
+            f"q {tuple(q_THD.shape)}, k {tuple(k_THD.shape)}, v {tuple(v_THV.shape)}"
+        )
+    _check_cu(cu_seqlens)
+
+
+def _check_cu(cu_seqlens: torch.Tensor) -> None:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32 tensor [B+1], got shape {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}"
+        )
+
+
+def sdpa_mla_attention(
+    q_THC: torch.Tensor,
+    k_nope_THN: torch.Tensor,
+    k_pe_TR: torch.Tensor,
+    v_THV: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """MLA attention through padded SDPA buckets. Shapes as `anyseek.kernels.mla_attention`; out [T, H, V]."""
+    check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens)
+    H = q_THC.shape[1]
+
+    def make_k(idx_nL):
+        k_pe = k_pe_TR[idx_nL]  # (n, L, R): expanded over heads only here, one bucket at a time
+        k_nope = k_nope_THN[idx_nL]  # (n, L, H, N)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
+        return k.transpose(1, 2)
+
+    return _padded_sdpa(q_THC, make_k, v_THV, cu_seqlens, softmax_scale, causal)
+
+
+def sdpa_varlen_attention(
+    q_THD: torch.Tensor,
+    k_THD: torch.Tensor,
+    v_THV: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Varlen attention through padded SDPA buckets. Shapes as `anyseek.kernels.varlen_attention`."""
+    check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
+    return _padded_sdpa(q_THD, lambda idx_nL: k_THD[idx_nL].transpose(1, 2), v_THV, cu_seqlens, softmax_scale, causal)
+
+
+def sdpa_available(example: torch.Tensor) -> tuple[bool, str]:
+    """SDPA runs on every device PyTorch supports; scale= needs torch >= 2.1."""
+    if "scale" not in F.scaled_dot_product_attention.__doc__:
+        return False, "this PyTorch's scaled_dot_product_attention takes no scale= argument (needs torch >= 2.1)"
+    return True, f"PyTorch SDPA on {example.device.type}, documents padded in length buckets"

@@ -1,0 +1,55 @@
+"""The PyTorch (SDPA) attention backends against the fp32 reference, on CPU."""
+
+import pytest
+import torch
+
+from anyseek.kernels import reference, torch_backends
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _grads(out, inputs, g):
+    return torch.autograd.grad(out, inputs, g)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths", [[1], [5, 1, 17, 64, 3, 1, 100], [1] * 40 + [33]])
+def test_sdpa_mla_matches_reference(lengths, causal):
+    torch.manual_seed(0)
+    T, H, N, R, V = sum(lengths), 3, 32, 16, 24
+    q, kn = torch.randn(T, H, N + R, requires_grad=True), torch.randn(T, H, N, requires_grad=True)
+    kp, v = torch.randn(T, R, requires_grad=True), torch.randn(T, H, V, requires_grad=True)
+    cu = _cu(lengths)
+    out = torch_backends.sdpa_mla_attention(q, kn, kp, v, cu, max(lengths), 0.3, causal)
+    ref = reference.mla_attention(q, kn, kp, v, cu, max(lengths), 0.3, causal)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(_grads(out, (q, kn, kp, v), g), _grads(ref, (q, kn, kp, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (40, 72)])
+def test_sdpa_varlen_matches_reference(dqk, dv):
+    torch.manual_seed(1)
+    lengths = [9, 1, 30, 2]
+    T, H = sum(lengths), 2
+    q, k, v = (torch.randn(T, H, d, requires_grad=True) for d in (dqk, dqk, dv))
+    cu = _cu(lengths)
+    out = torch_backends.sdpa_varlen_attention(q, k, v, cu, 30)
+    ref = reference.varlen_attention(q, k, v, cu, 30)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(_grads(out, (q, k, v), g), _grads(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_name_the_problem():
+    cu = _cu([4])
+    with pytest.raises(ValueError, match="N\\+R=24"):
+        torch_backends.sdpa_mla_attention(
+            torch.randn(4, 2, 24), torch.randn(4, 2, 16), torch.randn(4, 4), torch.randn(4, 2, 8), cu, 4
+        )
+    with pytest.raises(ValueError, match="token count 5"):
+        torch_backends.sdpa_varlen_attention(torch.randn(5, 1, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8), cu, 4)
