@@ -1,0 +1,224 @@
+"""The training loop end to end on a small synthetic corpus: loss falls, resume is exact, saves are atomic,
+NaN steps are skipped and stop the run, checkpoints load in transformers, signals save and exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from anyseek.train import checkpoint as ckpt_lib
+from anyseek.train.config import load_run_config
+from anyseek.train.metrics import read_metrics
+from anyseek.train.trainer import Trainer, TrainingDiverged
+
+WORDS = ("the cat dog bird sat ran flew on over under a mat tree roof quickly slowly and then it was "
+         "red blue green small big river stone city king queen north south").split()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A prepared corpus of 400 generated documents with a 512-token BPE."""
+    from anyseek.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    lines = []
+    for i in range(400):
+        n = rng.randint(3, 12)
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "." for _ in range(n)]
+        lines.append(json.dumps({"text": f"Document {i}. " + " ".join(sentences)}))
+    src = root / "docs.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = root / "prepared"
+    prepare(source=str(src), out=out, vocab_size=512, val_fraction=0.05, progress=False)
+    return out
+
+
+def tiny_cfg(data_dir: Path, *overrides: str):
+    base = [f"--data.path={data_dir}", "--data.tokens_per_batch=256", "--data.max_seqlen=64",
+            "--model.num_hidden_layers=2", "--train.warmup_steps=2", "--train.lr=3e-3", "--train.log_every=1",
+            "--train.eval_every=1000", "--train.eval_tokens=512", "--train.sample_tokens=5", "--train.threads=1",
+            "--train.tensorboard=false"]
+    return load_run_config("tiny", base + list(overrides))
+
+
+def run(cfg, out: Path, resume: bool = False) -> dict:
+    return Trainer(cfg, out, resume=resume, log=lambda s: None).run()
+
+
+def final_state(out: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / f"step-{step}" / "model.safetensors"))
+
+
+def test_smoke_loss_falls_and_writes_everything(data_dir, tmp_path):
+    summary = run(tiny_cfg(data_dir, "--train.max_steps=20", "--train.save_every=10", "--train.keep_last=1"), tmp_path)
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    first, last = sum(r["loss"] for r in rows[:3]) / 3, sum(r["loss"] for r in rows[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert all(k in rows[-1] for k in ("lm_loss", "mtp_loss", "balance_loss", "tokens_per_s", "grad_norm", "lr"))
+    assert summary["step"] == 20 and summary["val_loss"] < rows[0]["loss"]
+    assert [c.step for c in ckpt_lib.list_checkpoints(tmp_path)] == [20]  # keep_last=1 pruned step-10
+    ckpt = tmp_path / "step-20"
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "run_config.json", "optimizer.safetensors", "train_state.json",
+                 "rng.safetensors", "checkpoint.json"):
+        assert (ckpt / name).is_file(), name
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((ckpt / "run_config.json").read_text())["train"]["max_steps"] == 20
+
+
+def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch):
+    cfg = tiny_cfg(data_dir, "--train.max_steps=8", "--train.save_every=100")
+    straight = tmp_path / "straight"
+    run(cfg, straight)
+
+    # Interrupt the second run with a real SIGINT after step 4: it must save step-4 and exit cleanly.
+    interrupted = tmp_path / "interrupted"
+    original = Trainer._apply
+
+    def apply_then_interrupt(self, stats):
+        result = original(self, stats)
+        if self.step == 3:  # becomes 4 after this call returns
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(Trainer, "_apply", apply_then_interrupt)
+    summary = run(cfg, interrupted)
+    monkeypatch.setattr(Trainer, "_apply", original)
+    assert summary.get("stopped_early") and summary["step"] == 4
+    assert [c.step for c in ckpt_lib.list_checkpoints(interrupted)] == [4]
+    run(cfg, interrupted, resume=True)
+
+    a, b = final_state(straight, 8), final_state(interrupted, 8)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    la = [r["loss"] for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    lb = [r["loss"] for r in read_metrics(interrupted / "metrics.jsonl") if r["kind"] == "train"]
+    assert la == lb
+
+
+def test_failed_save_leaves_previous_checkpoint(data_dir, tmp_path, monkeypatch):
+    cfg = tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2")
+    import anyseek.train.optim as optim
+
+    calls = {"n": 0}
+    real = optim.save_optimizer
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optim, "save_optimizer", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        run(cfg, tmp_path)
+    assert [c.step for c in ckpt_lib.list_checkpoints(tmp_path)] == [2]
+    assert ckpt_lib.latest_checkpoint(tmp_path).step == 2
+    monkeypatch.setattr(optim, "save_optimizer", real)
+    summary = run(cfg, tmp_path, resume=True)
+    assert summary["step"] == 4
+
+
+def test_corrupt_checkpoint_is_reported_and_previous_used(data_dir, tmp_path):
+    cfg = tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2")
+    run(cfg, tmp_path)
+    weights = tmp_path / "step-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    messages = []
+    assert ckpt_lib.latest_checkpoint(tmp_path, log=messages.append).step == 2
+    assert "step-4" in messages[0] and "model.safetensors" in messages[0]
+    t = Trainer(tiny_cfg(data_dir, "--train.max_steps=5", "--train.save_every=2"), tmp_path, resume=True,
+                log=messages.append)
+    assert t.run()["step"] == 5
+    assert any("resumed from" in m and "step-2" in m for m in messages)
+
+
+def test_kill_9_during_save_keeps_previous_checkpoint(data_dir, tmp_path):
+    out = tmp_path / "run"
+    args = [f"--data.path={data_dir}", "--data.tokens_per_batch=256", "--data.max_seqlen=64",
+            "--model.num_hidden_layers=2", "--train.max_steps=4", "--train.save_every=2", "--train.log_every=1",
+            "--train.threads=1", "--train.tensorboard=false", "--train.eval_tokens=256", "--train.sample_tokens=2"]
+    subprocess.run([sys.executable, "-m", "anyseek", "train", "--out", str(out), *args], check=True,
+                   capture_output=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # Second run: resume, train to step 6, and hang in the middle of saving step-6; kill -9 it there.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ANYSEEK_TEST_SLOW_SAVE": "60"}
+    args[4] = "--train.max_steps=6"
+    proc = subprocess.Popen([sys.executable, "-m", "anyseek", "train", "--out", str(out), "--resume", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    deadline = time.time() + 120
+    for line in proc.stdout:
+        if "ANYSEEK_TEST_SLOW_SAVE" in line or time.time() > deadline:
+            break
+    proc.kill()
+    proc.wait()
+    assert any(p.name.startswith(".step-6.tmp-") for p in out.iterdir())  # the half-written save
+    assert [c.step for c in ckpt_lib.list_checkpoints(out)] == [2, 4]
+    latest = ckpt_lib.latest_checkpoint(out)
+    assert latest.step == 4
+    ckpt_lib.verify(latest.path)
+
+
+def test_nan_steps_are_skipped_then_stop_the_run(data_dir, tmp_path, monkeypatch):
+    from anyseek.model.transformer import DeepSeekV3
+
+    real_forward = DeepSeekV3.forward
+    poison = {"calls": set()}
+    counter = {"n": 0}
+
+    def forward(self, *args, **kwargs):
+        out = real_forward(self, *args, **kwargs)
+        if self.training:
+            counter["n"] += 1
+            if counter["n"] in poison["calls"]:
+                out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(DeepSeekV3, "forward", forward)
+    poison["calls"] = {3}
+    summary = run(tiny_cfg(data_dir, "--train.max_steps=5", "--train.save_every=100"), tmp_path / "a")
+    skips = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["kind"] == "skip"]
+    assert len(skips) == 1 and summary["step"] == 5
+
+    counter["n"] = 0
+    poison["calls"] = set(range(3, 100))
+    out = tmp_path / "b"
+    with pytest.raises(TrainingDiverged, match="3 non-finite steps in a row"):
+        run(tiny_cfg(data_dir, "--train.max_steps=10", "--train.save_every=2", "--train.max_bad_steps=3"), out)
+    assert ckpt_lib.latest_checkpoint(out).step == 2
+
+
+def test_checkpoint_loads_in_transformers_with_equal_logits(data_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run(tiny_cfg(data_dir, "--train.max_steps=3", "--train.save_every=100"), tmp_path)
+    ckpt = tmp_path / "step-3"
+    from anyseek.model.transformer import DeepSeekV3
+
+    ours = DeepSeekV3.from_pretrained(ckpt).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    ids = torch.tensor([tok("The cat sat on the mat. The king ran north.")["input_ids"]])
+    with torch.no_grad():
+        a = ours(ids).logits.float()
+        b = theirs(ids).logits.float()
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
+def test_cli_config_error_names_the_key(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "anyseek", "train", "--out", str(tmp_path), "--train.max_stpes=3"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "unknown key train.max_stpes" in r.stderr and "max_steps" in r.stderr
