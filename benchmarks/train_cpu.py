@@ -1,0 +1,135 @@
+"""Training throughput on CPU: anyseek vs Hugging Face transformers' DeepseekV3ForCausalLM.
+
+Same model config (the `tiny` flavor), same weights (copied through a saved checkpoint), same batches (the built-in
+Wikipedia sample), same optimizer (AdamW, foreach), same thread count, same run. One step = forward + backward +
+clip + AdamW step. transformers has no multi-token prediction and no packed-document masking, so the like-for-like rows
+run anyseek with MTP off on the same [B, S] rows; the rows after show anyseek as it really trains (packed documents,
+MTP on).
+
+    python benchmarks/train_cpu.py --threads 2 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def batches(data_dir: Path, tokens: int, seqlen: int, n: int):
+    from anyseek.data.loader import PackedLoader
+
+    loader = iter(PackedLoader(data_dir, split="train", tokens_per_batch=tokens, max_seqlen=seqlen, seed=0))
+    out = []
+    while len(out) < n:
+        b = next(loader)
+        if b.input_ids.numel() == tokens:
+            out.append(b)
+    return out
+
+
+def time_steps(step_fn, data, warmup: int) -> list[float]:
+    times = []
+    for i, b in enumerate(data):
+        t0 = time.perf_counter()
+        step_fn(b)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def make_step(model, forward):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+
+    def step(b):
+        loss = forward(b)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavor", default="tiny")
+    p.add_argument("--data", default=None, help="prepared data folder (default: the built-in sample)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per step")
+    p.add_argument("--seqlen", type=int, default=512, help="row length for the [B, S] layout / max document segment")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    import transformers
+
+    from anyseek.data.prepare import ensure_prepared
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+
+    data_dir = Path(args.data) if args.data else ensure_prepared("wiki-sample", vocab_size=4096)
+    import json
+
+    vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+    cfg = dataclasses.replace(ModelConfig.from_name(args.flavor), vocab_size=vocab)
+    cfg_nomtp = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    data = batches(data_dir, args.tokens, args.seqlen, args.steps + args.warmup)
+    rows_shape = (args.tokens // args.seqlen, args.seqlen)
+
+    def ours_rows(model):
+        return lambda b: model(b.input_ids.view(rows_shape), targets=b.targets.view(rows_shape),
+                               return_logits=False).loss
+
+    def ours_packed(model):
+        return lambda b: model(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets, max_seqlen=b.max_seqlen,
+                               return_logits=False).loss
+
+    results = []
+
+    def bench(name, model, forward, layout):
+        model.train()
+        times = time_steps(make_step(model, forward), data, args.warmup)
+        med = statistics.median(times)
+        results.append((name, layout, med * 1e3, args.tokens / med))
+        print(f"  {name:48s} {med * 1e3:8.1f} ms/step {args.tokens / med:10,.0f} tok/s", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = DeepSeekV3(cfg_nomtp)
+        base.save_pretrained(Path(tmp) / "ckpt")
+        for impl in ("sdpa", "eager"):
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "ckpt"), attn_implementation=impl,
+                                                                   torch_dtype=torch.float32)
+            bench(f"transformers DeepseekV3ForCausalLM ({impl})", hf,
+                  lambda b, m=hf: m(input_ids=b.input_ids.view(rows_shape), labels=b.input_ids.view(rows_shape)).loss,
+                  "[B,S] rows")
+            del hf
+        ours = DeepSeekV3.from_pretrained(Path(tmp) / "ckpt")
+        bench("anyseek, MTP off", ours, ours_rows(ours), "[B,S] rows")
+        bench("anyseek, MTP off, packed documents", ours, ours_packed(ours), "packed varlen")
+        full = DeepSeekV3(cfg)
+        bench("anyseek, MTP on, packed documents (as trained)", full, ours_packed(full), "packed varlen")
+
+    hf_best = max(r[3] for r in results if r[0].startswith("transformers"))
+    print()
+    print(f"CPU training step, {args.flavor} flavor ({base.num_parameters() / 1e6:.2f}M parameters), "
+          f"{args.tokens} tokens/step, {args.threads} threads")
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, {time.strftime('%Y-%m-%d')}")
+    print()
+    print("| path | layout | ms/step | tokens/s | vs best transformers |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, layout, ms, tps in results:
+        print(f"| {name} | {layout} | {ms:.1f} | {tps:,.0f} | {tps / hf_best:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
