@@ -1,0 +1,77 @@
+"""Reference routed experts (pure PyTorch): group tokens by expert, grouped SwiGLU, weighted combine.
+
+Shape legend: T tokens, K experts per token, M = T*K routed rows, E experts, D hidden, I expert intermediate,
+F = 2*I (gate rows then up rows).
+
+The bookkeeping is exposed for tests and for other backends:
+    x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)   # rows grouped by expert, stable in (token, k)
+    y_TD = unpermute(y_MD, order_M, topk_weights_TK)         # y[t] = sum_k w[t,k] * y_MD[row of (t,k)]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int):
+    """Group the T*K (token, k) slots by expert with a stable sort.
+
+    Returns x_MD (x rows in expert order), order_M (flat slot index t*K + k of each row, int64) and
+    counts_E (rows per expert, int64; rows of expert e are contiguous, experts in increasing order).
+    """
+    ids_M = topk_ids_TK.reshape(-1)
+    order_M = torch.argsort(ids_M, stable=True)
+    counts_E = torch.bincount(ids_M, minlength=num_experts)
+    K = topk_ids_TK.shape[1]
+    return x_TD[order_M // K], order_M, counts_E
+
+
+def unpermute(y_MD: torch.Tensor, order_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+    """Weighted combine back to tokens, accumulated in fp32: y[t] = sum_k w[t,k] * y_MD[row(t,k)]. -> fp32 [T, D]."""
+    T, K = topk_weights_TK.shape
+    w_M = topk_weights_TK.reshape(-1)[order_M].float()
+    out_TD = torch.zeros(T, y_MD.shape[-1], dtype=torch.float32, device=y_MD.device)
+    return out_TD.index_add(0, order_M // K, y_MD.float() * w_M[:, None])
+
+
+def grouped_swiglu(
+    x_MD: torch.Tensor, counts: list[int], gate_up_proj_EFD: torch.Tensor, down_proj_EDI: torch.Tensor
+) -> torch.Tensor:
+    """Rows grouped by expert (counts[e] rows for expert e) -> down_e(silu(gate_e x) * up_e x), [M, D].
+
+    A Python loop over experts (not tokens); empty experts are skipped.
+    """
+    I = down_proj_EDI.shape[-1]
+    outs = []
+    for e, rows in zip(range(len(counts)), x_MD.split(counts)):
+        if rows.shape[0] == 0:
+            continue
+        h_RF = rows @ gate_up_proj_EFD[e].t()
+        act_RI = F.silu(h_RF[:, :I]) * h_RF[:, I:]
+        outs.append(act_RI @ down_proj_EDI[e].t())
+    if not outs:
+        return x_MD.new_zeros(0, down_proj_EDI.shape[1])
+    return torch.cat(outs, dim=0)
+
+
+def routed_experts(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    gate_up_proj_EFD: torch.Tensor,
+    down_proj_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k]. -> [T, D] in x's dtype.
+
+    One host sync (the per-expert row counts).
+    """
+    E = gate_up_proj_EFD.shape[0]
+    if topk_ids_TK.shape != topk_weights_TK.shape or topk_ids_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"routed_experts: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights {tuple(topk_weights_TK.shape)} "
+            f"must both be [T, K] with T = {x_TD.shape[0]}"
+        )
+    x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)
+    y_MD = grouped_swiglu(x_MD, counts_E.tolist(), gate_up_proj_EFD, down_proj_EDI)
+    return unpermute(y_MD, order_M, topk_weights_TK).to(x_TD.dtype)

@@ -1,0 +1,68 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) on packed batches.
+
+q:  x -> q_a_proj -> q_a_layernorm -> q_b_proj (or q_proj) -> [T, H, nope | rope]
+kv: x -> kv_a_proj_with_mqa -> [latent (kv_lora) | k_pe (rope, one head shared by all)]
+    latent -> kv_a_layernorm -> kv_b_proj -> [T, H, nope | v]
+RoPE touches only the rope parts; the attention itself runs behind `anyseek.kernels.mla_attention`.
+
+Shape legend: T tokens, D hidden, H heads, N nope dim, R rope dim, V v dim, L kv_lora_rank, Q q_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from anyseek import kernels
+from anyseek.model.config import ModelConfig
+from anyseek.model.norm import RMSNorm
+from anyseek.model.packing import Packing
+from anyseek.model.rope import apply_rope
+
+
+class MLA(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.n_heads, self.nope, self.rope, self.v_dim = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
+        self.kv_lora_rank = c.kv_lora_rank
+        self.rope_interleave = c.rope_interleave
+        self.softmax_scale = c.softmax_scale
+        H, C = c.num_attention_heads, c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, H * C, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, H * C, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * c.v_head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x_TD: torch.Tensor, pack: Packing) -> torch.Tensor:
+        """x [T, D] -> [T, D]; attention stays inside each document of `pack`."""
+        T, H = x_TD.shape[0], self.n_heads
+        if hasattr(self, "q_proj"):
+            q_TQ = self.q_proj(x_TD)
+        else:
+            q_TQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        q_THC = q_TQ.view(T, H, self.nope + self.rope)
+        q_nope_THN, q_pe_THR = q_THC.split([self.nope, self.rope], dim=-1)
+        q_pe_THR = apply_rope(q_pe_THR, pack.cos, pack.sin, self.rope_interleave)
+        q_THC = torch.cat([q_nope_THN, q_pe_THR], dim=-1)
+
+        latent_TL, k_pe_TR = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope], dim=-1)
+        k_pe_TR = apply_rope(k_pe_TR, pack.cos, pack.sin, self.rope_interleave)
+        kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent_TL)).view(T, H, self.nope + self.v_dim)
+        k_nope_THN, v_THV = kv_THX.split([self.nope, self.v_dim], dim=-1)
+
+        out_THV = kernels.mla_attention(
+            q_THC, k_nope_THN, k_pe_TR.contiguous(), v_THV, pack.cu_seqlens, pack.max_seqlen, self.softmax_scale, True
+        )
+        return self.o_proj(out_THV.reshape(T, H * self.v_dim))

@@ -1,0 +1,130 @@
+"""DeepSeekMoE: shared experts + routed experts with group-limited top-k routing (sigmoid or softmax scores).
+
+Routing (DeepSeek-V3): s = sigmoid(x W^T) in fp32; the bias b (e_score_correction_bias, updated outside the
+optimizer by auxiliary-loss-free balancing) is added for *selection only*: groups are ranked by the sum of their
+top-2 biased scores (softmax scoring: the max), the best topk_group groups are kept, the top-k experts among them
+are chosen, and the weights are the unbiased scores of those experts, normalised to sum 1 when norm_topk_prob,
+times routed_scaling_factor. The routed computation goes through `anyseek.kernels.routed_experts`.
+
+Shape legend: T tokens, D hidden, E routed experts, K experts per token, G groups, I expert intermediate,
+B documents.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from anyseek import kernels
+from anyseek.model.config import ModelConfig
+from anyseek.model.packing import Packing
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate x) * up x). Dense layers and shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """The gate: weight [E, D] and the fp32 selection bias e_score_correction_bias [E] (a persistent buffer)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        E = config.n_routed_experts
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.scoring_func, self.norm_topk_prob = config.scoring_func, config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> scores fp32 [T, E] (unbiased, for the balance loss), topk_ids [T, K], topk_weights fp32 [T, K]."""
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        scores_TE = logits_TE.sigmoid() if self.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
+        with torch.no_grad():
+            choice_TE = scores_TE + self.e_score_correction_bias if self.scoring_func == "sigmoid" else scores_TE
+            if self.n_group > 1:
+                choice_TE = self._limit_groups(choice_TE)
+            topk_ids_TK = choice_TE.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights_TK = scores_TE.gather(1, topk_ids_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores_TE, topk_ids_TK, weights_TK * self.routed_scaling_factor
+
+    def _limit_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """Keep the topk_group best groups per token; the other experts get -inf."""
+        T, E = choice_TE.shape
+        choice_TGX = choice_TE.view(T, self.n_group, E // self.n_group)
+        if self.scoring_func == "sigmoid":
+            group_TG = choice_TGX.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            group_TG = choice_TGX.amax(dim=-1)
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_TG.topk(self.topk_group, dim=-1, sorted=False)[1], True)
+        return choice_TGX.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, E)
+
+
+class Experts(nn.Module):
+    """Routed experts' weights, stacked: gate_up_proj [E, 2I, D] (rows :I gate, I: up), down_proj [E, D, I]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        E, D, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj)
+
+
+class MoE(nn.Module):
+    """Shared experts (one MLP of width n_shared * I) + routed experts. Appends this layer's expert load and,
+    when asked, its sequence-wise balance loss to `pack`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        if config.n_shared_experts:
+            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, x_TD: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
+        scores_TE, topk_ids_TK, weights_TK = self.gate(x_TD)
+        y_TD = self.experts(x_TD, topk_ids_TK, weights_TK)  # fp32 weights; the output is in x's dtype
+        if hasattr(self, "shared_experts"):
+            y_TD = y_TD + self.shared_experts(x_TD)
+        if pack is not None:
+            load_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=self.n_experts).float()
+            pack.expert_load.append(load_E)
+            if pack.want_balance_loss:
+                pack.balance_losses.append(sequence_balance_loss(scores_TE, topk_ids_TK, pack))
+        return y_TD
+
+
+def sequence_balance_loss(scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor, pack: Packing) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (without alpha), one sequence = one document, averaged over documents:
+
+    f[b,e] = E / (K * L_b) * #{t in b routed to e},  P[b,e] = mean_{t in b} s[t,e] / sum_j s[t,j],
+    loss = mean_b sum_e f[b,e] * P[b,e]   (1.0 when perfectly balanced).
+    """
+    T, E = scores_TE.shape
+    K = topk_ids_TK.shape[1]
+    B = pack.doc_lens.numel()
+    lens_B1 = pack.doc_lens.clamp(min=1).to(scores_TE.dtype)[:, None]
+    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    P_BE = scores_TE.new_zeros(B, E).index_add(0, pack.doc_ids, probs_TE) / lens_B1
+    with torch.no_grad():
+        hits_TE = scores_TE.new_zeros(T, E).scatter_(1, topk_ids_TK, 1.0)
+        f_BE = scores_TE.new_zeros(B, E).index_add(0, pack.doc_ids, hits_TE) * (E / K) / lens_B1
+    nonempty_B = (pack.doc_lens > 0).to(scores_TE.dtype)
+    return ((f_BE * P_BE).sum(dim=-1) * nonempty_B).sum() / nonempty_B.sum().clamp(min=1)

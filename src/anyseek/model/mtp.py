@@ -1,0 +1,60 @@
+"""Multi-token prediction (DeepSeek-V3 section 2.2), for training.
+
+Module k (depth d = k + 1) at position i: h'_i = eh_proj([enorm(Emb(t_{i+d})) ; hnorm(h_i^{d-1})]) (embedding
+first, as the official checkpoints are laid out), h_i^d = DecoderLayer(h'_i), logits = lm_head(shared_head.norm(h_i^d))
+predict t_{i+d+1}. h^0 is the main model's last hidden state before its final norm. Embedding and output head are
+the main model's. In a packed batch the shifted inputs and labels never cross a document end.
+
+Shape legend: T tokens, D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from anyseek.model.block import DecoderLayer
+from anyseek.model.config import ModelConfig
+from anyseek.model.norm import RMSNorm
+from anyseek.model.packing import Packing
+
+IGNORE_INDEX = -100
+
+
+class SharedHead(nn.Module):
+    """Only the norm is MTP's own; the head itself is the main model's lm_head."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MTPModule(DecoderLayer):
+    """A decoder layer (its parameters sit directly at `mtp.{k}.*`) plus enorm, hnorm, eh_proj, shared_head.norm."""
+
+    def __init__(self, config: ModelConfig, k: int):
+        super().__init__(config, layer_idx=config.num_hidden_layers + k)
+        D = config.hidden_size
+        self.enorm = RMSNorm(D, config.rms_norm_eps)
+        self.hnorm = RMSNorm(D, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def forward(self, h_prev_TD: torch.Tensor, emb_TD: torch.Tensor, pack: Packing) -> torch.Tensor:
+        """h^{d-1} [T, D], Emb(t_{i+d}) [T, D] -> h^d [T, D] (before shared_head.norm)."""
+        h_TD = self.eh_proj(torch.cat([self.enorm(emb_TD), self.hnorm(h_prev_TD)], dim=-1))
+        return super().forward(h_TD, pack)
+
+
+def shift_in_documents(
+    input_ids_T: torch.Tensor, targets_T: torch.Tensor, pack: Packing, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and labels of MTP depth d for a packed batch: ids[i] = input_ids[i+d] = t_{i+d} and
+    labels[i] = targets[i+d] = t_{i+d+1} while i+d is in i's document; past the document end ids are 0 and
+    labels IGNORE_INDEX. input_ids, targets [T] -> ([T], [T])."""
+    T = input_ids_T.shape[0]
+    inside_T = pack.positions + depth < pack.doc_lens[pack.doc_ids]
+    src_T = (torch.arange(T, device=input_ids_T.device) + depth).clamp(max=max(T - 1, 0))
+    ids_T = torch.where(inside_T, input_ids_T[src_T], torch.zeros_like(input_ids_T))
+    labels_T = torch.where(inside_T, targets_T[src_T], torch.full_like(targets_T, IGNORE_INDEX))
+    return ids_T, labels_T

@@ -1,0 +1,83 @@
+"""Decoupled rotary position embedding for MLA's rope part (default RoPE and YaRN).
+
+Positions restart at 0 in every document of a packed batch. YaRN follows DeepSeek-V3's inference code
+(floor/ceil correction range, linear ramp); its softmax-scale correction lives in ModelConfig.softmax_scale and the
+cos/sin factor (mscale / mscale_all_dim ratio, 1.0 for every published DeepSeek config) in `RotaryEmbedding`.
+
+Shape legend: T tokens, H heads, R rope dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from anyseek.model.config import ModelConfig, yarn_get_mscale
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """inv_freq [R/2] (fp32, CPU) and the cos/sin scale."""
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    cpu = torch.device("cpu")  # explicit: the model may be built under `with torch.device("meta")`
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=cpu) / dim))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq, 1.0
+    factor, orig = rs["factor"], rs["original_max_position_embeddings"]
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=cpu) - low) / (high - low)).clamp(0, 1)
+    # ramp 0: high-frequency dims keep their frequency; ramp 1: low-frequency dims are interpolated by `factor`.
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    if rs.get("attention_factor") is not None:
+        cos_scale = float(rs["attention_factor"])
+    elif mscale and mscale_all:
+        cos_scale = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all)
+    else:
+        cos_scale = yarn_get_mscale(factor)
+    return inv_freq, cos_scale
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions. No parameters or buffers (nothing in the state dict, meta-safe)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv_freq, self.cos_scale = rope_inv_freq(config)
+        self._inv_freq = {"cpu": inv_freq}  # per-device cache, filled lazily
+
+    def forward(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int -> (cos, sin), each fp32 [T, R/2]."""
+        key = str(positions_T.device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = self._inv_freq["cpu"].to(positions_T.device)
+        freqs = positions_T.float()[:, None] * self._inv_freq[key][None, :]
+        return freqs.cos() * self.cos_scale, freqs.sin() * self.cos_scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate x [T, ..., R] by cos/sin [T, R/2] in fp32; returns x's dtype.
+
+    interleave=True rotates pairs (x[2i], x[2i+1]) (DeepSeek's weight layout), False pairs (x[i], x[i+R/2]).
+    The output is always in half-split layout [rotated firsts | rotated seconds]; q and k get the same layout,
+    so q.k is unchanged.
+    """
+    dtype = x.dtype
+    x = x.float()
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
