@@ -1,0 +1,368 @@
+"""Hugging Face interop: load and save DeepSeek-V3 checkpoint folders (config.json + safetensors).
+
+    model = load_pretrained("path/to/DeepSeek-V3-folder", dtype=torch.bfloat16, device="cuda")
+    save_pretrained(model, "out/folder", dtype=torch.bfloat16, max_shard_size="5GB")
+
+Loading streams: the model is built with its parameters on the meta device, then each parameter is read from the
+safetensors files (memory-mapped) and assigned, so peak memory is about one model. Routed experts arrive as N
+per-expert pieces and are copied into one stacked tensor per layer as they are read. FP8 block-quantized weights
+(the official release) are dequantized on the way in. Saved folders use the official per-expert layout and load
+in `transformers.AutoModelForCausalLM.from_pretrained`. See hf_names.py for the name mapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from anyseek.model.hf_fp8 import DEFAULT_BLOCK, dequantize_blockwise
+from anyseek.model.hf_io import CheckpointError, TensorInfo, TensorReader, fsync_dir, nbytes, scan_folder, write_shards
+from anyseek.model.hf_names import LoadPlan, Piece, expert_names, plan_load, to_hf
+
+if TYPE_CHECKING:
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+
+__all__ = ["CheckpointError", "load_pretrained", "save_pretrained"]
+
+_MAX_LISTED = 40  # names listed per kind of problem in one error message
+_KEEP_FILES = re.compile(r"(tokenizer.*|special_tokens_map\.json|chat_template.*|vocab\.json|merges\.txt)")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    strict: bool = True,
+) -> DeepSeekV3:
+    """Build a DeepSeekV3 from a Hugging Face DeepseekV3 folder and return it in eval mode.
+
+    dtype: of the parameters (default: the `dtype`/`torch_dtype` in config.json, else float32); buffers such as
+    `e_score_correction_bias` keep the dtype the model gives them (fp32). device: default CPU.
+    strict=True: every tensor must match (else one CheckpointError lists missing, unexpected and mis-shaped tensors
+    by name). strict=False: missing tensors keep their random init and unexpected ones are skipped (a warning lists
+    both); mis-shaped tensors are always an error. A checkpoint without MTP layers (e.g. written by transformers)
+    loads with num_nextn_predict_layers lowered to what it holds, with a warning.
+    """
+    from anyseek.model.transformer import DeepSeekV3
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder")
+    hf_dict = _read_json(folder / "config.json")
+    block = _fp8_block(hf_dict, folder / "config.json")
+    ckpt = scan_folder(folder)
+    cfg = _model_config(hf_dict, folder / "config.json")
+    cfg = _drop_absent_mtp(cfg, ckpt, folder)
+    dtype = dtype if dtype is not None else _config_dtype(hf_dict)
+    with _params_on_meta() if strict else contextlib.nullcontext():
+        model = DeepSeekV3(cfg)
+    load_into(model, ckpt, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, dtype, device, strict, block, folder)
+    return model.eval()
+
+
+def load_into(
+    model: nn.Module,
+    ckpt: dict[str, TensorInfo],
+    n_layers: int,
+    n_mtp: int,
+    dtype: torch.dtype,
+    device: str | torch.device | None = None,
+    strict: bool = True,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    folder: Path | None = None,
+) -> None:
+    """Fill `model`'s state from the checkpoint tensors `ckpt` (see hf_io.scan_folder), assigning new tensors.
+    Parameters become `dtype` on `device`; buffers keep their dtype."""
+    device = torch.device(device if device is not None else "cpu")
+    aliases = _aliases(model)
+    state = model.state_dict(keep_vars=True)
+    expected = {n: tuple(t.shape) for n, t in state.items() if n not in aliases}
+    plan = plan_load(expected, ckpt, n_layers, n_mtp, block)
+    _report(plan, folder, ckpt, strict)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    with TensorReader() as reader:
+        for name, pieces in plan.pieces.items():
+            old = state[name]
+            want = dtype if name in params and old.is_floating_point() else old.dtype
+            new = _materialize(pieces, old, want, device, reader, block)
+            _assign(model, name, new, [a for a, c in aliases.items() if c == name])
+    _finish(model, dtype, device)
+
+
+def _report(plan: LoadPlan, folder: Path | None, ckpt: dict[str, TensorInfo], strict: bool) -> None:
+    where = folder if folder is not None else "checkpoint"
+    files = sorted({i.file.name for i in ckpt.values()})
+    lines = []
+    for title, names in (
+        ("missing", plan.missing if strict else []),
+        ("unexpected", plan.unexpected if strict else []),
+        ("mis-shaped", plan.misshaped),
+    ):
+        if names:
+            lines.append(f"  {title} ({len(names)}):")
+            lines += [f"    {n}" for n in names[:_MAX_LISTED]]
+            if len(names) > _MAX_LISTED:
+                lines.append(f"    ... and {len(names) - _MAX_LISTED} more")
+    if lines:
+        head = (
+            f"{where}: checkpoint ({', '.join(files[:3])}{', ...' if len(files) > 3 else ''}) does not match the model"
+        )
+        raise CheckpointError("\n".join([head] + lines))
+    if not strict and (plan.missing or plan.unexpected):
+        warnings.warn(
+            f"{where}: loaded with strict=False; {len(plan.missing)} missing tensors keep their init "
+            f"({', '.join(plan.missing[:5])}), {len(plan.unexpected)} unexpected skipped "
+            f"({', '.join(plan.unexpected[:5])})",
+            stacklevel=3,
+        )
+
+
+def _materialize(
+    pieces: list[Piece],
+    old: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    reader: TensorReader,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """One target tensor from its checkpoint pieces: a whole tensor, or per-expert slices copied into a stacked
+    one (which starts as `old` when that holds values: strict=False keeps the init of missing experts)."""
+    if len(pieces) == 1 and pieces[0].expert < 0:
+        return _read(pieces[0], reader, block).to(device=device, dtype=dtype)
+    if old.is_meta:
+        out = torch.empty(old.shape, dtype=dtype, device=device)
+    else:
+        out = old.detach().to(device=device, dtype=dtype, copy=True)
+    for p in pieces:
+        out[p.expert, p.rows] = _read(p, reader, block)
+    return out
+
+
+def _read(piece: Piece, reader: TensorReader, block: tuple[int, int]) -> torch.Tensor:
+    t = reader.get(piece.info)
+    if piece.scale is None:
+        return t
+    return dequantize_blockwise(t, reader.get(piece.scale), block, dtype=torch.float32)
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor, aliases: list[str]) -> None:
+    new = None
+    for full in [name] + aliases:
+        mod_name, _, leaf = full.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        if leaf in mod._parameters:
+            if new is None:
+                new = nn.Parameter(tensor, requires_grad=mod._parameters[leaf].requires_grad)
+            mod._parameters[leaf] = new
+        else:
+            mod._buffers[leaf] = tensor
+
+
+def _finish(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Move what was not loaded (non-persistent buffers; with strict=False, missing parameters) into place."""
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise CheckpointError(f"internal error: parameter {name} was not loaded")
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    model.to(device)
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Tied parameters: {alias name: first name of the same Parameter}."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Build modules with parameters on the meta device (no memory, no init) and buffers where they normally go,
+    so that non-persistent buffers (rope tables) are computed as usual."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (a Hugging Face model folder needs config.json)")
+    try:
+        d = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return d
+
+
+def _fp8_block(hf_dict: dict, file: Path) -> tuple[int, int]:
+    """Pop `quantization_config` (we dequantize on load) and return its FP8 block size."""
+    q = hf_dict.pop("quantization_config", None)
+    if q is None:
+        return DEFAULT_BLOCK
+    if q.get("quant_method") != "fp8":
+        raise CheckpointError(
+            f"{file}: quantization_config.quant_method {q.get('quant_method')!r} is not supported "
+            "(only the official FP8 block quantization, 'fp8')"
+        )
+    block = q.get("weight_block_size") or list(DEFAULT_BLOCK)
+    if len(block) != 2:
+        raise CheckpointError(f"{file}: quantization_config.weight_block_size must be [rows, cols], got {block}")
+    return int(block[0]), int(block[1])
+
+
+def _model_config(hf_dict: dict, file: Path) -> ModelConfig:
+    from anyseek.model.config import ModelConfig
+
+    try:
+        return ModelConfig.from_hf_dict(hf_dict, source=str(file))
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(str(e) if str(file) in str(e) else f"{file}: {e}") from e
+
+
+def _config_dtype(hf_dict: dict) -> torch.dtype:
+    name = hf_dict.get("dtype") or hf_dict.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def _drop_absent_mtp(cfg: ModelConfig, ckpt: dict[str, TensorInfo], folder: Path) -> ModelConfig:
+    n, want = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    present = {
+        int(m.group(1)) - n for k in ckpt if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= n
+    }
+    have = 0
+    while have < want and have in present:
+        have += 1
+    if have == want:
+        return cfg
+    warnings.warn(
+        f"{folder}: config.json asks for {want} MTP layers but the checkpoint holds {have} "
+        f"(no model.layers.{n + have}.*); loading with num_nextn_predict_layers={have}",
+        stacklevel=3,
+    )
+    return dataclasses.replace(cfg, num_nextn_predict_layers=have)
+
+
+# ---------------------------------------------------------------- saving
+
+
+def save_pretrained(
+    model: DeepSeekV3,
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+) -> None:
+    """Write `model` as a Hugging Face DeepseekV3 folder: config.json, generation_config.json and
+    model.safetensors (or shards + model.safetensors.index.json past `max_shard_size`, e.g. "5GB" or bytes).
+
+    Official layout: per-expert `mlp.experts.e.{gate,up,down}_proj.weight`, MTP module k as
+    `model.layers.{N+k}.*` with copies of embed_tokens and lm_head (`shared_head.head`). dtype: of floating
+    parameters (default: as they are); buffers keep theirs. Atomic: written to `<path>.tmp-<pid>`, then renamed
+    over `path`; an existing folder is replaced only once the new one is complete (its tokenizer files are kept).
+    """
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_hf_dict"):
+        raise TypeError(f"save_pretrained needs a model with a ModelConfig at .config, got {type(model).__name__}")
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"{folder}: exists and is not a folder")
+    tmp = folder.parent / f"{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        entries = _save_entries(model, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, dtype)
+        write_shards(entries, tmp, max_shard_size)
+        _write_configs(model, cfg, tmp, dtype)
+        if folder.is_dir():
+            for f in folder.iterdir():
+                if f.is_file() and _KEEP_FILES.fullmatch(f.name) and not (tmp / f.name).exists():
+                    shutil.copy2(f, tmp / f.name)
+        _swap_in(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_entries(model: nn.Module, n_layers: int, n_mtp: int, dtype: torch.dtype | None) -> list:
+    """(checkpoint name, bytes, make tensor) for every tensor to write, experts unstacked, MTP renamed."""
+    state = model.state_dict()
+    buffers = {n for n, _ in model.named_buffers()}
+
+    def out_dtype(name: str, t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() and name not in buffers else t.dtype
+
+    entries = []
+    for name, t in state.items():
+        hf, want = to_hf(name, n_layers), out_dtype(name, t)
+        if t.dim() == 3 and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            inter = t.shape[1] // 2
+            for ename, e, part in expert_names(hf, t.shape[0]):
+                rows = {"gate": slice(0, inter), "up": slice(inter, None), "down": slice(None)}[part]
+                shape = t[e, rows].shape
+                entries.append((ename, nbytes(shape, want), lambda t=t, e=e, r=rows, w=want: t[e, r].to(w)))
+        else:
+            entries.append((hf, nbytes(t.shape, want), lambda t=t, w=want: t.to(w)))
+    for k in range(n_mtp):
+        for copy, src in (
+            ("embed_tokens.weight", "model.embed_tokens.weight"),
+            ("shared_head.head.weight", "lm_head.weight"),
+        ):
+            t, want = state[src], out_dtype(src, state[src])
+            entries.append((f"model.layers.{n_layers + k}.{copy}", nbytes(t.shape, want), lambda t=t, w=want: t.to(w)))
+    return entries
+
+
+def _write_configs(model: nn.Module, cfg: ModelConfig, folder: Path, dtype: torch.dtype | None) -> None:
+    hf = dict(cfg.to_hf_dict())
+    saved = dtype if dtype is not None else next(p.dtype for p in model.parameters() if p.is_floating_point())
+    hf["dtype"] = str(saved).removeprefix("torch.")
+    hf.pop("torch_dtype", None)
+    hf.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    gen = {"_from_model_config": True}
+    gen.update({k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None})
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _swap_in(tmp: Path, folder: Path) -> None:
+    fsync_dir(tmp)
+    if not folder.exists():
+        os.rename(tmp, folder)
+    else:
+        old = folder.parent / f"{folder.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(folder, old)
+        os.rename(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(folder.parent)
