@@ -16,7 +16,7 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 def parse_hf_spec(spec: str) -> tuple[str, str | None]:
-    """"hf:wikimedia/wikipedia:20231101.en" -> ("wikimedia/wikipedia", "20231101.en")."""
+    """Split "hf:NAME[:CONFIG]", e.g. hf:wikimedia/wikipedia:20231101.en -> (wikimedia/wikipedia, 20231101.en)."""
     name, _, config = spec.removeprefix("hf:").partition(":")
     if not name.strip():
         raise SourceError(f"{spec!r}: expected hf:NAME[:CONFIG], e.g. hf:wikimedia/wikipedia:20231101.en")
@@ -51,7 +51,7 @@ def hf_source(spec: str, text_column: str | None, split: str = "train") -> Sourc
     check_online(spec)
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
-    except Exception as e:  # datasets raises many types (not found, gated, bad config): all are fatal here
+    except Exception as e:  # noqa: BLE001  datasets raises many types (not found, gated, bad config): all are fatal here
         raise SourceError(f"{spec}: cannot open the dataset ({type(e).__name__}: {e})") from None
     names = list(ds.column_names or [])
     if names:

@@ -341,12 +341,12 @@ def _manifest(src, inputs, fingerprint, tok, specials, tok_info, result, staging
 
 def _summary(out: Path, m: dict) -> str:
     skipped = sum(m["skipped"].values())
-    lines = [
+    head = (
         f"prepared {out}: {m['documents']['train']:,} train / {m['documents']['val']:,} val documents, "
         f"{m['tokens']['train']:,} / {m['tokens']['val']:,} tokens, vocab {m['vocab_size']}, {m['elapsed_s']} s"
-    ]
+    )
+    lines = [head]
     if skipped:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(m["skipped"].items()))
         lines.append(f"skipped {skipped:,} inputs ({reasons}); see skipped_examples in manifest.json")
     return "\n".join(lines)
-

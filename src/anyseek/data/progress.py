@@ -74,7 +74,7 @@ def prefetch(items: Iterable, depth: int = 4) -> Iterator:
                 if not put((True, x)):
                     return
             put((True, _END))
-        except BaseException as e:  # handed to the consumer
+        except BaseException as e:  # noqa: BLE001  handed to the consumer
             put((False, e))
 
     thread = threading.Thread(target=work, daemon=True, name="anyseek-prefetch")

@@ -38,7 +38,7 @@ class ShardWriter:
 
     def _open_next(self) -> None:
         name = f"{self.split}-{len(self.shards):05d}"
-        self._file = open(self.folder / f"{name}.bin", "wb")
+        self._file = open(self.folder / f"{name}.bin", "wb")  # noqa: SIM115  closed in _close_current
         self._offsets, self._tokens = [np.zeros(1, np.int64)], 0
         self.shards.append({"tokens": f"{name}.bin", "offsets": f"{name}.idx.npy", "documents": 0, "num_tokens": 0})
 
@@ -60,7 +60,7 @@ class ShardWriter:
             self._open_next()
         self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self._offsets.append(self._tokens + np.cumsum(lengths, dtype=np.int64))
-        self._tokens += int(len(tokens))
+        self._tokens += len(tokens)
 
     def close(self) -> dict:
         """Finish the last shard -> the split's manifest entry."""

@@ -63,7 +63,7 @@ def load_external(path: str | Path) -> tuple[Tokenizer, dict]:
         )
     try:
         tok = Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+    except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception on a bad file
         raise TokenizerError(f"{file}: not a tokenizers JSON file ({e})") from None
     config: dict = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins

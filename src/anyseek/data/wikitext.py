@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Namespaces of English Wikipedia, used when a page has no <ns> element and the dump has no <siteinfo>.
-_DEFAULT_NAMESPACES = (
-    "Talk User User_talk Wikipedia Wikipedia_talk WP File File_talk Image MediaWiki MediaWiki_talk Template "
-    "Template_talk Help Help_talk Category Category_talk Portal Portal_talk Draft Draft_talk TimedText "
-    "TimedText_talk Module Module_talk Special Media Book Education_Program Gadget Gadget_definition Topic"
-).split()
+_DEFAULT_NAMESPACES = [
+    "Talk", "User", "User_talk", "Wikipedia", "Wikipedia_talk", "WP", "File", "File_talk", "Image", "MediaWiki",
+    "MediaWiki_talk", "Template", "Template_talk", "Help", "Help_talk", "Category", "Category_talk", "Portal",
+    "Portal_talk", "Draft", "Draft_talk", "TimedText", "TimedText_talk", "Module", "Module_talk", "Special", "Media",
+    "Book", "Education_Program", "Gadget", "Gadget_definition", "Topic",
+]  # fmt: skip
 # Link prefixes whose link is not prose (images, categories, interwiki/interlanguage links are dropped).
 _DROP_LINK_PREFIXES = {"file", "image", "category", "media"}
 _INTERLANG_RE = re.compile(r"^:?[a-z]{2,3}(-[a-z]+)?:")
