@@ -53,8 +53,10 @@ class Batch:
         return torch.arange(self.num_tokens, device=cu.device) - starts
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.targets), move(self.cu_seqlens), self.max_seqlen)
+        ids, tgt, cu = (
+            t.to(device, non_blocking=non_blocking) for t in (self.input_ids, self.targets, self.cu_seqlens)
+        )
+        return Batch(ids, tgt, cu, self.max_seqlen)
 
     def pin_memory(self) -> Batch:
         return Batch(self.input_ids.pin_memory(), self.targets.pin_memory(), self.cu_seqlens.pin_memory(),

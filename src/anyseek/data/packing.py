@@ -11,6 +11,7 @@ Shapes: N tokens in the window, P pieces, B segments.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,5 +68,5 @@ def segment_bounds(ends_P: np.ndarray, max_seqlen: int) -> np.ndarray:
     lens = np.diff(bounds)
     if len(lens) == 0 or lens.max() <= max_seqlen:
         return bounds
-    extra = [np.arange(s + max_seqlen, e, max_seqlen) for s, e in zip(bounds[:-1], bounds[1:]) if e - s > max_seqlen]
+    extra = [np.arange(s + max_seqlen, e, max_seqlen) for s, e in itertools.pairwise(bounds) if e - s > max_seqlen]
     return np.sort(np.concatenate([bounds, *extra]))
