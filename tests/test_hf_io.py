@@ -65,7 +65,7 @@ def fake_model(shapes: dict = SHAPES, seed: int = 0) -> nn.Module:
 
 
 def load(folder: Path, shapes: dict = SHAPES, strict: bool = True, dtype=torch.float32) -> nn.Module:
-    with hf._params_on_meta():
+    with torch.device("meta"):
         model = fake_model(shapes, seed=1)
     ckpt = hf_io.scan_folder(folder)
     hf.load_into(model, ckpt, N_LAYERS, 1, dtype, strict=strict, folder=folder)
@@ -202,7 +202,7 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block), "fmt": "e4m3"}
     (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
     assert hf._fp8_block(dict(cfg), Path("config.json")) == block
-    with hf._params_on_meta():
+    with torch.device("meta"):
         loaded = fake_model(seed=1)
     hf.load_into(loaded, hf_io.scan_folder(tmp_path / "q"), N_LAYERS, 1, torch.bfloat16, block=block)
     ref, got = model.state_dict(), loaded.state_dict()

@@ -12,14 +12,12 @@ in `transformers.AutoModelForCausalLM.from_pretrained`. See hf_names.py for the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,8 +67,8 @@ def load_pretrained(
     cfg = _model_config(hf_dict, folder / "config.json")
     cfg = _drop_absent_mtp(cfg, ckpt, folder)
     dtype = dtype if dtype is not None else _config_dtype(hf_dict)
-    with _params_on_meta() if strict else contextlib.nullcontext():
-        model = DeepSeekV3(cfg)
+    # meta: parameters take no memory and skip init; the rope tables (built outside meta) stay real
+    model = DeepSeekV3(cfg, device="meta" if strict else None)
     load_into(model, ckpt, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, dtype, device, strict, block, folder)
     return model.eval()
 
@@ -92,7 +90,8 @@ def load_into(
     aliases = _aliases(model)
     state = model.state_dict(keep_vars=True)
     expected = {n: tuple(t.shape) for n, t in state.items() if n not in aliases}
-    plan = plan_load(expected, ckpt, n_layers, n_mtp, block)
+    tied = {n: tuple(state[n].shape) for n in aliases}
+    plan = plan_load(expected, ckpt, n_layers, n_mtp, block, tied)
     _report(plan, folder, ckpt, strict)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     with TensorReader() as reader:
@@ -193,24 +192,6 @@ def _aliases(model: nn.Module) -> dict[str, str]:
         else:
             first[id(p)] = name
     return out
-
-
-@contextlib.contextmanager
-def _params_on_meta() -> Iterator[None]:
-    """Build modules with parameters on the meta device (no memory, no init) and buffers where they normally go,
-    so that non-persistent buffers (rope tables) are computed as usual."""
-    register = nn.Module.register_parameter
-
-    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def _read_json(file: Path) -> dict:

@@ -104,8 +104,11 @@ def plan_load(
     n_layers: int,
     n_mtp: int,
     block: tuple[int, int],
+    tied: dict[str, tuple[int, ...]] | None = None,
 ) -> LoadPlan:
-    """Match checkpoint tensors (headers only) to our `expected` {name: shape}; collect every problem by name."""
+    """Match checkpoint tensors (headers only) to our `expected` {name: shape}; collect every problem by name.
+    `tied`: {name: shape} of parameters tied to an expected one (e.g. lm_head.weight): shape-checked, not loaded."""
+    tied = tied or {}
     plan = LoadPlan()
     scales = {n[: -len(SCALE_SUFFIX)]: i for n, i in ckpt.items() if n.endswith(SCALE_SUFFIX)}
     for weight, s in scales.items():
@@ -120,11 +123,14 @@ def plan_load(
         t = to_ours(name, n_layers, n_mtp)
         if t.kind == "ignore":
             continue
-        if t.name not in expected:
+        if t.kind == "copy" or t.name in tied:  # a second copy of a tensor we hold once: check, drop
+            want = tied.get(t.name, expected.get(t.name))
+            if want is None:
+                plan.unexpected.append(_where(info))
+            elif info.shape != want:
+                plan.misshaped.append(_bad_shape(info, want, f" (copy of {t.name})"))
+        elif t.name not in expected:
             plan.unexpected.append(_where(info))
-        elif t.kind == "copy":
-            if info.shape != expected[t.name]:
-                plan.misshaped.append(_bad_shape(info, expected[t.name], f" (copy of {t.name})"))
         elif t.kind == "tensor":
             if info.shape != expected[t.name]:
                 plan.misshaped.append(_bad_shape(info, expected[t.name]))

@@ -1,0 +1,189 @@
+"""Parity with Hugging Face transformers (DeepseekV3ForCausalLM) through checkpoint folders, fp32 on CPU.
+
+Our save -> transformers load -> same logits; transformers save (per-expert and fused layouts) -> our load -> same
+logits; sharded folders; the official FP8 block-quantized layout; errors naming tensors of the real model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from anyseek.model import hf
+from anyseek.model.config import ModelConfig
+from anyseek.model.hf_fp8 import quantize_blockwise
+from anyseek.model.hf_io import SINGLE_FILE, CheckpointError, TensorReader, scan_folder
+from anyseek.model.transformer import DeepSeekV3
+
+transformers = pytest.importorskip("transformers")
+
+TINY = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_attention_heads": 4, "q_lora_rank": 32,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "num_nextn_predict_layers": 1, "init_std": 0.1,
+}  # fmt: skip
+
+
+def tiny_model(seed: int = 0, **overrides) -> DeepSeekV3:
+    """Random tiny model with non-trivial norms and routing biases (so a dropped tensor changes the logits)."""
+    torch.manual_seed(seed)
+    model = DeepSeekV3(ModelConfig(**{**TINY, **overrides}))
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            moe.gate.e_score_correction_bias.normal_(0, 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_logits_close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> None:
+    err, scale = (a.float() - b.float()).abs().max().item(), b.abs().max().item()
+    assert err <= rel * scale, f"max |diff| {err:.3g} > {rel} * max |logit| {scale:.3g}"
+
+
+@torch.no_grad()
+def our_logits(model: DeepSeekV3, x: torch.Tensor) -> torch.Tensor:
+    return model(x).logits
+
+
+@torch.no_grad()
+def hf_logits(model, x: torch.Tensor) -> torch.Tensor:
+    return model(x).logits
+
+
+def hf_load(folder):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True
+    )
+    return model.eval(), info
+
+
+def test_save_then_transformers_load_same_logits(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "ours")
+    ref, info = hf_load(tmp_path / "ours")
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    # transformers has no MTP modules: layer N's tensors are "unexpected" for it, nothing else
+    assert info["unexpected_keys"] and all(k.startswith("model.layers.3.") for k in info["unexpected_keys"])
+    x = ids()
+    assert_logits_close(our_logits(model, x), hf_logits(ref, x))
+    cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_transformers_save_then_our_load_same_logits(tmp_path, fused):
+    """transformers writes the per-expert layout by default; save_original_format=False keeps its fused one."""
+    torch.manual_seed(0)
+    kw = {k: v for k, v in TINY.items() if k != "init_std"}
+    hf_cfg = transformers.DeepseekV3Config(**kw, num_key_value_heads=4, initializer_range=0.1)
+    ref = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    with torch.no_grad():
+        for name, buf in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.1)
+    ref.save_pretrained(tmp_path / "theirs", save_original_format=not fused)
+    names = set(scan_folder(tmp_path / "theirs"))
+    assert ("model.layers.1.mlp.experts.gate_up_proj" in names) == fused
+    with pytest.warns(UserWarning, match="MTP layers but the checkpoint holds 0"):
+        model = DeepSeekV3.from_pretrained(tmp_path / "theirs", dtype=torch.float32)
+    assert len(model.mtp) == 0
+    x = ids(2)
+    assert_logits_close(our_logits(model, x), hf_logits(ref, x))
+
+
+def test_sharded_round_trip_both_ways(tmp_path):
+    model = tiny_model(3)
+    hf.save_pretrained(model, tmp_path / "sh", max_shard_size="40KB")
+    index = json.loads((tmp_path / "sh" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    assert index["weight_map"]["model.layers.3.shared_head.head.weight"].startswith("model-")
+    x = ids(3)
+    loaded = hf.load_pretrained(tmp_path / "sh", dtype=torch.float32)
+    for (name, a), (name_b, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert name == name_b and torch.equal(a, b), name
+    assert_logits_close(our_logits(loaded, x), our_logits(model, x), rel=0)
+    ref, info = hf_load(tmp_path / "sh")
+    assert not info["missing_keys"]
+    assert_logits_close(our_logits(model, x), hf_logits(ref, x))
+
+
+def test_dtype_default_from_config_and_routing_bias_stays_fp32(tmp_path):
+    model = tiny_model(4)
+    hf.save_pretrained(model, tmp_path / "bf", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = hf.load_pretrained(tmp_path / "bf")
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    bias = loaded.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32
+    torch.testing.assert_close(bias, model.model.layers[1].mlp.gate.e_score_correction_bias, rtol=0, atol=0)
+
+
+def test_official_fp8_layout_loads(tmp_path):
+    """Quantize the linear weights like the release (128x128 blocks, ragged at these sizes; embeddings, head, router
+    and norms stay high precision), then load dequantized. Tolerance: e4m3 keeps 3 mantissa bits."""
+    from safetensors.torch import save_file
+
+    model = tiny_model(5)
+    hf.save_pretrained(model, tmp_path / "fp8", dtype=torch.bfloat16)
+    reader, state = TensorReader(), {}
+    for name, info in scan_folder(tmp_path / "fp8").items():
+        t = reader.get(info)
+        if t.dim() == 2 and not any(s in name for s in ("embed_tokens", "lm_head", "head.weight", "mlp.gate.weight")):
+            state[name], state[name + "_scale_inv"] = quantize_blockwise(t)
+        else:
+            state[name] = t
+    reader.close()
+    assert state["model.layers.1.mlp.experts.7.down_proj.weight"].dtype == torch.float8_e4m3fn
+    save_file(state, str(tmp_path / "fp8" / SINGLE_FILE), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+
+    loaded = hf.load_pretrained(tmp_path / "fp8", dtype=torch.float32)
+    for name, ref in model.state_dict().items():
+        got = loaded.state_dict()[name]
+        assert got.dtype == torch.float32, name
+        assert (got - ref).abs().max() <= 2**-4 * ref.abs().max() + 2**-8, name
+    # exact: every weight equals q * its block's scale, computed here block by block (names via a re-save)
+    hf.save_pretrained(loaded, tmp_path / "deq")
+    reader = TensorReader()
+    for name, info in scan_folder(tmp_path / "deq").items():
+        got, q = reader.get(info), state[name]
+        if q.dtype == torch.float8_e4m3fn:
+            scale, want = state[name + "_scale_inv"], torch.empty(q.shape)
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    blk = (slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1)))
+                    want[blk] = q[blk].float() * scale[i, j]
+        else:
+            want = q.float()
+        assert torch.equal(got, want), name
+    reader.close()
+
+
+def test_real_model_mismatch_error_names_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    hf.save_pretrained(tiny_model(), tmp_path / "bad")
+    reader = TensorReader()
+    state = {n: reader.get(i) for n, i in scan_folder(tmp_path / "bad").items()}
+    reader.close()
+    del state["model.layers.2.self_attn.kv_b_proj.weight"]
+    state["model.layers.3.eh_proj.weight"] = torch.zeros(64, 64)
+    state["model.layers.3.embed_tokens.weight"] = torch.zeros(127, 64)
+    save_file(state, str(tmp_path / "bad" / SINGLE_FILE))
+    with pytest.raises(CheckpointError) as err:
+        hf.load_pretrained(tmp_path / "bad")
+    msg = str(err.value)
+    assert "missing (1):\n    model.layers.2.self_attn.kv_b_proj.weight" in msg
+    assert "model.layers.3.eh_proj.weight (model.safetensors): expected [64, 128], found [64, 64]" in msg
+    assert "model.layers.3.embed_tokens.weight (model.safetensors): expected [128, 64], found [127, 64]" in msg
