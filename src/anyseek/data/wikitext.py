@@ -96,9 +96,10 @@ def iter_pages(path: str | Path, chunk_bytes: int = 1 << 20) -> Iterator[Page]:
     depth, root, started, fragment, line = 0, None, False, False, 1
     try:
         with open_binary(path) as f:
+            read = getattr(f, "read1", f.read)  # read1: the data before a truncation point still comes out
             while True:
                 try:
-                    data = f.read(chunk_bytes)
+                    data = read(chunk_bytes)
                 except (EOFError, OSError):  # truncated or corrupt .bz2
                     yield Page("", None, line, "truncated_file")
                     return
