@@ -132,7 +132,28 @@ def corpus(n: int, seed: int = 0) -> list[str]:
     import random
 
     rng = random.Random(seed)
-    words = "the river of a town north old stone bridge king city sea war music art year people land long water".split()
+    words = [
+        "the",
+        "river",
+        "of",
+        "a",
+        "town",
+        "north",
+        "old",
+        "stone",
+        "bridge",
+        "king",
+        "city",
+        "sea",
+        "war",
+        "music",
+        "art",
+        "year",
+        "people",
+        "land",
+        "long",
+        "water",
+    ]
     docs = []
     for i in range(n):
         k = rng.choice([3, 10, 40, 150, 400])

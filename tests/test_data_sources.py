@@ -6,8 +6,14 @@ import json
 from collections import Counter
 
 import pytest
-from test_data_fixtures import dump_pages, page, write_dump, write_jsonl_with_bad_lines, write_multistream
-from test_data_fixtures import write_wikimedia_parquet
+from test_data_fixtures import (
+    dump_pages,
+    page,
+    write_dump,
+    write_jsonl_with_bad_lines,
+    write_multistream,
+    write_wikimedia_parquet,
+)
 
 from anyseek.data.sources import Skip, SourceError, open_source
 from anyseek.data.wikitext import WikiDumpError, clean_wikitext, iter_pages
