@@ -113,7 +113,7 @@ class ModelConfig:
     bias_update_speed: float = 1e-3  # gamma of auxiliary-loss-free balancing
     mtp_loss_weight: float = 0.3  # lambda
     init_std: float = 0.006
-    extra: dict = field(default_factory=dict, repr=False)  # unknown-but-allowed keys kept for round trips
+    extra: dict = field(default_factory=dict, repr=False, compare=False)  # token ids kept for config.json round trips
 
     def __post_init__(self) -> None:
         if self.q_lora_rank == 0:  # the official configs spell "no q LoRA" as 0

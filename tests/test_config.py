@@ -1,0 +1,126 @@
+"""ModelConfig: flavors, config.json round trips (ours and transformers'), validation errors that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from anyseek.model.config import ModelConfig
+from anyseek.model.flavors import FLAVORS
+from anyseek.model.transformer import DeepSeekV3
+
+
+@pytest.mark.parametrize("name", sorted(FLAVORS))
+def test_flavors_build_on_meta(name):
+    model = DeepSeekV3(ModelConfig.from_name(name), device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert model.num_parameters(active_only=True) < model.num_parameters()
+
+
+def test_tiny_has_every_feature_and_fits():
+    c = ModelConfig.from_name("tiny")
+    model = DeepSeekV3(c)
+    assert 0.5e6 <= model.num_parameters() <= 2e6
+    assert c.q_lora_rank and c.n_group >= 2 and c.n_moe_layers >= 2 and c.num_nextn_predict_layers == 1
+    assert c.vocab_size == 4096
+    stds = [model.model.embed_tokens.weight.std(), model.model.layers[1].mlp.experts.gate_up_proj.std()]
+    assert all(abs(s.item() - 0.006) < 3e-4 for s in stds)
+
+
+def test_671b_matches_published_size():
+    model = DeepSeekV3(ModelConfig.from_name("671B"), device="meta")
+    # 671B main model + 14B MTP module (DeepSeek-V3 report), 37B activated
+    assert 680e9 < model.num_parameters() < 690e9
+    assert 37e9 < model.num_parameters(active_only=True) < 39.5e9
+    assert model.config.softmax_scale == pytest.approx(
+        192**-0.5 * (0.1 * torch.log(torch.tensor(40.0)).item() + 1) ** 2
+    )
+
+
+def test_small_matches_baselines():
+    model = DeepSeekV3(ModelConfig.from_name("small"), device="meta")
+    assert round(model.num_parameters() / 1e6) == 486  # shared/BASELINES.md: 486M parameters
+
+
+def test_flops_per_token_counts_active_weights_and_attention():
+    model = DeepSeekV3(ModelConfig.from_name("tiny"), device="meta")
+    f1, f2 = model.flops_per_token(100), model.flops_per_token(200)
+    c = model.config
+    assert f2 - f1 == pytest.approx(3 * (c.num_hidden_layers + 1) * c.num_attention_heads * (48 + 32) * 100)
+    assert f1 > 6 * (model.num_parameters(active_only=True) - c.vocab_size * c.hidden_size)
+
+
+@pytest.mark.parametrize("name", sorted(FLAVORS))
+def test_hf_dict_round_trip(name):
+    c = ModelConfig.from_name(name)
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+    assert c.to_hf_dict()["model_type"] == "deepseek_v3"
+
+
+@pytest.mark.parametrize("name", ["tiny", "671B"])
+def test_round_trip_through_transformers_config(name, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    c = ModelConfig.from_name(name)
+    hf = transformers.DeepseekV3Config(**c.to_hf_dict())
+    hf.save_pretrained(tmp_path)
+    back = ModelConfig.from_json_file(tmp_path / "config.json")
+    assert back == c
+
+
+def test_both_rope_spellings():
+    yarn = {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}
+    old = ModelConfig.from_hf_dict({"rope_theta": 500.0, "rope_scaling": {"type": "yarn", **yarn}})
+    new = ModelConfig.from_hf_dict({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, **yarn}})
+    assert old == new and old.rope_theta == 500.0 and old.rope_scaling["factor"] == 40.0
+    plain = ModelConfig.from_hf_dict({"rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
+    assert plain.rope_scaling is None and plain.rope_theta == 7.0
+
+
+def test_official_spellings_accepted():
+    c = ModelConfig.from_hf_dict({"q_lora_rank": 0, "num_mtp_layers": 2, "topk_method": "noaux_tc", "seq_aux": True})
+    assert c.q_lora_rank is None and c.num_nextn_predict_layers == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n_routed_experts": 7, "n_group": 2}, r"n_routed_experts \(7\) must be divisible by n_group \(2\)"),
+        ({"topk_group": 9}, r"topk_group \(9\) must be between 1 and n_group \(8\)"),
+        ({"num_experts_per_tok": 200, "topk_group": 4}, r"num_experts_per_tok \(200\)"),
+        ({"n_routed_experts": 8, "n_group": 8, "topk_group": 2, "num_experts_per_tok": 2}, "fewer than 2 experts"),
+        ({"first_k_dense_replace": 70}, r"first_k_dense_replace \(70\) must be <= num_hidden_layers \(61\)"),
+        ({"qk_rope_head_dim": 63}, "qk_rope_head_dim must be even"),
+        ({"hidden_size": 0}, "hidden_size must be a positive integer"),
+        ({"scoring_func": "relu"}, "scoring_func must be"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' is not supported"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "needs original_max_position_embeddings"),
+        ({"rope_scaling": {"type": "yarn", "factr": 2.0}}, "unknown key.*factr"),
+    ],
+)
+def test_bad_fields_are_named(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**fields)
+
+
+def test_bad_config_json_is_named(tmp_path):
+    good = ModelConfig.from_name("tiny").to_hf_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**good, "moe_frobnication": 3}))
+    with pytest.raises(ValueError, match=r"config\.json: unknown config key\(s\): moe_frobnication"):
+        ModelConfig.from_json_file(path)
+    path.write_text(json.dumps({**good, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
+        ModelConfig.from_json_file(path)
+    path.write_text(json.dumps({**good, "num_key_value_heads": 1}))
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(1\) must equal num_attention_heads \(4\)"):
+        ModelConfig.from_json_file(path)
+    path.write_text(json.dumps({**good, "n_group": 3}))
+    with pytest.raises(ValueError, match=r"config\.json: n_routed_experts \(8\) must be divisible by n_group \(3\)"):
+        ModelConfig.from_json_file(path)
+    path.write_text('{"hidden_size": 64,\n "vocab_size": }')
+    with pytest.raises(ValueError, match="not valid JSON \\(line 2"):
+        ModelConfig.from_json_file(path)
+    with pytest.raises(ValueError, match="unknown model flavor 'huge'"):
+        ModelConfig.from_name("huge")

@@ -1,0 +1,156 @@
+"""MoE bookkeeping (permute/unpermute, edge cases), the routed-experts reference, routing and balancing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anyseek.kernels.reference.moe import permute, routed_experts, unpermute
+from anyseek.model.config import ModelConfig
+from anyseek.model.moe import sequence_balance_loss
+from anyseek.model.packing import Packing
+from anyseek.model.transformer import DeepSeekV3
+
+
+def naive_experts(x, ids, w, gate_up, down):
+    I = down.shape[-1]
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            h = gate_up[ids[t, k]] @ x[t]
+            y[t] += w[t, k] * (down[ids[t, k]] @ (F.silu(h[:I]) * h[I:]))
+    return y
+
+
+def random_problem(T=23, D=16, I=8, E=5, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    return x, ids, w, torch.randn(E, 2 * I, D, generator=g) * 0.3, torch.randn(E, D, I, generator=g) * 0.3
+
+
+def test_permutation_inverts_and_groups_by_expert():
+    x, ids, _, _, _ = random_problem()
+    x_MD, order, counts = permute(x, ids, 5)
+    assert counts.sum() == ids.numel() and torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=5))
+    assert torch.equal(ids.reshape(-1)[order], ids.reshape(-1)[order].sort().values)  # grouped, experts ascending
+    per_expert_slots = [order[ids.reshape(-1)[order] == e] for e in range(5)]
+    assert all(torch.equal(s, s.sort().values) for s in per_expert_slots)  # stable: (token, k) order kept
+    # weights 1/K: unpermute(permute(x)) == x
+    back = unpermute(x_MD, order, torch.full(ids.shape, 0.5))
+    torch.testing.assert_close(back, x)
+    # K = 1, weight 1 is an exact inverse
+    x1, o1, _ = permute(x, ids[:, :1], 5)
+    assert torch.equal(unpermute(x1, o1, torch.ones(23, 1)), x)
+
+
+def test_reference_matches_naive_loop():
+    x, ids, w, gu, dn = random_problem()
+    torch.testing.assert_close(routed_experts(x, ids, w, gu, dn), naive_experts(x, ids, w, gu, dn))
+
+
+def test_all_tokens_to_one_expert():
+    x, _, w, gu, dn = random_problem(K=1)
+    ids = torch.full((23, 1), 3)
+    _, _, counts = permute(x, ids, 5)
+    assert counts.tolist() == [0, 0, 0, 23, 0]
+    torch.testing.assert_close(routed_experts(x, ids, w, gu, dn), naive_experts(x, ids, w, gu, dn))
+
+
+def test_top_k_equals_number_of_experts():
+    x, _, w, gu, dn = random_problem(E=4, K=4)
+    ids = torch.stack([torch.randperm(4) for _ in range(23)])
+    torch.testing.assert_close(routed_experts(x, ids, w, gu, dn), naive_experts(x, ids, w, gu, dn))
+    # the model's router with K = E picks every expert once, weights summing to routed_scaling_factor
+    config = ModelConfig.from_name("tiny", n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1)
+    gate = DeepSeekV3(config).model.layers[1].mlp.gate
+    _, chosen, weights = gate(torch.randn(7, config.hidden_size))
+    assert torch.equal(chosen.sort(dim=-1).values, torch.arange(4).expand(7, 4))
+    torch.testing.assert_close(weights.sum(-1), torch.full((7,), 2.5))
+
+
+def test_gradients_flow_through_reference():
+    x, ids, w, gu, dn = random_problem(T=6)
+    for t in (x, w, gu, dn):
+        t.requires_grad_(True)
+    routed_experts(x, ids, w, gu, dn).square().sum().backward()
+    ref = [t.grad.clone() for t in (x, w, gu, dn)]
+    for t in (x, w, gu, dn):
+        t.grad = None
+    naive_experts(x, ids, w, gu, dn).square().sum().backward()
+    for r, t in zip(ref, (x, w, gu, dn)):
+        torch.testing.assert_close(r, t.grad)
+
+
+def test_bias_is_for_selection_only():
+    config = ModelConfig.from_name("tiny")
+    gate = DeepSeekV3(config).model.layers[1].mlp.gate
+    x = torch.randn(40, config.hidden_size)
+    scores, _ids, _w = gate(x)
+    with torch.no_grad():
+        gate.e_score_correction_bias[0] = 10.0  # expert 0 is now always chosen ...
+    scores2, ids2, w2 = gate(x)
+    assert (ids2 == 0).any(dim=-1).all()
+    torch.testing.assert_close(scores, scores2)  # ... but the weights still come from the unbiased scores
+    picked = scores.gather(1, ids2)
+    torch.testing.assert_close(w2, picked / picked.sum(-1, keepdim=True) * 2.5)
+
+
+def imbalance(load: torch.Tensor) -> float:
+    return (load.max() / load.mean()).item()
+
+
+def test_bias_update_moves_skewed_router_toward_balance():
+    torch.manual_seed(0)
+    config = ModelConfig.from_name("tiny", n_group=1, topk_group=1)
+    model = DeepSeekV3(config)
+    moe = model.model.layers[1].mlp
+    offset = torch.randn(config.hidden_size)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.1)  # a router with opinions, so tokens spread once the bias corrects it
+        moe.gate.weight[0] += offset * 0.05  # experts 0 and 1 attract every token with the offset
+        moe.gate.weight[1] += offset * 0.04
+    x = torch.randn(256, config.hidden_size) * 0.5 + offset
+    pack = Packing.build(torch.tensor([0, 256], dtype=torch.int32), 256)
+    n_moe = len(model.moe_layers())
+
+    def load_now():
+        pack.expert_load.clear()
+        with torch.no_grad():
+            moe(x, pack)
+        return pack.expert_load[0]
+
+    first = load_now()
+    assert imbalance(first) > 3.0
+    for _ in range(100):
+        load = torch.zeros(n_moe, 8)
+        load[0] = load_now()
+        model.update_routing_bias(load, gamma=0.01)
+    last = load_now()
+    assert imbalance(last) < 1.5 < imbalance(first)
+    bias = moe.gate.e_score_correction_bias
+    assert bias[0] < 0 and bias[1] < 0 and bias.dtype == torch.float32
+    assert model.model.layers[2].mlp.gate.e_score_correction_bias.abs().sum() == 0  # zero load rows: no change
+    with pytest.raises(ValueError, match="expert_load shape"):
+        model.update_routing_bias(torch.zeros(2, 8))
+
+
+def test_balance_loss_is_one_when_balanced_and_per_document():
+    # 4 experts, K = 1, each document spreads evenly with uniform scores -> f = 1, P = 1/E -> loss 1
+    scores = torch.full((8, 4), 0.5)
+    ids = torch.tensor([[0], [1], [2], [3], [0], [1], [2], [3]])
+    pack = Packing.build(torch.tensor([0, 4, 8], dtype=torch.int32), 8)
+    torch.testing.assert_close(sequence_balance_loss(scores, ids, pack), torch.tensor(1.0))
+    # all of a document's tokens on the expert it prefers -> larger
+    skew = torch.tensor([[0.9, 0.1, 0.1, 0.1]]).repeat(8, 1)
+    assert sequence_balance_loss(skew, torch.zeros(8, 1, dtype=torch.long), pack) > 2.0
+
+
+def test_routing_bias_stays_fp32_under_dtype_casts():
+    model = DeepSeekV3(ModelConfig.from_name("tiny"), dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert all(m.gate.e_score_correction_bias.dtype == torch.float32 for m in model.moe_layers())
+    out = model(torch.randint(0, 4096, (1, 8)), targets=torch.randint(0, 4096, (1, 8)))
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)

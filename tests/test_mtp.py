@@ -1,0 +1,59 @@
+"""Multi-token prediction: shifted inputs/labels stay inside documents; the loss adds up as documented."""
+
+from __future__ import annotations
+
+import torch
+
+from anyseek.model.config import ModelConfig
+from anyseek.model.mtp import shift_in_documents
+from anyseek.model.packing import Packing
+from anyseek.model.transformer import DeepSeekV3
+
+
+def test_targets_stop_at_document_ends():
+    #            doc 0: 3 tokens | doc 1: 4 tokens
+    ids = torch.tensor([10, 11, 12, 20, 21, 22, 23])
+    targets = torch.tensor([11, 12, -100, 21, 22, 23, 99])  # doc 1's last target given, doc 0's ignored
+    pack = Packing.build(torch.tensor([0, 3, 7], dtype=torch.int32), 7)
+    ids1, labels1 = shift_in_documents(ids, targets, pack, depth=1)
+    assert ids1.tolist() == [11, 12, 0, 21, 22, 23, 0]
+    assert labels1.tolist() == [12, -100, -100, 22, 23, 99, -100]
+    ids2, labels2 = shift_in_documents(ids, targets, pack, depth=2)
+    assert ids2.tolist() == [12, 0, 0, 22, 23, 0, 0]
+    assert labels2.tolist() == [-100, -100, -100, 23, 99, -100, -100]
+
+
+def test_shift_is_a_shift_of_main_targets():
+    """Depth d at i predicts t_{i+d+1} = targets[i+d] from input t_{i+d} = input_ids[i+d], inside one document."""
+    ids = torch.arange(100, 120)
+    targets = ids + 1
+    pack = Packing.build(torch.tensor([0, 20], dtype=torch.int32), 20)
+    for d in (1, 2, 3):
+        mtp_ids, labels = shift_in_documents(ids, targets, pack, depth=d)
+        assert torch.equal(mtp_ids[: 20 - d], ids[d:])
+        assert torch.equal(labels[: 20 - d], ids[d:] + 1)
+        assert (labels[20 - d :] == -100).all()
+
+
+def test_loss_is_lm_plus_weighted_mtp_plus_balance():
+    torch.manual_seed(0)
+    config = ModelConfig.from_name("tiny", num_nextn_predict_layers=2, mtp_loss_weight=0.5, aux_loss_alpha=0.01)
+    model = DeepSeekV3(config)
+    ids = torch.randint(0, 4096, (30,))
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32)
+    out = model(ids, cu_seqlens=cu, targets=torch.roll(ids, -1))
+    expected = out.lm_loss + 0.5 * out.mtp_loss + 0.01 * out.balance_loss
+    torch.testing.assert_close(out.loss, expected)
+    assert out.expert_load.shape == (3 + 2, 8)  # 3 main MoE layers, then one row per MTP module
+    assert (out.expert_load.sum(dim=1) == 30 * 2).all()
+    out.mtp_loss.backward()
+    assert model.mtp[1].eh_proj.weight.grad.abs().sum() > 0
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0  # shared embedding
+    assert model.model.layers[0].self_attn.o_proj.weight.grad.abs().sum() > 0  # through h^0
+
+
+def test_mtp_does_not_run_without_targets():
+    model = DeepSeekV3(ModelConfig.from_name("tiny"))
+    out = model(torch.randint(0, 4096, (2, 8)))
+    assert out.loss is None and out.mtp_loss is None and out.balance_loss is None
+    assert out.expert_load[-1].sum() == 0 and out.expert_load[0].sum() == 16 * 2
