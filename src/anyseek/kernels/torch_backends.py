@@ -128,7 +128,9 @@ def sdpa_mla_attention(
     def make_k(idx_nL):
         k_pe = k_pe_TR[idx_nL]  # (n, L, R): expanded over heads only here, one bucket at a time
         k_nope = k_nope_THN[idx_nL]  # (n, L, H, N)
-        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
+        # expand from fp32 so that the backward sums dk_pe over heads in fp32, not in bf16
+        k_pe = k_pe.float()[:, :, None, :].expand(-1, -1, H, -1).to(k_nope.dtype)
+        k = torch.cat([k_nope, k_pe], dim=-1)
         return k.transpose(1, 2)
 
     return _padded_sdpa(q_THC, make_k, v_THV, cu_seqlens, softmax_scale, causal)

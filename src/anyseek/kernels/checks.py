@@ -1,0 +1,116 @@
+"""Correctness yardstick shared by the tests, `anyseek doctor --check` and the benchmark.
+
+For one backend function and one case: the fp32 reference (`reference.attention`), the same computation
+done by PyTorch in the low precision (the reference with compute_dtype=dtype), and the backend in the low
+precision. For the output and every gradient: err = max|backend - ref|, err_pt = max|pt - ref|; the backend
+passes when err <= 2 * err_pt + atol (atol covers fp32, where err_pt is ~0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from anyseek.kernels import reference
+
+ATOL = {torch.float32: 2e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+
+def cu_from_lengths(lengths: list[int], device) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make_inputs(op: str, T: int, H: int, dims: tuple[int, ...], device, seed: int = 0) -> list[torch.Tensor]:
+    """fp32 inputs: mla dims (N, R, V) -> q, k_nope, k_pe, v; varlen dims (D, V) -> q, k, v."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if op == "mla_attention":
+        N, R, V = dims
+        shapes = [(T, H, N + R), (T, H, N), (T, R), (T, H, V)]
+    else:
+        D, V = dims
+        shapes = [(T, H, D), (T, H, D), (T, H, V)]
+    return [torch.randn(s, generator=g).to(device) for s in shapes]
+
+
+def _run(fn: Callable, op: str, inputs, dtype, cu, max_len, scale, causal, dout, **kw):
+    xs = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    out = fn(*xs, cu, max_len, scale, causal, **kw)
+    grads = torch.autograd.grad(out, xs, dout.to(out.dtype))
+    return [out.float()] + [g.float() for g in grads]
+
+
+def error_table(
+    fn: Callable,
+    op: str,
+    lengths: list[int],
+    H: int,
+    dims: tuple[int, ...],
+    dtype: torch.dtype,
+    device,
+    causal: bool = True,
+    scale: float | None = None,
+    seed: int = 0,
+) -> list[tuple[str, float, float]]:
+    """[(name, err, err_pt)] for out and each gradient (dq, dk_nope, dk_pe, dv / dq, dk, dv)."""
+    cu = cu_from_lengths(lengths, device)
+    inputs = make_inputs(op, sum(lengths), H, dims, device, seed)
+    ref_fn = getattr(reference, op)
+    dout = torch.randn(sum(lengths), H, dims[-1], generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    max_len = max(lengths)
+    ref = _run(ref_fn, op, inputs, torch.float32, cu, max_len, scale, causal, dout)
+    pt = _run(ref_fn, op, inputs, dtype, cu, max_len, scale, causal, dout, compute_dtype=dtype)
+    got = _run(fn, op, inputs, dtype, cu, max_len, scale, causal, dout)
+    names = ["out", "dq", "dk_nope", "dk_pe", "dv"] if op == "mla_attention" else ["out", "dq", "dk", "dv"]
+    return [(n, (a - r).abs().max().item(), (b - r).abs().max().item()) for n, a, b, r in zip(names, got, pt, ref)]
+
+
+def passes(table: list[tuple[str, float, float]], dtype: torch.dtype) -> bool:
+    return all(math.isfinite(err) and err <= 2 * err_pt + ATOL[dtype] for _, err, err_pt in table)
+
+
+def worst_ratio(table: list[tuple[str, float, float]]) -> float:
+    """max err / err_pt; a pair whose err_pt is 0 (fp32 against itself) counts 0 when err is 0, else 1."""
+    return max(err / err_pt if err_pt > 0 else float(err > 0) for _, err, err_pt in table)
+
+
+def _cases(device: torch.device):
+    """Small cases for `doctor --check`: odd lengths, a length-1 document, both masks, DeepSeek-like dims."""
+    lengths = [1, 7, 33, 64, 2, 50] if device.type == "cpu" else [1, 17, 130, 257, 3, 64, 1000]
+    yield "mla_attention", lengths, 4, (64, 32, 64), True
+    yield "mla_attention", lengths, 2, (128, 64, 128), False
+    yield "varlen_attention", lengths, 3, (96, 64), True
+    yield "varlen_attention", lengths, 2, (64, 64), False
+
+
+def check_all(device: str | torch.device | None = None) -> list[dict]:
+    """Every available attention backend (bar the reference) against the reference: rows with pass/fail."""
+    from anyseek.kernels import registry
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtypes = [torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32, torch.float16]
+    rows = []
+    for op, lengths, H, dims, causal in _cases(device):
+        for b in registry.backends(op):
+            if b.name == "reference":
+                continue
+            for dtype in dtypes:
+                what = f"{op:16s} {b.name:7s} {str(dtype)[6:]:8s} H={H} dims={dims} causal={causal}"
+                ok, reason = b.available(torch.empty(1, H, sum(dims[:-1]) if op == "mla_attention" else dims[0],
+                                                     device=device, dtype=dtype))  # fmt: skip
+                if not ok:
+                    rows.append(dict(what=what, detail=f"skipped: {reason}", **{"pass": True}))
+                    continue
+                try:
+                    table = error_table(b.load(), op, lengths, H, dims, dtype, device, causal)
+                except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
+                    rows.append(dict(what=what, detail=f"{type(e).__name__}: {e}", **{"pass": False}))
+                    continue
+                detail = " ".join(f"{n} {e:.1e}/{p:.1e}" for n, e, p in table)
+                rows.append(dict(what=what, detail=f"worst ratio {worst_ratio(table):.2f}  {detail}" if dtype != torch.float32 else detail,
+                                 **{"pass": passes(table, dtype)}))  # fmt: skip
+    return rows

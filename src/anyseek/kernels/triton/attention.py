@@ -1,0 +1,550 @@
+"""Triton attention on packed variable-length batches: forward (keeps the log-sum-exp) and backward.
+
+One kernel family serves both public ops. The query/key dim is split in two parts, C = A + B:
+part A has a key per head (MLA: k_nope; varlen: k[..., :A]); part B has either a key per head (varlen:
+k[..., A:]) or ONE key shared by every head (MLA: k_pe, read through a head stride of 0, never expanded).
+The backward sums the shared part's key gradient over heads inside the kernel (fp32 atomics per head group).
+
+Work is scheduled per document: a tile is (document, block of rows) with blocks aligned to the document's
+start, so no tile straddles two documents; key loops stop at the causal diagonal and the document end, and
+only the diagonal / last block is masked. Tiles are ordered heaviest first (longest key loop) for balance.
+The tile list is built on the device with a fixed upper bound on its length: no host sync, graph-safe.
+
+Shape legend: T tokens, H heads, A / B the two query-key parts, Vd value dim, BM / BN row / key block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from anyseek.kernels.triton.check import interpreting
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# schedule
+
+
+def tiles(cu_seqlens: torch.Tensor, T: int, block: int, causal: bool, from_diagonal: bool) -> torch.Tensor:
+    """(doc, block start) int32 [2, n_ub], heaviest first; unused slots have doc -1 and sort last.
+
+    from_diagonal=False: work of a row tile = key blocks up to its diagonal (forward, dq).
+    from_diagonal=True: work of a key tile = row blocks from its diagonal to the document end (dk, dv)."""
+    B = cu_seqlens.numel() - 1
+    cu = cu_seqlens.to(torch.int64)
+    nblk = (cu[1:] - cu[:-1] + block - 1) // block
+    cum = torch.cumsum(nblk, 0)
+    n_ub = triton.cdiv(T, block) + B
+    i = torch.arange(n_ub, device=cu.device)
+    doc = torch.searchsorted(cum, i, right=True).clamp_(max=B - 1)
+    blk = i - (cum[doc] - nblk[doc])
+    valid = i < cum[-1]
+    if causal:
+        work = nblk[doc] - blk if from_diagonal else blk + 1
+    else:
+        work = nblk[doc]
+    order = torch.argsort(torch.where(valid, work, -1), descending=True)
+    doc, start, valid = doc[order], (cu[doc] + blk * block)[order], valid[order]
+    return torch.stack([torch.where(valid, doc, -1), start]).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, qa, qb, KA, KB, V, k_lo, k_hi, m_idx, doc_end,
+    s_kat, s_kbt, s_vt, qk_scale,
+    offs_n, offs_a, offs_b, offs_v,
+    A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        n_idx = k0 + offs_n
+        n_ok = n_idx < doc_end
+        ka = tl.load(
+            KA + n_idx[None, :] * s_kat + offs_a[:, None], mask=n_ok[None, :] & (offs_a[:, None] < A), other=0.0
+        )
+        s = tl.dot(qa, ka, input_precision=PREC)
+        if HAS_B:
+            kb = tl.load(
+                KB + n_idx[None, :] * s_kbt + offs_b[:, None], mask=n_ok[None, :] & (offs_b[:, None] < B), other=0.0
+            )
+            s = tl.dot(qb, kb, s, input_precision=PREC)
+        s = s * qk_scale
+        if MASK:
+            keep = n_ok[None, :]
+            if CAUSAL:
+                keep = keep & (n_idx[None, :] <= m_idx[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + n_idx[:, None] * s_vt + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < VD), other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, KA, KB, V, O, LSE, CU, TILES, n_tiles, T, qk_scale,
+    s_qt, s_qh, s_kat, s_kah, s_kbt, s_kbh, s_vt, s_vh, s_ot, s_oh,
+    A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr,
+    BA: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    doc = tl.load(TILES + tile)
+    if doc < 0:
+        return
+    m_start = tl.load(TILES + n_tiles + tile)
+    doc_start = tl.load(CU + doc)
+    doc_end = tl.load(CU + doc + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_a = tl.arange(0, BA)
+    offs_b = tl.arange(0, BB)
+    offs_v = tl.arange(0, BV)
+    m_idx = m_start + offs_m
+    m_ok = m_idx < doc_end
+    Qh = Q + h * s_qh
+    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
+    qb = qa
+    if HAS_B:
+        qb = tl.load(
+            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
+        )
+    KAh = KA + h * s_kah
+    KBh = KB + h * s_kbh
+    Vh = V + h * s_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BV], tl.float32)
+    if CAUSAL:
+        # keys strictly below the block's first row need no mask: whole blocks up to m_start + 1
+        k_full = doc_start + ((m_start + 1 - doc_start) // BLOCK_N) * BLOCK_N
+        k_end = tl.minimum(m_start + BLOCK_M, doc_end)
+    else:
+        k_full = doc_start + ((doc_end - doc_start) // BLOCK_N) * BLOCK_N
+        k_end = doc_end
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, qa, qb, KAh, KBh, Vh, doc_start, k_full, m_idx, doc_end, s_kat, s_kbt, s_vt, qk_scale,
+        offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, False, CAUSAL, PREC,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, qa, qb, KAh, KBh, Vh, k_full, k_end, m_idx, doc_end, s_kat, s_kbt, s_vt, qk_scale,
+        offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, True, CAUSAL, PREC,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    o_ptr = O + h * s_oh + m_idx[:, None] * s_ot + offs_v[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < VD))
+    tl.store(LSE + h * T + m_idx, m_i + tl.log2(l_i), mask=m_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward: dk, dv (and the shared part's dk summed over a group of heads)
+
+
+@triton.jit
+def _dkdv_inner(
+    dka, dkb, dv, ka, kb, v, Q, DO, LSE, DELTA, q_lo, q_hi, n_idx, doc_end,
+    s_qt, s_dot, qk_scale,
+    offs_m, offs_a, offs_b, offs_v,
+    A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    for q0 in range(q_lo, q_hi, BLOCK_M):
+        m_idx = q0 + offs_m
+        m_ok = m_idx < doc_end
+        qa = tl.load(Q + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
+        sT = tl.dot(ka, tl.trans(qa), input_precision=PREC)  # (BN, BM)
+        if HAS_B:
+            qb = tl.load(
+                Q + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
+            )
+            sT = tl.dot(kb, tl.trans(qb), sT, input_precision=PREC)
+        lse = tl.load(LSE + m_idx, mask=m_ok, other=0.0)
+        pT = tl.exp2(sT * qk_scale - lse[None, :])
+        if MASK:
+            keep = m_ok[None, :]
+            if CAUSAL:
+                keep = keep & (m_idx[None, :] >= n_idx[:, None])
+            pT = tl.where(keep, pT, 0.0)
+        do = tl.load(
+            DO + m_idx[:, None] * s_dot + offs_v[None, :], mask=m_ok[:, None] & (offs_v[None, :] < VD), other=0.0
+        )
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        delta = tl.load(DELTA + m_idx, mask=m_ok, other=0.0)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = (pT * (dpT - delta[None, :])).to(qa.dtype)
+        dka = tl.dot(dsT, qa, dka, input_precision=PREC)
+        if HAS_B:
+            dkb = tl.dot(dsT, qb, dkb, input_precision=PREC)
+    return dka, dkb, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, KA, KB, V, DO, LSE, DELTA, DKA, DKB, DV, CU, TILES, n_tiles, T, qk_scale, sm_scale,
+    s_qt, s_qh, s_kat, s_kah, s_kbt, s_kbh, s_vt, s_vh, s_dot, s_doh,
+    s_dkat, s_dkah, s_dkbt, s_dkbh, s_dvt, s_dvh,
+    A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr, B_SHARED: tl.constexpr,
+    HEADS: tl.constexpr,
+    BA: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    hg = tl.program_id(0)
+    tile = tl.program_id(1)
+    doc = tl.load(TILES + tile)
+    if doc < 0:
+        return
+    n_start = tl.load(TILES + n_tiles + tile)
+    doc_start = tl.load(CU + doc)
+    doc_end = tl.load(CU + doc + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_a = tl.arange(0, BA)
+    offs_b = tl.arange(0, BB)
+    offs_v = tl.arange(0, BV)
+    n_idx = n_start + offs_n
+    n_ok = n_idx < doc_end
+    if CAUSAL:
+        q_lo = n_start
+        # rows that cross the diagonal (masked): whole row blocks covering the key block
+        q_diag = tl.minimum(n_start + ((BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, doc_end)
+    else:
+        q_lo = doc_start
+        q_diag = doc_start
+    q_full = q_diag + ((doc_end - q_diag) // BLOCK_M) * BLOCK_M
+    dkb_sum = tl.zeros([BLOCK_N, BB], tl.float32)
+    kb = tl.zeros([BLOCK_N, BB], KA.dtype.element_ty)
+    if HAS_B and B_SHARED:
+        kb = tl.load(
+            KB + n_idx[:, None] * s_kbt + offs_b[None, :], mask=n_ok[:, None] & (offs_b[None, :] < B), other=0.0
+        )
+    for hh in range(HEADS):
+        h = hg * HEADS + hh
+        ka = tl.load(
+            KA + h * s_kah + n_idx[:, None] * s_kat + offs_a[None, :],
+            mask=n_ok[:, None] & (offs_a[None, :] < A),
+            other=0.0,
+        )
+        if HAS_B and not B_SHARED:
+            kb = tl.load(
+                KB + h * s_kbh + n_idx[:, None] * s_kbt + offs_b[None, :],
+                mask=n_ok[:, None] & (offs_b[None, :] < B),
+                other=0.0,
+            )
+        v = tl.load(
+            V + h * s_vh + n_idx[:, None] * s_vt + offs_v[None, :],
+            mask=n_ok[:, None] & (offs_v[None, :] < VD),
+            other=0.0,
+        )
+        dka = tl.zeros([BLOCK_N, BA], tl.float32)
+        dkb = tl.zeros([BLOCK_N, BB], tl.float32)
+        dv = tl.zeros([BLOCK_N, BV], tl.float32)
+        Qh = Q + h * s_qh
+        DOh = DO + h * s_doh
+        LSEh = LSE + h * T
+        DELTAh = DELTA + h * T
+        dka, dkb, dv = _dkdv_inner(
+            dka, dkb, dv, ka, kb, v, Qh, DOh, LSEh, DELTAh, q_lo, q_diag, n_idx, doc_end, s_qt, s_dot, qk_scale,
+            offs_m, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_M, True, CAUSAL, PREC,
+        )  # fmt: skip
+        dka, dkb, dv = _dkdv_inner(
+            dka, dkb, dv, ka, kb, v, Qh, DOh, LSEh, DELTAh, q_diag, q_full, n_idx, doc_end, s_qt, s_dot, qk_scale,
+            offs_m, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_M, False, CAUSAL, PREC,
+        )  # fmt: skip
+        dka, dkb, dv = _dkdv_inner(
+            dka, dkb, dv, ka, kb, v, Qh, DOh, LSEh, DELTAh, q_full, doc_end, n_idx, doc_end, s_qt, s_dot, qk_scale,
+            offs_m, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_M, True, CAUSAL, PREC,
+        )  # fmt: skip
+        ptr_a = DKA + h * s_dkah + n_idx[:, None] * s_dkat + offs_a[None, :]
+        tl.store(ptr_a, (dka * sm_scale).to(DKA.dtype.element_ty), mask=n_ok[:, None] & (offs_a[None, :] < A))
+        ptr_v = DV + h * s_dvh + n_idx[:, None] * s_dvt + offs_v[None, :]
+        tl.store(ptr_v, dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (offs_v[None, :] < VD))
+        if HAS_B:
+            if B_SHARED:
+                dkb_sum += dkb
+            else:
+                ptr_b = DKB + h * s_dkbh + n_idx[:, None] * s_dkbt + offs_b[None, :]
+                tl.store(ptr_b, (dkb * sm_scale).to(DKB.dtype.element_ty), mask=n_ok[:, None] & (offs_b[None, :] < B))
+    if HAS_B and B_SHARED:
+        ptr_b = DKB + n_idx[:, None] * s_dkbt + offs_b[None, :]
+        tl.atomic_add(ptr_b, dkb_sum * sm_scale, mask=n_ok[:, None] & (offs_b[None, :] < B))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward: dq
+
+
+@triton.jit
+def _dq_inner(
+    dqa, dqb, qa, qb, do, lse, delta, KA, KB, V, k_lo, k_hi, m_idx, doc_end,
+    s_kat, s_kbt, s_vt, qk_scale,
+    offs_n, offs_a, offs_b, offs_v,
+    A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        n_idx = k0 + offs_n
+        n_ok = n_idx < doc_end
+        ka = tl.load(
+            KA + n_idx[:, None] * s_kat + offs_a[None, :], mask=n_ok[:, None] & (offs_a[None, :] < A), other=0.0
+        )
+        s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
+        kb = ka
+        if HAS_B:
+            kb = tl.load(
+                KB + n_idx[:, None] * s_kbt + offs_b[None, :], mask=n_ok[:, None] & (offs_b[None, :] < B), other=0.0
+            )
+            s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASK:
+            keep = n_ok[None, :]
+            if CAUSAL:
+                keep = keep & (n_idx[None, :] <= m_idx[:, None])
+            p = tl.where(keep, p, 0.0)
+        v = tl.load(V + n_idx[:, None] * s_vt + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < VD), other=0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = (p * (dp - delta[:, None])).to(ka.dtype)
+        dqa = tl.dot(ds, ka, dqa, input_precision=PREC)
+        if HAS_B:
+            dqb = tl.dot(ds, kb, dqb, input_precision=PREC)
+    return dqa, dqb
+
+
+@triton.jit
+def _dq_kernel(
+    Q, KA, KB, V, DO, LSE, DELTA, DQ, CU, TILES, n_tiles, T, qk_scale, sm_scale,
+    s_qt, s_qh, s_kat, s_kah, s_kbt, s_kbh, s_vt, s_vh, s_dot, s_doh, s_dqt, s_dqh,
+    A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr,
+    BA: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    doc = tl.load(TILES + tile)
+    if doc < 0:
+        return
+    m_start = tl.load(TILES + n_tiles + tile)
+    doc_start = tl.load(CU + doc)
+    doc_end = tl.load(CU + doc + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_a = tl.arange(0, BA)
+    offs_b = tl.arange(0, BB)
+    offs_v = tl.arange(0, BV)
+    m_idx = m_start + offs_m
+    m_ok = m_idx < doc_end
+    Qh = Q + h * s_qh
+    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
+    qb = qa
+    if HAS_B:
+        qb = tl.load(
+            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
+        )
+    do = tl.load(
+        DO + h * s_doh + m_idx[:, None] * s_dot + offs_v[None, :],
+        mask=m_ok[:, None] & (offs_v[None, :] < VD),
+        other=0.0,
+    )
+    lse = tl.load(LSE + h * T + m_idx, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + h * T + m_idx, mask=m_ok, other=0.0)
+    dqa = tl.zeros([BLOCK_M, BA], tl.float32)
+    dqb = tl.zeros([BLOCK_M, BB], tl.float32)
+    if CAUSAL:
+        k_full = doc_start + ((m_start + 1 - doc_start) // BLOCK_N) * BLOCK_N
+        k_end = tl.minimum(m_start + BLOCK_M, doc_end)
+    else:
+        k_full = doc_start + ((doc_end - doc_start) // BLOCK_N) * BLOCK_N
+        k_end = doc_end
+    KAh = KA + h * s_kah
+    KBh = KB + h * s_kbh
+    Vh = V + h * s_vh
+    dqa, dqb = _dq_inner(
+        dqa, dqb, qa, qb, do, lse, delta, KAh, KBh, Vh, doc_start, k_full, m_idx, doc_end, s_kat, s_kbt, s_vt,
+        qk_scale, offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, False, CAUSAL, PREC,
+    )  # fmt: skip
+    dqa, dqb = _dq_inner(
+        dqa, dqb, qa, qb, do, lse, delta, KAh, KBh, Vh, k_full, k_end, m_idx, doc_end, s_kat, s_kbt, s_vt,
+        qk_scale, offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, True, CAUSAL, PREC,
+    )  # fmt: skip
+    DQh = DQ + h * s_dqh + m_idx[:, None] * s_dqt
+    tl.store(
+        DQh + offs_a[None, :], (dqa * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_a[None, :] < A)
+    )
+    if HAS_B:
+        tl.store(
+            DQh + A + offs_b[None, :],
+            (dqb * sm_scale).to(DQ.dtype.element_ty),
+            mask=m_ok[:, None] & (offs_b[None, :] < B),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def split_dim(D: int) -> tuple[int, int]:
+    """Split a head dim into (A, B) with A a power of two: 192 -> (128, 64), 256 -> (256, 0), 80 -> (64, 16)."""
+    if D <= 16 or D & (D - 1) == 0:
+        return D, 0
+    A = 1 << (D.bit_length() - 1)
+    return A, D - A
+
+
+def _config(kind: str, A: int, B: int, VD: int, device: torch.device) -> dict:
+    """Block sizes and launch settings per kernel (kind: fwd, dkdv, dq).
+
+    On the interpreter: 16x16 tiles (small and quick). On GPUs: chosen by sweeps on an H100 / H200 for
+    DeepSeek-V3's 128+64 / 128 dims (see docs/bench-attention.md); wider dims get smaller row blocks."""
+    if device.type != "cuda":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    width = _pow2(A) + (_pow2(B) if B else 0) + _pow2(VD)
+    if kind == "fwd":
+        bm = 128 if width <= 384 else 64
+        return {"BLOCK_M": bm, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    if kind == "dkdv":
+        return {"BLOCK_M": 32 if width > 384 else 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64 if width <= 384 else 32, "num_warps": 8, "num_stages": 2}
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(q, ka, kb, v, cu_seqlens, b_shared):
+    kb = ka if kb is None else kb
+    _T, _H, C = q.shape
+    A = ka.shape[-1]
+    for name, t in (("q", q), ("k", ka), ("k_b", kb), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton attention needs {name}'s last dim contiguous, got strides {t.stride()}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"triton attention needs one dtype, got q {q.dtype} and {name} {t.dtype}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be int32 on {q.device}, got {cu_seqlens.dtype} on {cu_seqlens.device}")
+    if b_shared and kb.dim() != 2:
+        raise ValueError(f"the shared key part must be [T, R], got {tuple(kb.shape)}")
+    if A + (kb.shape[-1] if kb is not ka else 0) != C:
+        raise ValueError(f"key dims {A} + {kb.shape[-1]} do not add up to q's head dim {C}")
+
+
+def _kb_strides(kb: torch.Tensor, b_shared: bool) -> tuple[int, int]:
+    return (kb.stride(0), 0) if b_shared else (kb.stride(0), kb.stride(1))
+
+
+def attention_fwd(q, ka, kb, v, cu_seqlens, softmax_scale, causal, b_shared):
+    """q [T, H, A+B], ka [T, H, A], kb [T, R] (b_shared) or [T, H, B] or None (no B part), v [T, H, Vd].
+    Returns out [T, H, Vd] in q's dtype and lse [H, T] fp32 (log2 domain of the scaled scores)."""
+    _check(q, ka, kb, v, cu_seqlens, b_shared)
+    T, H, _C = q.shape
+    A, VD = ka.shape[-1], v.shape[-1]
+    has_b = kb is not None
+    B = kb.shape[-1] if has_b else 0
+    kb = kb if has_b else ka
+    out = torch.empty(T, H, VD, device=q.device, dtype=q.dtype)
+    lse = torch.empty(H, T, device=q.device, dtype=torch.float32)
+    if T == 0:
+        return out, lse
+    cfg = _config("fwd", A, B, VD, q.device)
+    sched = tiles(cu_seqlens, T, cfg["BLOCK_M"], causal, from_diagonal=False)
+    s_kbt, s_kbh = _kb_strides(kb, b_shared)
+    grid = (H, sched.shape[1])
+    _fwd_kernel[grid](
+        q, ka, kb, v, out, lse, cu_seqlens, sched, sched.shape[1], T, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        A=A, B=max(B, 1), VD=VD, HAS_B=has_b, BA=_pow2(A), BB=_pow2(B), BV=_pow2(VD), CAUSAL=causal,
+        PREC=_prec(q.dtype), **cfg,
+    )  # fmt: skip
+    return out, lse
+
+
+def _heads_per_program(H: int, n_tiles: int, device: torch.device) -> int:
+    """Heads one dk/dv program walks through (summing the shared key part's gradient in registers): as many as
+    keep >= 4 programs per SM, so that atomics stay few without starving the GPU. A divisor of H."""
+    if device.type != "cuda":
+        return 1 if H == 1 else 2 if H % 2 == 0 else 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    target = max(1, (H * n_tiles) // (4 * sms))
+    return max(d for d in range(1, H + 1) if H % d == 0 and d <= target)
+
+
+def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, softmax_scale, causal, b_shared):
+    """Gradients. b_shared: (dq [T, H, A+B], dka [T, H, A], dkb [T, R] summed over heads, dv [T, H, Vd]);
+    otherwise (dq, dk [T, H, A+B] for the whole key, None, dv)."""
+    T, H, C = q.shape
+    A, VD = ka.shape[-1], v.shape[-1]
+    has_b = kb is not None
+    B = kb.shape[-1] if has_b else 0
+    kb = kb if has_b else ka
+    do = do.contiguous() if do.stride(-1) != 1 else do
+    dq = torch.empty(T, H, C, device=q.device, dtype=q.dtype)
+    dv = torch.empty(T, H, VD, device=q.device, dtype=v.dtype)
+    if b_shared:
+        dka = torch.empty(T, H, A, device=q.device, dtype=q.dtype)
+        dkb32 = torch.zeros(T, B, device=q.device, dtype=torch.float32)
+        dkb_arg = dkb32
+    else:
+        dk = torch.empty(T, H, C, device=q.device, dtype=q.dtype)
+        dka, dkb_arg = dk[..., :A], (dk[..., A:] if has_b else dk)
+    if T == 0:
+        return (dq, dka, dkb32.to(q.dtype), dv) if b_shared else (dq, dk, None, dv)
+    delta = (out.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # (H, T)
+    qk_scale = softmax_scale * LOG2E
+    common = {
+        "A": A,
+        "B": max(B, 1),
+        "VD": VD,
+        "HAS_B": has_b,
+        "BA": _pow2(A),
+        "BB": _pow2(B),
+        "BV": _pow2(VD),
+        "CAUSAL": causal,
+    }
+    common["PREC"] = _prec(q.dtype)
+    s_kbt, s_kbh = _kb_strides(kb, b_shared)
+
+    cfg = _config("dkdv", A, B, VD, q.device)
+    sched = tiles(cu_seqlens, T, cfg["BLOCK_N"], causal, from_diagonal=True)
+    heads = _heads_per_program(H, sched.shape[1], q.device) if b_shared else 1
+    s_dkbt, s_dkbh = (dkb_arg.stride(0), 0) if b_shared else (dkb_arg.stride(0), dkb_arg.stride(1))
+    _dkdv_kernel[(H // heads, sched.shape[1])](
+        q, ka, kb, v, do, lse, delta, dka, dkb_arg, dv, cu_seqlens, sched, sched.shape[1], T, qk_scale, softmax_scale,
+        q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dka.stride(0), dka.stride(1), s_dkbt, s_dkbh, dv.stride(0), dv.stride(1),
+        B_SHARED=b_shared, HEADS=heads, **common, **cfg,
+    )  # fmt: skip
+
+    cfg = _config("dq", A, B, VD, q.device)
+    sched = tiles(cu_seqlens, T, cfg["BLOCK_M"], causal, from_diagonal=False)
+    _dq_kernel[(H, sched.shape[1])](
+        q, ka, kb, v, do, lse, delta, dq, cu_seqlens, sched, sched.shape[1], T, qk_scale, softmax_scale,
+        q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), **common, **cfg,
+    )  # fmt: skip
+    if b_shared:
+        return dq, dka, dkb32.to(q.dtype), dv
+    return dq, dk, None, dv
+
+
+def default_scale(C: int, softmax_scale: float | None) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(C)
+
+
+__all__ = ["attention_bwd", "attention_fwd", "default_scale", "interpreting", "split_dim", "tiles"]
