@@ -187,3 +187,36 @@ def test_real_model_mismatch_error_names_tensors(tmp_path):
     assert "missing (1):\n    model.layers.2.self_attn.kv_b_proj.weight" in msg
     assert "model.layers.3.eh_proj.weight (model.safetensors): expected [64, 128], found [64, 64]" in msg
     assert "model.layers.3.embed_tokens.weight (model.safetensors): expected [128, 64], found [127, 64]" in msg
+
+
+def test_softmax_routing_checkpoint_without_selection_bias(tmp_path):
+    """DeepSeek-V2-style checkpoints (softmax scores) carry no e_score_correction_bias: it loads as zeros."""
+    from safetensors.torch import save_file
+
+    model = tiny_model(6, scoring_func="softmax", n_group=1, topk_group=1)
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            moe.gate.e_score_correction_bias.zero_()
+    hf.save_pretrained(model, tmp_path / "v2")
+    reader = TensorReader()
+    state = {n: reader.get(i) for n, i in scan_folder(tmp_path / "v2").items() if "e_score_correction_bias" not in n}
+    reader.close()
+    save_file(state, str(tmp_path / "v2" / SINGLE_FILE))
+    loaded = hf.load_pretrained(tmp_path / "v2", dtype=torch.float32)
+    assert loaded.mtp[0].mlp.gate.e_score_correction_bias.abs().sum() == 0
+    x = ids(6)
+    assert_logits_close(our_logits(loaded, x), our_logits(model, x), rel=0)
+
+
+@pytest.mark.cuda
+def test_load_onto_gpu_in_bf16(tmp_path):
+    model = tiny_model(7)
+    hf.save_pretrained(model, tmp_path / "g")
+    loaded = hf.load_pretrained(tmp_path / "g", dtype=torch.bfloat16, device="cuda")
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in loaded.parameters())
+    assert all(b.device.type == "cuda" for b in loaded.buffers())
+    assert loaded.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    hf.save_pretrained(loaded, tmp_path / "back")  # from GPU tensors
+    again = hf.load_pretrained(tmp_path / "back", dtype=torch.bfloat16)
+    for (n, a), b in zip(loaded.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a.cpu(), b), n

@@ -69,7 +69,10 @@ def load_pretrained(
     dtype = dtype if dtype is not None else _config_dtype(hf_dict)
     # meta: parameters take no memory and skip init; the rope tables (built outside meta) stay real
     model = DeepSeekV3(cfg, device="meta" if strict else None)
-    load_into(model, ckpt, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, dtype, device, strict, block, folder)
+    # DeepSeek-V2 (softmax routing) checkpoints have no selection bias; ours is unused there
+    zero_ok = ("e_score_correction_bias",) if cfg.scoring_func == "softmax" else ()
+    n_layers, n_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    load_into(model, ckpt, n_layers, n_mtp, dtype, device, strict, block, folder, zero_ok)
     return model.eval()
 
 
@@ -83,15 +86,19 @@ def load_into(
     strict: bool = True,
     block: tuple[int, int] = DEFAULT_BLOCK,
     folder: Path | None = None,
+    zero_if_missing: tuple[str, ...] = (),
 ) -> None:
     """Fill `model`'s state from the checkpoint tensors `ckpt` (see hf_io.scan_folder), assigning new tensors.
-    Parameters become `dtype` on `device`; buffers keep their dtype."""
+    Parameters become `dtype` on `device`; buffers keep their dtype. Tensors whose names end with one of
+    `zero_if_missing` may be absent from the checkpoint and are then zeros."""
     device = torch.device(device if device is not None else "cpu")
     aliases = _aliases(model)
     state = model.state_dict(keep_vars=True)
     expected = {n: tuple(t.shape) for n, t in state.items() if n not in aliases}
     tied = {n: tuple(state[n].shape) for n in aliases}
     plan = plan_load(expected, ckpt, n_layers, n_mtp, block, tied)
+    zeros = {n for n in expected if n.endswith(zero_if_missing) and n not in plan.pieces} if zero_if_missing else set()
+    plan.missing = [m for m in plan.missing if m not in {to_hf(n, n_layers) for n in zeros}]
     _report(plan, folder, ckpt, strict)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     with TensorReader() as reader:
@@ -100,6 +107,8 @@ def load_into(
             want = dtype if name in params and old.is_floating_point() else old.dtype
             new = _materialize(pieces, old, want, device, reader, block)
             _assign(model, name, new, [a for a, c in aliases.items() if c == name])
+    for name in zeros:
+        _assign(model, name, torch.zeros(state[name].shape, dtype=state[name].dtype, device=device), [])
     _finish(model, dtype, device)
 
 
@@ -142,7 +151,9 @@ def _materialize(
     """One target tensor from its checkpoint pieces: a whole tensor, or per-expert slices copied into a stacked
     one (which starts as `old` when that holds values: strict=False keeps the init of missing experts)."""
     if len(pieces) == 1 and pieces[0].expert < 0:
-        return _read(pieces[0], reader, block).to(device=device, dtype=dtype)
+        # copy=True: safetensors hands out tensors backed by a private mmap of the file; a parameter left there
+        # would die with SIGBUS if the file were later truncated in place
+        return _read(pieces[0], reader, block).to(device=device, dtype=dtype, copy=pieces[0].scale is None)
     if old.is_meta:
         out = torch.empty(old.shape, dtype=dtype, device=device)
     else:
@@ -177,6 +188,10 @@ def _finish(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     for name, p in model.named_parameters():
         if p.is_meta:
             raise CheckpointError(f"internal error: parameter {name} was not loaded")
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise CheckpointError(f"internal error: buffer {name} was not loaded")
+    for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     model.to(device)
