@@ -151,6 +151,21 @@ def _fwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# backward: delta = rowsum(out * dout), read once in the input dtype
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, T, s_ot, s_oh, s_dot, s_doh, VD: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr):
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_v = tl.arange(0, BV)
+    mask = (t[:, None] < T) & (offs_v[None, :] < VD)
+    o = tl.load(O + h * s_oh + t[:, None] * s_ot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + h * s_doh + t[:, None] * s_dot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + h * T + t, tl.sum(o * do, 1), mask=t < T)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # backward: dk, dv (and the shared part's dk summed over a group of heads)
 
 
@@ -505,7 +520,11 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, softmax_scale, causal,
         dka, dkb_arg = dk[..., :A], (dk[..., A:] if has_b else dk)
     if T == 0:
         return (dq, dka, dkb32.to(q.dtype), dv) if b_shared else (dq, dk, None, dv)
-    delta = (out.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # (H, T)
+    delta = torch.empty(H, T, device=q.device, dtype=torch.float32)
+    blk = 64 if q.device.type == "cuda" else 16
+    _delta_kernel[(triton.cdiv(T, blk), H)](
+        out, do, delta, T, out.stride(0), out.stride(1), do.stride(0), do.stride(1), VD=VD, BV=_pow2(VD), BLOCK=blk
+    )
     qk_scale = softmax_scale * LOG2E
     common = {
         "A": A,
