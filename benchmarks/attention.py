@@ -109,7 +109,7 @@ def check(out_dir: str | None) -> bool:
 def mla_inputs(lengths: list[int], H: int):
     T = sum(lengths)
     dev = "cuda"
-    mk = lambda *s: (torch.randn(*s, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()  # noqa: E731
+    mk = lambda *s: (torch.randn(*s, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
     q, kn, kp, v = mk(T, H, N + R), mk(T, H, N), mk(T, R), mk(T, H, V)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     return q, kn, kp, v, cu
@@ -156,7 +156,7 @@ def tune(out_dir: str | None) -> None:
         fn, grads, dout = ours(lengths, H)
         for kind, variants in (("fwd", fwd_variants), ("dkdv", dkdv_variants), ("dq", dq_variants)):
             for bm, bn, w, s in variants:
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
                 ta._config = lambda k, *a, _k=kind, _c=cfg: _c if k == _k else base(k, *a)
                 try:
                     if kind == "fwd":
@@ -181,9 +181,9 @@ def tune(out_dir: str | None) -> None:
 
 def peers(lengths: list[int], H: int, skip_flex: bool):
     """name -> (fn, grads, dout, right_masking) for the peers, inputs prepared outside the timing."""
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import torch.nn.functional as F
     from anyseek.kernels import torch_backends
 
     T = sum(lengths)
