@@ -147,6 +147,8 @@ def test_xml_dump_end_to_end(tmp_path):
     docs = decoded_docs(tmp_path / "out", "train") + decoded_docs(tmp_path / "out", "val")
     assert any(d.startswith("The Quillow River is a short river") for d in docs)
     assert not any("{{" in d or "[[" in d or "<ref" in d for d in docs)
+    empty = next(e for e in m["skipped_examples"] if e["reason"] == "empty_after_cleaning")
+    assert "enwiki-latest-pages-articles.xml.bz2:" in empty["where"] and "(Only a template)" in empty["where"]
 
 
 def test_external_tokenizer_and_uint32(prepared, tmp_path):

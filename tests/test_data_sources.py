@@ -15,14 +15,14 @@ from test_data_fixtures import (
     write_wikimedia_parquet,
 )
 
-from anyseek.data.sources import Skip, SourceError, open_source
+from anyseek.data.sources import Raw, Skip, SourceError, open_source
 from anyseek.data.wikitext import WikiDumpError, clean_wikitext, iter_pages
 
 
 def collect(spec, **kw):
     src = open_source(str(spec), **kw)
     items = list(src.items())
-    docs = [x for x in items if isinstance(x, str)]
+    docs = [x.text if isinstance(x, Raw) else x for x in items if not isinstance(x, Skip)]
     if src.cleaner is not None:
         docs = src.cleaner(docs)
     skips = [x for x in items if isinstance(x, Skip)]

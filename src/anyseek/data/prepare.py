@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ import numpy as np
 from anyseek.data import shards as S
 from anyseek.data import tokenizer as T
 from anyseek.data.progress import Progress, prefetch
-from anyseek.data.sources import Skip, Source, default_cache_dir, open_source
+from anyseek.data.sources import Raw, Skip, Source, SourceError, default_cache_dir, open_source
 
 DEFAULT_TOKENIZER_TRAIN_BYTES = 256 << 20
 _STAGING = ".prepare-tmp"
@@ -108,7 +109,13 @@ def ensure_prepared(
 ) -> Path:
     """Prepare once: returns OUT at once when it already holds a complete manifest for the same inputs."""
     out = Path(out).expanduser() if out is not None else default_out(source, vocab_size)
-    prepare(source, out, vocab_size, **options)
+    try:
+        prepare(source, out, vocab_size, **options)
+    except SourceError:
+        # The source is gone (say the sample package was uninstalled) but complete data prepared from it is here.
+        if not _has_complete_data(out):
+            raise
+        print(f"anyseek: {source} cannot be opened; using the data already prepared in {out}", file=sys.stderr)
     return out
 
 
@@ -128,6 +135,13 @@ def _inputs(src: Source, vocab_size, tokenizer, val_fraction, seed, train_bytes)
             raise T.TokenizerError(f"{path}: no tokenizer.json (give a tokenizer.json file or a tokenizer folder)")
         inputs["tokenizer"] = {"files": {f.name: T.sha256_file(f) for f in files}}
     return inputs
+
+
+def _has_complete_data(out: Path) -> bool:
+    try:
+        return not S.missing_files(out, S.read_manifest(out))
+    except (FileNotFoundError, ValueError, KeyError):
+        return False
 
 
 def _complete_manifest(out: Path, fingerprint: str) -> dict | None:
@@ -189,40 +203,44 @@ def _commit(staging: Path, out: Path, manifest: dict) -> None:
 # ------------------------------------------------------------------------------------------------ documents
 
 
-def _clean_job(cleaner, texts: list[str], skips: list[Skip]) -> tuple[list[str], list[Skip]]:
+def _clean_job(cleaner, texts: list[str], skips: list[Skip], wheres: list[str]) -> tuple[list[str], list[Skip]]:
     cleaned = cleaner(texts)
-    kept = [t for t in cleaned if t]
-    skips = skips + [Skip("empty_after_cleaning", "page")] * (len(cleaned) - len(kept))
-    return kept, skips
+    skips = skips + [Skip("empty_after_cleaning", w) for t, w in zip(cleaned, wheres) if not t]
+    return [t for t in cleaned if t], skips
 
 
 def _raw_chunks(src: Source, chunk_bytes: int = 1 << 20, chunk_docs: int = 4096):
-    texts, skips, size = [], [], 0
+    """(texts, skips, wheres) in source order; `wheres` names the texts of Raw items (empty for plain documents)."""
+    texts, skips, wheres, size = [], [], [], 0
     for item in src.items():
         if isinstance(item, Skip):
             skips.append(item)
             continue
+        if isinstance(item, Raw):
+            wheres.append(item.where)
+            item = item.text
         texts.append(item)
         size += len(item)
         if size >= chunk_bytes or len(texts) >= chunk_docs:
-            yield texts, skips
-            texts, skips, size = [], [], 0
+            yield texts, skips, wheres
+            texts, skips, wheres, size = [], [], [], 0
     if texts or skips:
-        yield texts, skips
+        yield texts, skips, wheres
 
 
 def iter_chunks(src: Source, pool=None, window: int = 8) -> Iterator[tuple[list[str], list[Skip]]]:
     """(documents, skips) in source order; a source's cleaner runs in `pool` with at most `window` chunks queued."""
     if src.cleaner is None:
-        yield from _raw_chunks(src)
+        for texts, skips, _ in _raw_chunks(src):
+            yield texts, skips
         return
     if pool is None:
-        for texts, skips in _raw_chunks(src):
-            yield _clean_job(src.cleaner, texts, skips)
+        for chunk in _raw_chunks(src):
+            yield _clean_job(src.cleaner, *chunk)
         return
     pending: deque = deque()
-    for texts, skips in _raw_chunks(src):
-        pending.append(pool.apply_async(_clean_job, (src.cleaner, texts, skips)))
+    for chunk in _raw_chunks(src):
+        pending.append(pool.apply_async(_clean_job, (src.cleaner, *chunk)))
         if len(pending) >= window:
             yield pending.popleft().get()
     while pending:
@@ -334,9 +352,18 @@ def _manifest(src, inputs, fingerprint, tok, specials, tok_info, result, staging
         "val_fraction": inputs["val_fraction"],
         "seed": inputs["seed"],
         "elapsed_s": round(time.perf_counter() - start, 2),
-        "inputs": inputs,
+        "inputs": _short_inputs(inputs),
         "splits": splits,
     }
+
+
+def _short_inputs(inputs: dict) -> dict:
+    """The inputs for the manifest, with a long file list replaced by its count and hash."""
+    files = inputs["source"].get("files")
+    if not files or len(files) <= 100:
+        return inputs
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+    return {**inputs, "source": {**inputs["source"], "files": {"count": len(files), "sha256": digest}}}
 
 
 def _summary(out: Path, m: dict) -> str:

@@ -7,7 +7,7 @@ SPEC is one of
 
 A source yields `str` (one document, stripped) or `Skip(reason, where)` for input it could not use, so that nothing
 is lost silently: prepare counts skips by reason in the manifest. Sources whose documents need heavy cleaning
-(XML dumps) set `cleaner`, which prepare runs over chunks of documents in a process pool.
+(XML dumps) yield `Raw(text, where)` and set `cleaner`, which prepare runs over chunks in a process pool.
 """
 
 from __future__ import annotations
@@ -45,12 +45,20 @@ class Skip:
     where: str
 
 
+@dataclass(frozen=True)
+class Raw:
+    """A document that still needs the source's cleaner (wikitext); `where` names it for the skip count."""
+
+    text: str
+    where: str
+
+
 @dataclass
 class Source:
     spec: str
     description: dict
     fingerprint: dict
-    items: Callable[[], Iterator[str | Skip]]
+    items: Callable[[], Iterator[str | Raw | Skip]]
     cleaner: Callable[[list[str]], list[str]] | None = None
     total_bytes: int | None = None
     extra: dict = field(default_factory=dict)
@@ -364,9 +372,7 @@ def _xml_file(path: Path) -> Iterator[str | Skip]:
     n = 0
     for page in iter_pages(path):
         n += 1
-        if page.skip:
-            yield Skip(page.skip, f"{path}:{page.line} ({page.title})" if page.title else f"{path}:{page.line}")
-        else:
-            yield page.text
+        where = f"{path}:{page.line} ({page.title})" if page.title else f"{path}:{page.line}"
+        yield Skip(page.skip, where) if page.skip else Raw(page.text, where)
     if n == 0:
         yield Skip("empty_file", str(path))
