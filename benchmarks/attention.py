@@ -141,39 +141,43 @@ def ours(lengths, H):
     return (lambda: ops.mla_attention(q, kn, kp, v, cu, mx)), [q, kn, kp, v], dout
 
 
+FWD_VARIANTS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2),
+                (32, 32, 4, 2), (64, 64, 4, 1)]  # fmt: skip
+DKDV_VARIANTS = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 1), (32, 128, 4, 2), (16, 128, 4, 2), (32, 64, 4, 1),
+                 (64, 128, 8, 1), (32, 128, 8, 3)]  # fmt: skip
+DQ_VARIANTS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 2),
+               (32, 32, 4, 2)]  # fmt: skip
+
+
 def tune(out_dir: str | None) -> None:
+    """One kernel's launch settings varied at a time, the others at their defaults; then heads per dk/dv program."""
     from anyseek.kernels.triton import attention as ta
 
-    base = ta._config
-    fwd_variants = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]
-    dkdv_variants = [(64, 64, 8, 2), (32, 64, 4, 2), (32, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 3)]
-    dq_variants = [(64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3)]
+    base, base_pps = ta._config, ta.PROGRAMS_PER_SM
     cases = [("dense S=4096 H=128", [4096], 128), ("wiki leads 16k H=128", wiki_row(16384, 1), 128),
-             ("dense S=4096 H=16", [4096], 16)]  # fmt: skip
-    lines = [f"# launch settings: {env_line()}", "", "| case | kernel | BM, BN, warps, stages | ms | TFLOP/s |",
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+             ("wiki leads 16k H=16", wiki_row(16384, 0), 16), ("dense S=4096 H=16", [4096], 16)]  # fmt: skip
+    lines = [f"# launch settings: {env_line()}", "", "fwd rows time the forward; dkdv/dq/pps rows time forward+backward.",
+             "", "| case | kernel | BM, BN, warps, stages | ms | TFLOP/s |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for what, lengths, H in cases:
         fn, grads, dout = ours(lengths, H)
-        for kind, variants in (("fwd", fwd_variants), ("dkdv", dkdv_variants), ("dq", dq_variants)):
-            for bm, bn, w, s in variants:
-                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+        runs = [(k, v) for k, vs in (("fwd", FWD_VARIANTS), ("dkdv", DKDV_VARIANTS), ("dq", DQ_VARIANTS)) for v in vs]
+        runs += [("pps", (p, 0, 0, 0)) for p in (2, 4, 8, 16)]
+        for kind, (bm, bn, w, st) in runs:
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+            if kind == "pps":
+                ta.PROGRAMS_PER_SM = bm
+            else:
                 ta._config = lambda k, *a, _k=kind, _c=cfg: _c if k == _k else base(k, *a)
-                try:
-                    if kind == "fwd":
-                        ms = bench_fn(fn, grads, False)
-                        tf = flops(lengths, H) / ms / 1e9
-                    else:
-                        ms = bench_fn(fn, grads, True, dout)
-                        tf = 3.5 * flops(lengths, H) / ms / 1e9
-                    lines.append(
-                        f"| {what} | {kind} (fwd+bwd timed for bwd kernels) | {bm}, {bn}, {w}, {s} | {ms:.3f} | {tf:.0f} |"
-                    )
-                except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory) is a result too
-                    lines.append(
-                        f"| {what} | {kind} | {bm}, {bn}, {w}, {s} | failed: {type(e).__name__} {str(e)[:80]} | |"
-                    )
-                print(lines[-1], flush=True)
-                ta._config = base
+            try:
+                ms = bench_fn(fn, grads, kind != "fwd", dout)
+                tf = (1 if kind == "fwd" else 3.5) * flops(lengths, H) / ms / 1e9
+                lines.append(f"| {what} | {kind} | {bm}, {bn}, {w}, {st} | {ms:.3f} | {tf:.0f} |")
+            except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory) is a result too
+                lines.append(
+                    f"| {what} | {kind} | {bm}, {bn}, {w}, {st} | failed: {type(e).__name__} {str(e)[:80]} | |"
+                )
+            print(lines[-1], flush=True)
+            ta._config, ta.PROGRAMS_PER_SM = base, base_pps
         del fn, grads, dout
         torch.cuda.empty_cache()
     emit(lines, out_dir, "tune.md")

@@ -12,20 +12,26 @@ import torch
 from anyseek.kernels.torch_backends import check_shapes_mla, check_shapes_varlen
 from anyseek.kernels.triton import attention as _k
 
+
+def _max_len(max_seqlen: int | None, q: torch.Tensor) -> int:
+    # only steers launch settings (short documents get small tiles); None: assume one long document
+    return int(max_seqlen) if max_seqlen is not None else q.shape[0]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # MLA
 
 
 @torch.library.custom_op("anyseek::mla_attention_fwd", mutates_args=())
 def _mla_fwd(
-    q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     softmax_scale: float, causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _k.attention_fwd(q, k_nope, k_pe, v, cu_seqlens, softmax_scale, causal, b_shared=True)
+    return _k.attention_fwd(q, k_nope, k_pe, v, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared=True)
 
 
 @_mla_fwd.register_fake
-def _(q, k_nope, k_pe, v, cu_seqlens, softmax_scale, causal):
+def _(q, k_nope, k_pe, v, cu_seqlens, max_seqlen, softmax_scale, causal):
     T, H, _ = q.shape
     return q.new_empty(T, H, v.shape[-1]), q.new_empty(H, T, dtype=torch.float32)
 
@@ -33,13 +39,15 @@ def _(q, k_nope, k_pe, v, cu_seqlens, softmax_scale, causal):
 @torch.library.custom_op("anyseek::mla_attention_bwd", mutates_args=())
 def _mla_bwd(
     do: torch.Tensor, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, cu_seqlens: torch.Tensor, softmax_scale: float, causal: bool,
+    lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float, causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _k.attention_bwd(do, q, k_nope, k_pe, v, out, lse, cu_seqlens, softmax_scale, causal, b_shared=True)
+    return _k.attention_bwd(
+        do, q, k_nope, k_pe, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared=True
+    )
 
 
 @_mla_bwd.register_fake
-def _(do, q, k_nope, k_pe, v, out, lse, cu_seqlens, softmax_scale, causal):
+def _(do, q, k_nope, k_pe, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal):
     T, H, C = q.shape
     return (
         q.new_empty(T, H, C),
@@ -51,19 +59,21 @@ def _(do, q, k_nope, k_pe, v, out, lse, cu_seqlens, softmax_scale, causal):
 
 class _MLAAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_nope, k_pe, v, cu_seqlens, softmax_scale, causal):
-        out, lse = torch.ops.anyseek.mla_attention_fwd(q, k_nope, k_pe, v, cu_seqlens, softmax_scale, causal)
+    def forward(ctx, q, k_nope, k_pe, v, cu_seqlens, max_seqlen, softmax_scale, causal):
+        out, lse = torch.ops.anyseek.mla_attention_fwd(
+            q, k_nope, k_pe, v, cu_seqlens, max_seqlen, softmax_scale, causal
+        )
         ctx.save_for_backward(q, k_nope, k_pe, v, out, lse, cu_seqlens)
-        ctx.softmax_scale, ctx.causal = softmax_scale, causal
+        ctx.max_seqlen, ctx.softmax_scale, ctx.causal = max_seqlen, softmax_scale, causal
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k_nope, k_pe, v, out, lse, cu_seqlens = ctx.saved_tensors
         dq, dk_nope, dk_pe, dv = torch.ops.anyseek.mla_attention_bwd(
-            do, q, k_nope, k_pe, v, out, lse, cu_seqlens, ctx.softmax_scale, ctx.causal
+            do, q, k_nope, k_pe, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale, ctx.causal
         )
-        return dq, dk_nope, dk_pe, dv, None, None, None
+        return dq, dk_nope, dk_pe, dv, None, None, None, None
 
 
 def mla_attention(
@@ -79,10 +89,13 @@ def mla_attention(
     """Triton MLA attention; shapes and masking as `anyseek.kernels.mla_attention`. out [T, H, V].
 
     k_pe is read through a head stride of 0 (never expanded); its gradient is summed over heads in the kernel.
-    max_seqlen is not needed (the tile schedule is built from cu_seqlens on the device)."""
+    max_seqlen (a host int, no sync) only picks launch settings; the tile schedule is built from cu_seqlens on the
+    device."""
     check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens)
     scale = _k.default_scale(q_THC.shape[-1], softmax_scale)
-    return _MLAAttention.apply(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens.to(torch.int32), scale, causal)
+    return _MLAAttention.apply(
+        q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens.to(torch.int32), _max_len(max_seqlen, q_THC), scale, causal
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -91,15 +104,21 @@ def mla_attention(
 
 @torch.library.custom_op("anyseek::varlen_attention_fwd", mutates_args=())
 def _varlen_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, softmax_scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+    causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     A, B = _k.split_dim(q.shape[-1])
     kb = k[..., A:] if B else None
-    return _k.attention_fwd(q, k[..., :A], kb, v, cu_seqlens, softmax_scale, causal, b_shared=False)
+    return _k.attention_fwd(q, k[..., :A], kb, v, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared=False)
 
 
 @_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens, softmax_scale, causal):
+def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal):
     T, H, _ = q.shape
     return q.new_empty(T, H, v.shape[-1]), q.new_empty(H, T, dtype=torch.float32)
 
@@ -107,34 +126,36 @@ def _(q, k, v, cu_seqlens, softmax_scale, causal):
 @torch.library.custom_op("anyseek::varlen_attention_bwd", mutates_args=())
 def _varlen_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    cu_seqlens: torch.Tensor, softmax_scale: float, causal: bool,
+    cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float, causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     A, B = _k.split_dim(q.shape[-1])
     kb = k[..., A:] if B else None
-    dq, dk, _, dv = _k.attention_bwd(do, q, k[..., :A], kb, v, out, lse, cu_seqlens, softmax_scale, causal, False)
+    dq, dk, _, dv = _k.attention_bwd(
+        do, q, k[..., :A], kb, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal, False
+    )
     return dq, dk, dv
 
 
 @_varlen_bwd.register_fake
-def _(do, q, k, v, out, lse, cu_seqlens, softmax_scale, causal):
+def _(do, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, softmax_scale, causal):
-        out, lse = torch.ops.anyseek.varlen_attention_fwd(q, k, v, cu_seqlens, softmax_scale, causal)
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal):
+        out, lse = torch.ops.anyseek.varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.softmax_scale, ctx.causal = softmax_scale, causal
+        ctx.max_seqlen, ctx.softmax_scale, ctx.causal = max_seqlen, softmax_scale, causal
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = torch.ops.anyseek.varlen_attention_bwd(
-            do, q, k, v, out, lse, cu_seqlens, ctx.softmax_scale, ctx.causal
+            do, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale, ctx.causal
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def varlen_attention(
@@ -149,7 +170,9 @@ def varlen_attention(
     """Triton varlen attention, head dims up to 256 (d_qk != d_v allowed); as `anyseek.kernels.varlen_attention`."""
     check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
     scale = _k.default_scale(q_THD.shape[-1], softmax_scale)
-    return _VarlenAttention.apply(q_THD, k_THD, v_THV, cu_seqlens.to(torch.int32), scale, causal)
+    return _VarlenAttention.apply(
+        q_THD, k_THD, v_THV, cu_seqlens.to(torch.int32), _max_len(max_seqlen, q_THD), scale, causal
+    )
 
 
 __all__ = ["mla_attention", "varlen_attention"]

@@ -24,6 +24,7 @@ import triton.language as tl
 from anyseek.kernels.triton.check import interpreting
 
 LOG2E = 1.4426950408889634
+PROGRAMS_PER_SM = 4  # dk/dv programs per SM when heads are grouped (see _heads_per_program)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -422,20 +423,32 @@ def split_dim(D: int) -> tuple[int, int]:
     return A, D - A
 
 
-def _config(kind: str, A: int, B: int, VD: int, device: torch.device) -> dict:
+def _config(kind: str, A: int, B: int, VD: int, device: torch.device, max_seqlen: int) -> dict:
     """Block sizes and launch settings per kernel (kind: fwd, dkdv, dq).
 
-    On the interpreter: 16x16 tiles (small and quick). On GPUs: chosen by sweeps on an H100 / H200 for
-    DeepSeek-V3's 128+64 / 128 dims (see docs/bench-attention.md); wider dims get smaller row blocks."""
+    On the interpreter: 16x16 tiles (small and quick). On GPUs: from sweeps on an H200 (benchmarks/attention.py
+    --tune, docs/bench-attention.md) for DeepSeek-V3's 128+64 / 128 dims. Short documents (max_seqlen <= 512,
+    e.g. packed Wikipedia leads) waste less of a small tile; dims wider than 384 in all get smaller tiles."""
     if device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
-    width = _pow2(A) + (_pow2(B) if B else 0) + _pow2(VD)
-    if kind == "fwd":
-        bm = 128 if width <= 384 else 64
-        return {"BLOCK_M": bm, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-    if kind == "dkdv":
-        return {"BLOCK_M": 32 if width > 384 else 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 64 if width <= 384 else 32, "num_warps": 8, "num_stages": 2}
+    wide = _pow2(A) + (_pow2(B) if B else 0) + _pow2(VD) > 384
+    short = max_seqlen <= 512
+    table = {
+        ("fwd", False, False): (128, 64, 8, 3),
+        ("fwd", True, False): (64, 64, 4, 2),
+        ("fwd", False, True): (64, 64, 8, 2),
+        ("fwd", True, True): (64, 64, 8, 2),
+        ("dkdv", False, False): (32, 128, 8, 2),
+        ("dkdv", True, False): (32, 128, 8, 2),
+        ("dkdv", False, True): (32, 64, 8, 1),
+        ("dkdv", True, True): (32, 64, 8, 1),
+        ("dq", False, False): (128, 64, 8, 2),
+        ("dq", True, False): (64, 32, 4, 2),
+        ("dq", False, True): (64, 32, 8, 2),
+        ("dq", True, True): (64, 32, 8, 2),
+    }
+    bm, bn, w, st = table[(kind, short, wide)]
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -463,7 +476,7 @@ def _kb_strides(kb: torch.Tensor, b_shared: bool) -> tuple[int, int]:
     return (kb.stride(0), 0) if b_shared else (kb.stride(0), kb.stride(1))
 
 
-def attention_fwd(q, ka, kb, v, cu_seqlens, softmax_scale, causal, b_shared):
+def attention_fwd(q, ka, kb, v, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared):
     """q [T, H, A+B], ka [T, H, A], kb [T, R] (b_shared) or [T, H, B] or None (no B part), v [T, H, Vd].
     Returns out [T, H, Vd] in q's dtype and lse [H, T] fp32 (log2 domain of the scaled scores)."""
     _check(q, ka, kb, v, cu_seqlens, b_shared)
@@ -476,7 +489,7 @@ def attention_fwd(q, ka, kb, v, cu_seqlens, softmax_scale, causal, b_shared):
     lse = torch.empty(H, T, device=q.device, dtype=torch.float32)
     if T == 0:
         return out, lse
-    cfg = _config("fwd", A, B, VD, q.device)
+    cfg = _config("fwd", A, B, VD, q.device, max_seqlen)
     sched = tiles(cu_seqlens, T, cfg["BLOCK_M"], causal, from_diagonal=False)
     s_kbt, s_kbh = _kb_strides(kb, b_shared)
     grid = (H, sched.shape[1])
@@ -496,11 +509,11 @@ def _heads_per_program(H: int, n_tiles: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1 if H == 1 else 2 if H % 2 == 0 else 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    target = max(1, (H * n_tiles) // (4 * sms))
+    target = max(1, (H * n_tiles) // (PROGRAMS_PER_SM * sms))
     return max(d for d in range(1, H + 1) if H % d == 0 and d <= target)
 
 
-def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, softmax_scale, causal, b_shared):
+def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared):
     """Gradients. b_shared: (dq [T, H, A+B], dka [T, H, A], dkb [T, R] summed over heads, dv [T, H, Vd]);
     otherwise (dq, dk [T, H, A+B] for the whole key, None, dv)."""
     T, H, C = q.shape
@@ -539,7 +552,7 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, softmax_scale, causal,
     common["PREC"] = _prec(q.dtype)
     s_kbt, s_kbh = _kb_strides(kb, b_shared)
 
-    cfg = _config("dkdv", A, B, VD, q.device)
+    cfg = _config("dkdv", A, B, VD, q.device, max_seqlen)
     sched = tiles(cu_seqlens, T, cfg["BLOCK_N"], causal, from_diagonal=True)
     heads = _heads_per_program(H, sched.shape[1], q.device) if b_shared else 1
     s_dkbt, s_dkbh = (dkb_arg.stride(0), 0) if b_shared else (dkb_arg.stride(0), dkb_arg.stride(1))
@@ -550,7 +563,7 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, softmax_scale, causal,
         B_SHARED=b_shared, HEADS=heads, **common, **cfg,
     )  # fmt: skip
 
-    cfg = _config("dq", A, B, VD, q.device)
+    cfg = _config("dq", A, B, VD, q.device, max_seqlen)
     sched = tiles(cu_seqlens, T, cfg["BLOCK_M"], causal, from_diagonal=False)
     _dq_kernel[(H, sched.shape[1])](
         q, ka, kb, v, do, lse, delta, dq, cu_seqlens, sched, sched.shape[1], T, qk_scale, softmax_scale,
