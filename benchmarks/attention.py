@@ -305,10 +305,10 @@ def main(argv=None) -> int:
     ok = True
     if a.check:
         ok = check(a.out)
-    if a.tune:
-        tune(a.out)
     if a.bench:
         bench(a.out, a.no_flex)
+    if a.tune:
+        tune(a.out)
     return 0 if ok else 1
 
 
