@@ -43,6 +43,14 @@ It is <b>calm</b> &amp; <span class="x">clean</span>.
 === Wildlife ===
 * Trout
 * Herons
+
+=== Empty subsection ===
+{{Main|Fish of Examplestan}}
+
+== See also ==
+* [[Other river]]
+
+== References ==
 <references />
 [[Category:Rivers of Examplestan]]
 [[fr:Quillow]]

@@ -39,7 +39,8 @@ def test_clean_wikitext_keeps_prose_drops_markup():
     assert "It is calm & clean." in text
     assert "Trout\nHerons" in text
     for junk in ("{{", "}}", "[[", "]]", "<ref", "cite web", "Atlas", "Infobox", "wikitable", "Northby", "thumb",
-                 "Category", "fr:", "editors", "'''", "<b>", "&amp;", "Short description"):  # fmt: skip
+                 "Category", "fr:", "editors", "'''", "<b>", "&amp;", "Short description", "See also",
+                 "Other river", "References", "Empty subsection", "\x01"):  # fmt: skip
         assert junk not in text, junk
 
 

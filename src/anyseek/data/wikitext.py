@@ -34,6 +34,11 @@ _DROP_TAGS = {
     "style", "script", "code",
 }  # fmt: skip
 _BREAK_TAGS = {"br", "p", "div", "tr", "hr"}
+_DROP_SECTIONS = {
+    "references", "external links", "see also", "further reading", "notes", "notes and references", "bibliography",
+    "sources", "citations", "footnotes", "works cited", "references and notes", "gallery", "explanatory notes",
+}  # fmt: skip
+_HEADING = "\x01"  # marks a heading line (followed by its level digit) until the final clean-up
 _MAGIC_RE = re.compile(r"__[A-Z]+__")
 _QUOTES_RE = re.compile(r"'{2,}")
 _SPACES_RE = re.compile(r"[ \t\u00a0]+")
@@ -183,13 +188,27 @@ def _node_text(nodes, out: list[str]) -> None:
 
 
 def clean_wikitext(text: str) -> str:
-    """Wikitext -> plain prose (may return "" when nothing is left)."""
+    """Wikitext -> plain prose (may return "" when nothing is left). Sections that are lists of sources or links
+    (References, External links, See also, ...) are dropped, and so are headings left without text."""
     try:
         import mwparserfromhell
+        from mwparserfromhell.nodes import Heading
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError('XML dumps need mwparserfromhell: pip install "anyseek[data]"') from e
     out: list[str] = []
-    _node_text(mwparserfromhell.parse(text).nodes, out)
+    skip_level = None
+    for node in mwparserfromhell.parse(text).nodes:
+        if isinstance(node, Heading):
+            if skip_level is not None and node.level > skip_level:
+                continue  # a subsection of a dropped section
+            dropped = node.title.strip_code().strip().lower() in _DROP_SECTIONS
+            skip_level = node.level if dropped else None
+            if not dropped:
+                out.append(f"\n\n{_HEADING}{node.level}")
+                _node_text(node.title.nodes, out)
+                out.append("\n")
+        elif skip_level is None:
+            _node_text([node], out)
     prose = _QUOTES_RE.sub("", _MAGIC_RE.sub("", "".join(out)))
     lines = []
     for line in prose.split("\n"):
@@ -198,7 +217,24 @@ def clean_wikitext(text: str) -> str:
         if line.startswith(("|", "!", "{|", "|}")):  # table rows the parser left as text
             continue
         lines.append(line)
-    return _BLANKS_RE.sub("\n\n", "\n".join(lines)).strip()
+    return _BLANKS_RE.sub("\n\n", "\n".join(_keep_headings_with_text(lines))).strip()
+
+
+def _keep_headings_with_text(lines: list[str]) -> list[str]:
+    """Drop heading lines (marked with their level) that no text follows before the next heading of their level."""
+    kept = []
+    for i, line in enumerate(lines):
+        if not line.startswith(_HEADING):
+            kept.append(line)
+            continue
+        level = line[1]
+        for nxt in lines[i + 1 :]:
+            if nxt.startswith(_HEADING) and nxt[1] <= level:
+                break
+            if nxt and not nxt.startswith(_HEADING):
+                kept.append(line[2:].strip())
+                break
+    return kept
 
 
 def clean_pages(texts: list[str]) -> list[str]:
