@@ -204,8 +204,11 @@ def _commit(staging: Path, out: Path, manifest: dict) -> None:
 
 
 def _clean_job(cleaner, texts: list[str], skips: list[Skip], wheres: list[str]) -> tuple[list[str], list[Skip]]:
+    """Run a source's cleaner over one chunk; pages that come out empty (or that it fails on) become skips."""
     cleaned = cleaner(texts)
-    skips = skips + [Skip("empty_after_cleaning", w) for t, w in zip(cleaned, wheres) if not t]
+    for text, where in zip(cleaned, wheres):
+        if not text:
+            skips.append(Skip("empty_after_cleaning" if text is not None else "cleaning_failed", where))
     return [t for t in cleaned if t], skips
 
 

@@ -41,6 +41,7 @@ _DROP_SECTIONS = {
 _HEADING = "\x01"  # marks a heading line (followed by its level digit) until the final clean-up
 _MAGIC_RE = re.compile(r"__[A-Z]+__")
 _QUOTES_RE = re.compile(r"'{2,}")
+_LEFTOVER_RE = re.compile(r"\{\{|\}\}|\[\[|\]\]")  # unbalanced markup the parser kept as text
 _SPACES_RE = re.compile(r"[ \t\u00a0]+")
 _EMPTY_PARENS_RE = re.compile(r"\(\s*[,;]?\s*\)")
 _BLANKS_RE = re.compile(r"\n{3,}")
@@ -209,7 +210,7 @@ def clean_wikitext(text: str) -> str:
                 out.append("\n")
         elif skip_level is None:
             _node_text([node], out)
-    prose = _QUOTES_RE.sub("", _MAGIC_RE.sub("", "".join(out)))
+    prose = _LEFTOVER_RE.sub("", _QUOTES_RE.sub("", _MAGIC_RE.sub("", "".join(out))))
     lines = []
     for line in prose.split("\n"):
         line = _EMPTY_PARENS_RE.sub("", _SPACES_RE.sub(" ", line)).strip()
@@ -237,6 +238,12 @@ def _keep_headings_with_text(lines: list[str]) -> list[str]:
     return kept
 
 
-def clean_pages(texts: list[str]) -> list[str]:
-    """Pool worker: clean a chunk of wikitext pages."""
-    return [clean_wikitext(t) for t in texts]
+def clean_pages(texts: list[str]) -> list[str | None]:
+    """Pool worker: clean a chunk of wikitext pages; None for a page the parser fails on (counted, not fatal)."""
+    out: list[str | None] = []
+    for text in texts:
+        try:
+            out.append(clean_wikitext(text))
+        except (RecursionError, ValueError, TypeError, AttributeError, IndexError):
+            out.append(None)
+    return out
