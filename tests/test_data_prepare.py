@@ -121,6 +121,7 @@ def test_interrupted_prepare_leaves_no_manifest(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         prepare(str(src), out, VOCAB, val_fraction=0.3, progress=False)
     assert not (out / "manifest.json").exists()  # the old one is gone and no new one points at partial shards
+    assert not (out / ".prepare-tmp").exists()
     monkeypatch.undo()
     m = prepare(str(src), out, VOCAB, val_fraction=0.3, progress=False)
     assert m["documents"]["train"] + m["documents"]["val"] == 50 and shards.missing_files(out, m) == []

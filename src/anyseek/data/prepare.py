@@ -39,7 +39,7 @@ from anyseek.data.sources import Raw, Skip, Source, SourceError, default_cache_d
 DEFAULT_TOKENIZER_TRAIN_BYTES = 256 << 20
 _STAGING = ".prepare-tmp"
 _SHARD_RE = re.compile(r"^(train|val)-\d{5}\.(bin|idx\.npy)$")
-_MAX_EXAMPLES = 20
+_EXAMPLES_PER_REASON = 5
 
 
 class PrepareError(ValueError):
@@ -93,11 +93,17 @@ def prepare(
         staging.mkdir()
         log = Progress(progress)
         start = time.perf_counter()
-        with _pool(src, workers) as pool:
-            tok, tok_info = _tokenizer(src, pool, tokenizer, vocab_size, val_fraction, seed, tokenizer_train_bytes, log)
-            specials = T.resolve_specials(tok, tok_info.pop("config", {}))
-            T.save_tokenizer(tok, staging / T.TOKENIZER_DIR, specials, tok_info.pop("base_config", None))
-            result = _encode_all(src, pool, tok, specials["eos_token_id"], staging, val_fraction, seed, strict, log)
+        try:
+            with _pool(src, workers) as pool:
+                tok, tok_info = _tokenizer(src, pool, tokenizer, vocab_size, val_fraction, seed, tokenizer_train_bytes,
+                                           log)  # fmt: skip
+                specials = T.resolve_specials(tok, tok_info.pop("config", {}))
+                T.save_tokenizer(tok, staging / T.TOKENIZER_DIR, specials, tok_info.pop("base_config", None))
+                result = _encode_all(src, pool, tok, specials["eos_token_id"], staging, val_fraction, seed, strict, log)
+        except BaseException:
+            log.end_phase()
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         manifest = _manifest(src, inputs, fingerprint, tok, specials, tok_info, result, staging, start)
         _commit(staging, out, manifest)
         log.done(_summary(out, manifest))
@@ -299,7 +305,7 @@ def _encode_all(src, pool, tok, eos: int, staging: Path, val_fraction, seed, str
     writers = {s: S.ShardWriter(staging, s, dtype) for s in ("train", "val")}
     nbytes = {"train": 0, "val": 0}
     skipped: Counter = Counter()
-    examples: list[dict] = []
+    examples: list[dict] = []  # the first few of each reason
     key = _split_key(seed)
     for texts, skips in prefetch(iter_chunks(src, pool)):
         is_val, sizes, bad = _val_mask(texts, val_fraction, key)
@@ -310,7 +316,7 @@ def _encode_all(src, pool, tok, eos: int, staging: Path, val_fraction, seed, str
             if strict:
                 raise PrepareError(f"{skip.where}: {skip.reason.replace('_', ' ')} (strict mode)")
             skipped[skip.reason] += 1
-            if len(examples) < _MAX_EXAMPLES:
+            if skipped[skip.reason] <= _EXAMPLES_PER_REASON:
                 examples.append({"reason": skip.reason, "where": skip.where})
         encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
         bufs = {"train": array.array(typecode), "val": array.array(typecode)}
