@@ -42,7 +42,7 @@ class Packing:
             )
         B = doc_lens.numel()
         doc_ids = torch.repeat_interleave(torch.arange(B, device=cu.device), doc_lens, output_size=num_tokens)
-        positions = torch.arange(num_tokens, device=cu.device) - cu[:-1][doc_ids]
+        positions = torch.arange(num_tokens, device=cu.device) - cu[:-1].index_select(0, doc_ids)
         max_seqlen = longest if max_seqlen is None else max_seqlen
         return cls(cu_seqlens.to(torch.int32), max_seqlen, positions, doc_ids, doc_lens)
 

@@ -24,13 +24,14 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int):
     order_M = torch.argsort(ids_M, stable=True)
     counts_E = torch.bincount(ids_M, minlength=num_experts)
     K = topk_ids_TK.shape[1]
-    return x_TD[order_M // K], order_M, counts_E
+    # index_select, not x[idx]: its backward is an index_add, much cheaper on CPU than an accumulating index_put
+    return x_TD.index_select(0, order_M // K), order_M, counts_E
 
 
 def unpermute(y_MD: torch.Tensor, order_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """Weighted combine back to tokens, accumulated in fp32: y[t] = sum_k w[t,k] * y_MD[row(t,k)]. -> fp32 [T, D]."""
     T, K = topk_weights_TK.shape
-    w_M = topk_weights_TK.reshape(-1)[order_M].float()
+    w_M = topk_weights_TK.reshape(-1).index_select(0, order_M).float()
     out_TD = torch.zeros(T, y_MD.shape[-1], dtype=torch.float32, device=y_MD.device)
     return out_TD.index_add(0, order_M // K, y_MD.float() * w_M[:, None])
 
