@@ -113,6 +113,12 @@ class PackedLoader:
         """Tokens in this rank's share of one epoch."""
         return int(self._epoch_stream(self.epoch)[2][-1])
 
+    def __len__(self) -> int:
+        """Batches in one pass (loop=False only; a looping loader is infinite)."""
+        if self.loop:
+            raise TypeError("a PackedLoader with loop=True is infinite")
+        return (self.tokens_per_epoch + self.tokens_per_batch - 1) // self.tokens_per_batch
+
     # ------------------------------------------------------------------------------------------ batches
     def _next_batch(self) -> Batch | None:
         parts, want = [], self.tokens_per_batch
