@@ -124,3 +124,44 @@ def test_bad_config_json_is_named(tmp_path):
         ModelConfig.from_json_file(path)
     with pytest.raises(ValueError, match="unknown model flavor 'huge'"):
         ModelConfig.from_name("huge")
+
+
+# deepseek-ai/DeepSeek-V3 config.json as published (keys and values; quantization_config abridged)
+OFFICIAL_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "aux_loss_alpha": 0.001,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+    "quant_method": "fp8", "weight_block_size": [128, 128]}, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 10000, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 4,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_official_v3_config_is_the_671b_flavor():
+    c = ModelConfig.from_hf_dict(OFFICIAL_V3)
+    assert c == ModelConfig.from_name("671B", aux_loss_alpha=0.001)
+    assert c.extra == {"bos_token_id": 0, "eos_token_id": 1}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"n_routed_experts": 0}, {"n_shared_experts": 0}, {"num_nextn_predict_layers": 0, "tie_word_embeddings": True}],
+)
+def test_edge_configs_run(fields):
+    c = ModelConfig.from_name("tiny", **fields)
+    model = DeepSeekV3(c)
+    out = model(torch.randint(0, 4096, (2, 6)), targets=torch.randint(0, 4096, (2, 6)))
+    assert torch.isfinite(out.loss)
+    if not c.n_routed_experts:
+        assert out.expert_load is None and out.balance_loss is None
+    if c.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight

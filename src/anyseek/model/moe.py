@@ -51,7 +51,7 @@ class Router(nn.Module):
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         scores_TE = logits_TE.sigmoid() if self.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
         with torch.no_grad():
-            choice_TE = scores_TE + self.e_score_correction_bias if self.scoring_func == "sigmoid" else scores_TE
+            choice_TE = scores_TE + self.e_score_correction_bias
             if self.n_group > 1:
                 choice_TE = self._limit_groups(choice_TE)
             topk_ids_TK = choice_TE.topk(self.top_k, dim=-1, sorted=False)[1]
@@ -64,9 +64,9 @@ class Router(nn.Module):
         """Keep the topk_group best groups per token; the other experts get -inf."""
         T, E = choice_TE.shape
         choice_TGX = choice_TE.view(T, self.n_group, E // self.n_group)
-        if self.scoring_func == "sigmoid":
+        if self.scoring_func == "sigmoid":  # V3 (noaux_tc): sum of each group's best two
             group_TG = choice_TGX.topk(2, dim=-1)[0].sum(dim=-1)
-        else:
+        else:  # V2 (group_limited_greedy): each group's best
             group_TG = choice_TGX.amax(dim=-1)
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
         keep_TG.scatter_(1, group_TG.topk(self.topk_group, dim=-1, sorted=False)[1], True)
