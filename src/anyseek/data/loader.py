@@ -113,6 +113,9 @@ class PackedLoader:
         """Tokens in this rank's share of one epoch."""
         return int(self._epoch_stream(self.epoch)[2][-1])
 
+    def __bool__(self) -> bool:  # `if loader:` must not call __len__ on an infinite loader
+        return True
+
     def __len__(self) -> int:
         """Batches in one pass (loop=False only; a looping loader is infinite)."""
         if self.loop:
