@@ -289,11 +289,38 @@ def bench(out_dir: str | None, skip_flex: bool) -> None:
     emit(lines, out_dir, "bench.md")
 
 
+def profile(out_dir: str | None) -> None:
+    """Where the time goes for the H=16 rows: kernel times vs wall time (launch overhead)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+
+    lines = []
+    for what, lengths, H in (("dense S=4096 H=16", [4096], 16), ("wiki leads 16k H=16", wiki_row(16384, 0), 16)):
+        fn, _grads, dout = ours(lengths, H)
+        for _ in range(3):
+            fn().backward(dout)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn().backward(dout)
+        t_launch = (time.perf_counter() - t0) / 10
+        torch.cuda.synchronize()
+        t_all = (time.perf_counter() - t0) / 10
+        with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn().backward(dout)
+            torch.cuda.synchronize()
+        lines.append(f"## {what}: host issue {t_launch * 1e3:.3f} ms/step, wall {t_all * 1e3:.3f} ms/step")
+        lines.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=40))
+    emit(lines, out_dir, "profile.md")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true")
     p.add_argument("--tune", action="store_true")
     p.add_argument("--bench", action="store_true")
+    p.add_argument("--profile", action="store_true")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes minutes)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
@@ -305,6 +332,8 @@ def main(argv=None) -> int:
     ok = True
     if a.check:
         ok = check(a.out)
+    if a.profile:
+        profile(a.out)
     if a.bench:
         bench(a.out, a.no_flex)
     if a.tune:
