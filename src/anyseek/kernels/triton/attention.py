@@ -501,6 +501,8 @@ def attention_fwd(q, ka, kb, v, cu_seqlens, max_seqlen, softmax_scale, causal, b
     """q [T, H, A+B], ka [T, H, A], kb [T, R] (b_shared) or [T, H, B] or None (no B part), v [T, H, Vd].
     Returns out [T, H, Vd] in q's dtype and lse [H, T] fp32 (log2 domain of the scaled scores)."""
     _check(q, ka, kb, v, cu_seqlens, b_shared)
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
     T, H, _C = q.shape
     A, VD = ka.shape[-1], v.shape[-1]
     has_b = kb is not None
