@@ -145,6 +145,16 @@ def test_txt_files_and_blocks(tmp_path):
     ]
 
 
+def test_dataset_folder_skips_readme_and_metadata(tmp_path):
+    write_wikimedia_parquet(tmp_path / "train-00000-of-00001.parquet", ["Alpha text.", "Beta text."])
+    (tmp_path / "README.md").write_text("# Dataset card")
+    (tmp_path / "dataset_info.json").write_text('{"description": "x"}')
+    docs, skips = collect(tmp_path)
+    assert docs == ["Alpha text.", "Beta text."]
+    assert sorted((s.reason, s.where.rsplit("/", 1)[-1]) for s in skips) == [
+        ("not_data_file", "README.md"), ("not_data_file", "dataset_info.json")]  # fmt: skip
+
+
 def test_json_shapes(tmp_path):
     (tmp_path / "list.json").write_text(json.dumps([{"content": "one"}, {"content": "two"}]))
     (tmp_path / "map.json").write_text(json.dumps({"k1": {"extract": "three"}, "k2": {"extract": "four"}}))

@@ -168,6 +168,9 @@ def expand_files(spec: str) -> list[Path]:
 def _files_source(spec: str, text_column: str | None, txt_mode: str) -> Source:
     files = expand_files(spec)
     kinds = [file_kind(f) for f in files]
+    if os.path.isdir(os.path.expanduser(spec)) and {"parquet", "jsonl", "xml"} & set(kinds):
+        # A dataset folder: its README.md, LICENSE.txt and *.json metadata are not documents.
+        kinds = ["meta" if k in ("txt", "json") else k for k in kinds]
     if len(files) == 1 and kinds[0] is None:
         raise SourceError(f"{files[0]}: unsupported file type (use .txt, .jsonl, .json, .parquet or .xml[.bz2])")
     if "parquet" in kinds:
@@ -180,7 +183,7 @@ def _files_source(spec: str, text_column: str | None, txt_mode: str) -> Source:
             import mwparserfromhell  # noqa: F401
         except ImportError as e:
             raise SourceError('XML dumps need mwparserfromhell: pip install "anyseek[data]"') from e
-    if "xml" in kinds and any(k not in ("xml", None) for k in kinds):
+    if "xml" in kinds and any(k not in ("xml", "meta", None) for k in kinds):
         raise SourceError(f"{spec}: mixes XML dumps with other files; prepare them separately")
     stats = [f.stat() for f in files]
     description = {
@@ -188,7 +191,7 @@ def _files_source(spec: str, text_column: str | None, txt_mode: str) -> Source:
         "spec": spec,
         "files": len(files),
         "bytes": sum(s.st_size for s in stats),
-        "types": sorted({k for k in kinds if k}),
+        "types": sorted({k for k in kinds if k and k != "meta"}),
         "first_files": [str(f) for f in files[:5]],
     }
     fingerprint = {
@@ -202,6 +205,8 @@ def _files_source(spec: str, text_column: str | None, txt_mode: str) -> Source:
         for f, kind in zip(files, kinds):
             if kind is None:
                 yield Skip("unsupported_file_type", str(f))
+            elif kind == "meta":
+                yield Skip("not_data_file", str(f))
             elif kind == "txt":
                 yield from _txt_file(f, txt_mode)
             elif kind == "jsonl":
