@@ -141,43 +141,46 @@ def ours(lengths, H):
     return (lambda: ops.mla_attention(q, kn, kp, v, cu, mx)), [q, kn, kp, v], dout
 
 
-FWD_VARIANTS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2),
-                (32, 32, 4, 2), (64, 64, 4, 1)]  # fmt: skip
-DKDV_VARIANTS = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 1), (32, 128, 4, 2), (16, 128, 4, 2), (32, 64, 4, 1),
-                 (64, 128, 8, 1), (32, 128, 8, 3)]  # fmt: skip
-DQ_VARIANTS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 2),
-               (32, 32, 4, 2)]  # fmt: skip
+# launch settings tried per kernel, for long documents (dense rows) and for short ones (Wikipedia leads)
+VARIANTS = {
+    "long": {
+        "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 8, 5), (128, 32, 8, 4), (64, 128, 4, 3)],
+        "dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 8, 3), (16, 128, 8, 3)],
+        "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
+    },
+    "short": {
+        "fwd": [(64, 32, 4, 2), (32, 32, 4, 3), (64, 32, 4, 3), (64, 16, 4, 2), (32, 16, 4, 2)],
+        "dkdv": [(32, 128, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)],
+        "dq": [(64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 2), (32, 64, 4, 2), (128, 32, 8, 2)],
+    },
+}
 
 
 def tune(out_dir: str | None) -> None:
-    """One kernel's launch settings varied at a time, the others at their defaults; then heads per dk/dv program."""
+    """One kernel's launch settings varied at a time, the others at their defaults."""
     from anyseek.kernels.triton import attention as ta
 
-    base, base_pps = ta._config, ta.PROGRAMS_PER_SM
-    cases = [("dense S=4096 H=128", [4096], 128), ("wiki leads 16k H=128", wiki_row(16384, 1), 128),
-             ("wiki leads 16k H=16", wiki_row(16384, 0), 16), ("dense S=4096 H=16", [4096], 16)]  # fmt: skip
-    lines = [f"# launch settings: {env_line()}", "", "fwd rows time the forward; dkdv/dq/pps rows time forward+backward.",
+    base = ta._config
+    cases = [("dense S=4096 H=128", [4096], 128, "long"), ("wiki leads 16k H=128", wiki_row(16384, 1), 128, "short"),
+             ("wiki leads 16k H=16", wiki_row(16384, 0), 16, "short"), ("dense S=4096 H=16", [4096], 16, "long")]  # fmt: skip
+    lines = [f"# launch settings: {env_line()}", "", "fwd rows time the forward; dkdv/dq rows time forward+backward.",
              "", "| case | kernel | BM, BN, warps, stages | ms | TFLOP/s |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
-    for what, lengths, H in cases:
+    for what, lengths, H, length_class in cases:
         fn, grads, dout = ours(lengths, H)
-        runs = [(k, v) for k, vs in (("fwd", FWD_VARIANTS), ("dkdv", DKDV_VARIANTS), ("dq", DQ_VARIANTS)) for v in vs]
-        runs += [("pps", (p, 0, 0, 0)) for p in (2, 4, 8, 16)]
-        for kind, (bm, bn, w, st) in runs:
-            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-            if kind == "pps":
-                ta.PROGRAMS_PER_SM = bm
-            else:
+        for kind, variants in VARIANTS[length_class].items():
+            for bm, bn, w, st in variants:
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
                 ta._config = lambda k, *a, _k=kind, _c=cfg: _c if k == _k else base(k, *a)
-            try:
-                ms = bench_fn(fn, grads, kind != "fwd", dout)
-                tf = (1 if kind == "fwd" else 3.5) * flops(lengths, H) / ms / 1e9
-                lines.append(f"| {what} | {kind} | {bm}, {bn}, {w}, {st} | {ms:.3f} | {tf:.0f} |")
-            except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory) is a result too
-                lines.append(
-                    f"| {what} | {kind} | {bm}, {bn}, {w}, {st} | failed: {type(e).__name__} {str(e)[:80]} | |"
-                )
-            print(lines[-1], flush=True)
-            ta._config, ta.PROGRAMS_PER_SM = base, base_pps
+                try:
+                    ms = bench_fn(fn, grads, kind != "fwd", dout)
+                    tf = (1 if kind == "fwd" else 3.5) * flops(lengths, H) / ms / 1e9
+                    lines.append(f"| {what} | {kind} | {bm}, {bn}, {w}, {st} | {ms:.3f} | {tf:.0f} |")
+                except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory) is a result too
+                    lines.append(
+                        f"| {what} | {kind} | {bm}, {bn}, {w}, {st} | failed: {type(e).__name__} {str(e)[:80]} | |"
+                    )
+                print(lines[-1], flush=True)
+                ta._config = base
         del fn, grads, dout
         torch.cuda.empty_cache()
     emit(lines, out_dir, "tune.md")
