@@ -40,7 +40,7 @@ def test_explicit_unavailable_raises_with_reason(monkeypatch):
 
 
 def test_unknown_names_raise(monkeypatch):
-    with pytest.raises(ValueError, match="known: triton, sdpa, reference"):
+    with pytest.raises(ValueError, match="known: flash_attn, reference, sdpa, triton"):
         registry.set_backend("attention", "flashy")
     monkeypatch.setenv("ANYSEEK_ATTENTION", "flashy")
     with pytest.raises(ValueError, match="ANYSEEK_ATTENTION asks for backend 'flashy'"):

@@ -40,6 +40,7 @@ class Backend:
     load: Callable[[], Callable]  # returns the op's function; imports happen here, not at registration
     available: Callable[[torch.Tensor], tuple[bool, str]]
     devices: tuple[str, ...] | None = None  # device types it is meant for (None: every device)
+    optional: bool = False  # an optional library: skipped without a warning when it cannot run
 
 
 _BACKENDS: dict[str, list[Backend]] = {}
@@ -55,6 +56,10 @@ def _import(path: str) -> Callable:
 
 def _lazy(path: str) -> Callable[[], Callable]:
     return lambda: _import(path)
+
+
+def _lazy_check(path: str) -> Callable[[torch.Tensor], tuple[bool, str]]:
+    return lambda example: _import(path)(example)
 
 
 def _always(reason: str) -> Callable[[torch.Tensor], tuple[bool, str]]:
@@ -84,10 +89,12 @@ def backends(op: str) -> list[Backend]:
 def set_backend(op: str, name: str | None) -> None:
     """Request backend `name` for `op` (or for a group: "attention", "moe"); None or "auto" clears the request."""
     targets = OP_GROUPS.get(op, (op,))
-    for target in targets:
-        known = [b.name for b in backends(target)]
-        if name not in (None, AUTO) and name not in known:
-            raise ValueError(f"unknown backend {name!r} for op {target!r}; known: {', '.join(known)} (or 'auto')")
+    if name not in (None, AUTO):
+        known = {t: [b.name for b in backends(t)] for t in targets}
+        targets = tuple(t for t in targets if name in known[t])  # a group: the ops that have this backend
+        if not targets:
+            names = sorted({n for ns in known.values() for n in ns})
+            raise ValueError(f"unknown backend {name!r} for {op!r}; known: {', '.join(names)} (or 'auto')")
     for target in targets:
         if name in (None, AUTO):
             _requested.pop(target, None)
@@ -136,7 +143,7 @@ def _choose_auto(op: str, example: torch.Tensor) -> tuple[Callable, str, str]:
             why = reason if not skipped else f"{reason} (skipped {'; '.join(skipped)})"
             return b.load(), b.name, why
         skipped.append(f"{b.name}: {reason}")
-        if (op, b.name, reason) not in _warned:
+        if not b.optional and (op, b.name, reason) not in _warned:
             _warned.add((op, b.name, reason))
             warnings.warn(f"anyseek: {op} falls back from backend {b.name!r}: {reason}", RuntimeWarning, stacklevel=4)
     raise RuntimeError(f"no backend for op {op!r} can run on {example.device.type}: {'; '.join(skipped)}")
@@ -168,9 +175,13 @@ def describe(device: str | torch.device | None = None, dtype: torch.dtype | None
 
 
 def _register_defaults() -> None:
-    triton_ok = _lazy("anyseek.kernels.triton.check.available")
+    triton_ok = _lazy_check("anyseek.kernels.triton.check.available")
     for op in ("mla_attention", "varlen_attention"):
-        register(op, Backend("triton", _lazy(f"anyseek.kernels.ops.{op}"), lambda ex: triton_ok()(ex), ("cuda",)))
+        register(op, Backend("triton", _lazy(f"anyseek.kernels.ops.{op}"), triton_ok, ("cuda",)))
+        if op == "varlen_attention":
+            flash_ok = _lazy_check("anyseek.kernels.native.flash_attn_available")
+            flash = _lazy("anyseek.kernels.native.flash_attn_varlen_attention")
+            register(op, Backend("flash_attn", flash, flash_ok, ("cuda",), optional=True))
         register(op, Backend("sdpa", _lazy(f"anyseek.kernels.torch_backends.sdpa_{op}"), _sdpa_ok))
         register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
     register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
