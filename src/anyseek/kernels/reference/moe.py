@@ -44,13 +44,15 @@ def grouped_swiglu(
     A Python loop over experts (not tokens); empty experts are skipped.
     """
     I = down_proj_EDI.shape[-1]
+    # unbind, not [e]: the backward of E selects would build E full-size [E, F, D] gradients; unbind's is one stack
+    gate_up_FD, down_DI = gate_up_proj_EFD.unbind(0), down_proj_EDI.unbind(0)
     outs = []
-    for e, rows in zip(range(len(counts)), x_MD.split(counts)):
+    for e, rows in enumerate(x_MD.split(counts)):
         if rows.shape[0] == 0:
             continue
-        h_RF = rows @ gate_up_proj_EFD[e].t()
+        h_RF = rows @ gate_up_FD[e].t()
         act_RI = F.silu(h_RF[:, :I]) * h_RF[:, I:]
-        outs.append(act_RI @ down_proj_EDI[e].t())
+        outs.append(act_RI @ down_DI[e].t())
     if not outs:
         return x_MD.new_zeros(0, down_proj_EDI.shape[1])
     return torch.cat(outs, dim=0)
