@@ -77,13 +77,13 @@ def main() -> None:
         src = tmp / "sample.jsonl"
         src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
         t_full = best_of(lambda: prepare(str(src), tmp / "full", 4096, workers=args.workers, progress=False,
-                                         force=True), repeat=1)  # fmt: skip
+                                         force=True), repeat=2)  # fmt: skip
         tok = load_tokenizer(tmp / "full")
         t_raw = best_of(lambda: tok.encode_batch(texts, add_special_tokens=False))
         t_fast = best_of(lambda: tok.encode_batch_fast(texts, add_special_tokens=False))
         t_given = best_of(lambda: prepare(str(src), tmp / "given", tokenizer=tmp / "full" / "tokenizer",
                                           workers=args.workers, progress=False, force=True))  # fmt: skip
-        t_train = best_of(lambda: train_bpe(batched(texts), 4096), repeat=1)
+        t_train = best_of(lambda: train_bpe(batched(texts), 4096), repeat=2)
         rows.append(("tokenizers encode_batch (peer, in memory)", mb, t_raw, t_raw))
         rows.append(("tokenizers encode_batch_fast (in memory)", mb, t_fast, t_raw))
         rows.append(("anyseek prepare, given tokenizer (jsonl -> shards)", mb, t_given, t_raw))
@@ -92,7 +92,7 @@ def main() -> None:
         dump_texts = texts[: max(len(texts) // 4, 1)]
         dump_mb = write_dump(tmp / "dump.xml", dump_texts) / 1e6
         t_xml = best_of(lambda: prepare(str(tmp / "dump.xml"), tmp / "xml", tokenizer=tmp / "full" / "tokenizer",
-                                        workers=args.workers, progress=False, force=True), repeat=1)  # fmt: skip
+                                        workers=args.workers, progress=False, force=True), repeat=2)  # fmt: skip
         rows.append(("anyseek prepare, XML dump (wikitext cleaning)", dump_mb, t_xml, None))
 
         torch.set_num_threads(1)

@@ -289,7 +289,8 @@ def _tokenizer(src, pool, tokenizer, vocab_size, val_fraction, seed, train_bytes
             batch = [t for i, (t, v) in enumerate(zip(texts, is_val)) if not v and i not in bad_set]
             seen[0] += sum(sizes)
             log.update("tokenizer", sum(sizes))
-            yield batch
+            for i in range(0, len(batch), 1000):  # the trainer pipelines smaller batches better
+                yield batch[i : i + 1000]
             if seen[0] >= train_bytes:
                 return
 
