@@ -162,7 +162,7 @@ class PackedLoader:
             "shuffle": self.shuffle,
             "documents": self.data.num_docs,
             "tokens": int(self.data.doc_len.sum()),
-            "fingerprint": self.manifest.get("fingerprint"),
+            "tokenizer_sha256": self.manifest.get("tokenizer_sha256"),  # same data, even if prepared elsewhere
         }
 
     def state_dict(self) -> dict:
