@@ -79,13 +79,14 @@ def main() -> None:
         t_full = best_of(lambda: prepare(str(src), tmp / "full", 4096, workers=args.workers, progress=False,
                                          force=True), repeat=2)  # fmt: skip
         tok = load_tokenizer(tmp / "full")
-        t_raw = best_of(lambda: tok.encode_batch(texts, add_special_tokens=False))
-        t_fast = best_of(lambda: tok.encode_batch_fast(texts, add_special_tokens=False))
+        batches = list(batched(texts, 1000))  # the peer's best use: calls of 1000 documents, not one giant call
+        t_raw = best_of(lambda: [tok.encode_batch(b, add_special_tokens=False) for b in batches])
+        t_fast = best_of(lambda: [tok.encode_batch_fast(b, add_special_tokens=False) for b in batches])
         t_given = best_of(lambda: prepare(str(src), tmp / "given", tokenizer=tmp / "full" / "tokenizer",
                                           workers=args.workers, progress=False, force=True))  # fmt: skip
-        t_train = best_of(lambda: train_bpe(batched(texts), 4096), repeat=2)
-        rows.append(("tokenizers encode_batch (peer, in memory)", mb, t_raw, t_raw))
-        rows.append(("tokenizers encode_batch_fast (in memory)", mb, t_fast, t_raw))
+        t_train = best_of(lambda: train_bpe(iter(batches), 4096), repeat=2)
+        rows.append(("tokenizers encode_batch, 1000 docs a call (peer, in memory)", mb, t_raw, t_raw))
+        rows.append(("tokenizers encode_batch_fast, 1000 docs a call (in memory)", mb, t_fast, t_raw))
         rows.append(("anyseek prepare, given tokenizer (jsonl -> shards)", mb, t_given, t_raw))
         rows.append(("tokenizers BPE training + encode_batch (peer, in memory)", mb, t_train + t_raw, t_train + t_raw))
         rows.append(("anyseek prepare, BPE 4096 trained (2 passes)", mb, t_full, t_train + t_raw))
