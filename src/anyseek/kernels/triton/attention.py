@@ -455,12 +455,12 @@ def _config(kind: str, A: int, B: int, VD: int, device: torch.device, max_seqlen
     wide = _pow2(A) + (_pow2(B) if B else 0) + _pow2(VD) > 384
     short = max_seqlen <= 512
     table = {
-        ("fwd", False, False): (128, 64, 8, 3),
+        ("fwd", False, False): (128, 64, 8, 4),
         ("fwd", True, False): (64, 32, 4, 2),
         ("fwd", False, True): (64, 64, 8, 2),
         ("fwd", True, True): (64, 64, 8, 2),
-        ("dkdv", False, False): (32, 128, 8, 2),
-        ("dkdv", True, False): (32, 128, 8, 2),
+        ("dkdv", False, False): (32, 128, 8, 3),
+        ("dkdv", True, False): (32, 32, 4, 2),
         ("dkdv", False, True): (32, 64, 8, 1),
         ("dkdv", True, True): (32, 64, 8, 1),
         ("dq", False, False): (128, 64, 8, 3),
@@ -470,6 +470,33 @@ def _config(kind: str, A: int, B: int, VD: int, device: torch.device, max_seqlen
     }
     bm, bn, w, st = table[(kind, short, wide)]
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+
+
+# Pipelining depth that fits in shared memory, per (kernel, device, launch settings, constexprs): the settings above
+# come from H100/H200 (228 KB per SM); GPUs with less (A100 164 KB, consumer cards ~100 KB) get fewer stages.
+_STAGES: dict[tuple, int] = {}
+
+
+def _launch(kernel, grid, cfg: dict):
+    """kernel[grid] with cfg's launch settings, lowering num_stages while the GPU lacks shared memory for them."""
+
+    def run(*args, **meta):
+        from triton.runtime.errors import OutOfResources
+
+        key = (kernel.fn.__name__, torch.cuda.current_device() if torch.cuda.is_available() else -1,
+               tuple(cfg.items()), tuple(sorted(meta.items())))  # fmt: skip
+        stages = _STAGES.get(key, cfg["num_stages"])
+        while True:
+            try:
+                kernel[grid](*args, **meta, **{**cfg, "num_stages": stages})
+                _STAGES[key] = stages
+                return
+            except OutOfResources:
+                if stages <= 1:
+                    raise
+                stages -= 1
+
+    return run
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -516,12 +543,12 @@ def attention_fwd(q, ka, kb, v, cu_seqlens, max_seqlen, softmax_scale, causal, b
     sched = tiles(cu_seqlens, T, cfg["BLOCK_M"], causal, from_diagonal=False)
     s_kbt, s_kbh = _kb_strides(kb, b_shared)
     grid = (H, sched.shape[1])
-    _fwd_kernel[grid](
+    _launch(_fwd_kernel, grid, cfg)(
         q, ka, kb, v, out, lse, cu_seqlens, sched, sched.shape[1], T, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         A=A, B=max(B, 1), VD=VD, HAS_B=has_b, BA=_pow2(A), BB=_pow2(B), BV=_pow2(VD), CAUSAL=causal,
-        PREC=_prec(q.dtype), **cfg,
+        PREC=_prec(q.dtype),
     )  # fmt: skip
     return out, lse
 
@@ -579,19 +606,19 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
     sched = tiles(cu_seqlens, T, cfg["BLOCK_N"], causal, from_diagonal=True)
     heads = _heads_per_program(H, sched.shape[1], q.device) if b_shared else 1
     s_dkbt, s_dkbh = (dkb_arg.stride(0), 0) if b_shared else (dkb_arg.stride(0), dkb_arg.stride(1))
-    _dkdv_kernel[(H // heads, sched.shape[1])](
+    _launch(_dkdv_kernel, (H // heads, sched.shape[1]), cfg)(
         q, ka, kb, v, do, lse, delta, dka, dkb_arg, dv, cu_seqlens, sched, sched.shape[1], T, qk_scale, softmax_scale,
         q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dka.stride(0), dka.stride(1), s_dkbt, s_dkbh, dv.stride(0), dv.stride(1),
-        B_SHARED=b_shared, HEADS=heads, **common, **cfg,
+        B_SHARED=b_shared, HEADS=heads, **common,
     )  # fmt: skip
 
     cfg = _config("dq", A, B, VD, q.device, max_seqlen)
     sched = tiles(cu_seqlens, T, cfg["BLOCK_M"], causal, from_diagonal=False)
-    _dq_kernel[(H, sched.shape[1])](
+    _launch(_dq_kernel, (H, sched.shape[1]), cfg)(
         q, ka, kb, v, do, lse, delta, dq, cu_seqlens, sched, sched.shape[1], T, qk_scale, softmax_scale,
         q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), **common, **cfg,
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), **common,
     )  # fmt: skip
     if b_shared:
         return dq, dka, dkb32.to(q.dtype), dv
