@@ -240,8 +240,7 @@ class ModelConfig:
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
-        d["rope_parameters"] = rope
-        del d["rope_scaling"], d["rope_theta"]
+        d["rope_parameters"] = rope  # transformers >= 5; rope_theta / rope_scaling stay for 4.x and the official code
         d.update(
             model_type="deepseek_v3",
             architectures=["DeepseekV3ForCausalLM"],
