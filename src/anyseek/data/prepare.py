@@ -282,8 +282,8 @@ def _tokenizer(src, pool, tokenizer, vocab_size, val_fraction, seed, train_bytes
         return tok, {"kind": "external", "path": str(tokenizer), "config": config, "base_config": config}
     key, seen = _split_key(seed), [0]
 
-    def batches():
-        for texts, _ in prefetch(iter_chunks(src, pool)):
+    def batches():  # no prefetch thread: the trainer pulls from this generator while its own threads count words
+        for texts, _ in iter_chunks(src, pool):
             is_val, sizes, bad = _val_mask(texts, val_fraction, key)
             bad_set = set(bad)
             batch = [t for i, (t, v) in enumerate(zip(texts, is_val)) if not v and i not in bad_set]
