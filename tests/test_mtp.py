@@ -57,3 +57,21 @@ def test_mtp_does_not_run_without_targets():
     out = model(torch.randint(0, 4096, (2, 8)))
     assert out.loss is None and out.mtp_loss is None and out.balance_loss is None
     assert out.expert_load[-1].sum() == 0 and out.expert_load[0].sum() == 16 * 2
+
+
+def test_cross_entropy_matches_torch():
+    import torch.nn.functional as F
+
+    from anyseek.model.loss import cross_entropy
+
+    x = (torch.randn(50, 33) * 3).requires_grad_()
+    y = torch.randint(0, 33, (50,))
+    y[::4] = -100
+    ours = cross_entropy(x, y)
+    (g_ours,) = torch.autograd.grad(ours, x)
+    ref = F.cross_entropy(x, y, ignore_index=-100)
+    (g_ref,) = torch.autograd.grad(ref, x)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(g_ours, g_ref)
+    y[:] = -100
+    assert cross_entropy(x, y).item() == 0.0

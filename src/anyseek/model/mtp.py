@@ -15,10 +15,9 @@ from torch import nn
 
 from anyseek.model.block import DecoderLayer
 from anyseek.model.config import ModelConfig
+from anyseek.model.loss import IGNORE_INDEX
 from anyseek.model.norm import RMSNorm
 from anyseek.model.packing import Packing
-
-IGNORE_INDEX = -100
 
 
 class SharedHead(nn.Module):

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from anyseek.model.block import DecoderLayer
 from anyseek.model.config import ModelConfig
+from anyseek.model.loss import cross_entropy
 from anyseek.model.moe import Experts, MoE, Router
-from anyseek.model.mtp import IGNORE_INDEX, MTPModule, shift_in_documents
+from anyseek.model.mtp import MTPModule, shift_in_documents
 from anyseek.model.norm import RMSNorm
 from anyseek.model.packing import Packing
 from anyseek.model.rope import RotaryEmbedding
@@ -131,7 +131,7 @@ class DeepSeekV3(nn.Module):
 
         out = ModelOutput(logits=logits_TV.view(*shape, -1) if return_logits else None)
         if targets_T is not None:
-            out.lm_loss = _cross_entropy(logits_TV, targets_T)
+            out.lm_loss = cross_entropy(logits_TV, targets_T)
             out.loss = out.lm_loss
             if len(self.mtp):
                 out.mtp_loss = self._mtp_loss(h_TD, ids_T, targets_T, pack)
@@ -160,7 +160,7 @@ class DeepSeekV3(nn.Module):
         for k, module in enumerate(self.mtp):
             mtp_ids_T, labels_T = shift_in_documents(ids_T, targets_T, pack, depth=k + 1)
             h_TD = module(h_TD, self.model.embed_tokens(mtp_ids_T), pack)
-            losses.append(_cross_entropy(self.lm_head(module.shared_head.norm(h_TD)), labels_T))
+            losses.append(cross_entropy(self.lm_head(module.shared_head.norm(h_TD)), labels_T))
         return torch.stack(losses).mean()
 
     def _expert_load(self, pack: Packing) -> torch.Tensor | None:
@@ -224,9 +224,3 @@ class DeepSeekV3(nn.Module):
         from anyseek.model import hf
 
         hf.save_pretrained(self, path, dtype=dtype)
-
-
-def _cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    """Mean over non-ignored labels in fp32 (0 when every label is ignored; no host sync)."""
-    total = F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (labels_T != IGNORE_INDEX).sum().clamp(min=1)
