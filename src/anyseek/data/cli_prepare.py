@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from anyseek.data.prepare import DEFAULT_TOKENIZER_TRAIN_BYTES
@@ -18,7 +19,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-column", default=None, help="text field of JSON/parquet/HF records (default: text)")
     parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for validation")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
-    parser.add_argument("--workers", type=int, default=None, help="processes for XML cleaning (default: all cores)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="cores to use: XML cleaning processes and encoding threads (default: all)")  # fmt: skip
     parser.add_argument("--txt-docs", choices=("file", "blank-line"), default="file",
                         help=".txt files: a document per file (default) or per blank-line-separated block")  # fmt: skip
     parser.add_argument("--tokenizer-train-mb", type=float, default=DEFAULT_TOKENIZER_TRAIN_BYTES / 2**20,
@@ -29,6 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.workers:  # read by the tokenizers' thread pool when it starts
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     from anyseek.data.prepare import PrepareError, default_out, prepare
     from anyseek.data.sources import SourceError
     from anyseek.data.tokenizer import TokenizerError
