@@ -76,7 +76,7 @@ def _page_from(elem: ET.Element, line: int, prefixes: set[str]) -> Page:
     fields: dict[str, ET.Element] = {}
     for child in elem.iter():
         name = _local(child.tag)
-        if name not in fields:
+        if name not in fields or name == "text":  # history dumps: the last revision's text
             fields[name] = child
     title = (fields["title"].text or "") if "title" in fields else ""
     ns_el = fields.get("ns")
