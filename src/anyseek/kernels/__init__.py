@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from anyseek.kernels import registry
+from anyseek.kernels.registry import describe, set_backend
 
 
 def mla_attention(
@@ -68,4 +69,4 @@ def routed_experts(
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI)
 
 
-__all__ = ["mla_attention", "registry", "routed_experts", "varlen_attention"]
+__all__ = ["describe", "mla_attention", "registry", "routed_experts", "set_backend", "varlen_attention"]
