@@ -44,6 +44,10 @@ def test_txt_blank_line_mode_via_cli(tmp_path):
                  "--txt-docs", "blank-line", "--val-fraction", "0", "--quiet"]) == 0  # fmt: skip
     m = read_manifest(out)
     assert m["documents"] == {"train": 30, "val": 0}
+    assert main(["prepare", "--source", str(tmp_path / "a.txt"), "--out", str(out), "--vocab-size", "300",
+                 "--txt-docs", "blank-line", "--val-fraction", "0", "--max-docs", "7", "--quiet"]) == 0  # fmt: skip
+    m = read_manifest(out)
+    assert m["documents"] == {"train": 7, "val": 0} and m["source"]["max_documents"] == 7
 
 
 def test_hf_source_streams_records(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=".txt files: a document per file (default) or per blank-line-separated block")  # fmt: skip
     parser.add_argument("--tokenizer-train-mb", type=float, default=DEFAULT_TOKENIZER_TRAIN_BYTES / 2**20,
                         help="train the tokenizer on the first this many MB of text (default 256)")  # fmt: skip
+    parser.add_argument("--max-docs", type=int, default=None, help="read at most this many documents of the source")
     parser.add_argument("--strict", action="store_true", help="stop at the first unusable input instead of skipping")
     parser.add_argument("--force", action="store_true", help="prepare again even if OUT is up to date")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         prepare(
             args.source, out, args.vocab_size, args.tokenizer, args.text_column, args.val_fraction, args.seed,
             args.workers, not args.quiet, txt_mode=args.txt_docs, strict=args.strict, force=args.force,
-            tokenizer_train_bytes=int(args.tokenizer_train_mb * 2**20),
+            tokenizer_train_bytes=int(args.tokenizer_train_mb * 2**20), max_documents=args.max_docs,
         )  # fmt: skip
     except (SourceError, PrepareError, TokenizerError, WikiDumpError, FileNotFoundError) as e:
         print(f"anyseek prepare: error: {e}", file=sys.stderr)

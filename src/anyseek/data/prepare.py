@@ -34,7 +34,7 @@ import numpy as np
 from anyseek.data import shards as S
 from anyseek.data import tokenizer as T
 from anyseek.data.progress import Progress, prefetch
-from anyseek.data.sources import Raw, Skip, Source, SourceError, default_cache_dir, open_source
+from anyseek.data.sources import Raw, Skip, Source, SourceError, default_cache_dir, limit_source, open_source
 
 DEFAULT_TOKENIZER_TRAIN_BYTES = 256 << 20
 _STAGING = ".prepare-tmp"
@@ -65,12 +65,14 @@ def prepare(
     txt_mode: str = "file",
     strict: bool = False,
     tokenizer_train_bytes: int = DEFAULT_TOKENIZER_TRAIN_BYTES,
+    max_documents: int | None = None,
     force: bool = False,
 ) -> dict:
     """Prepare SOURCE into OUT (default: $ANYSEEK_CACHE/<source>-v<vocab>) and return the manifest.
 
     tokenizer: a tokenizer.json or Hugging Face tokenizer folder (else a byte-level BPE of `vocab_size` is trained).
     strict: stop at the first unusable input (naming file and line) instead of skipping and counting it.
+    max_documents: read at most this many documents of the source (a quick look at a large one).
     force: prepare again even when a complete manifest with the same inputs exists.
     """
     if not 0.0 <= val_fraction < 1.0:
@@ -80,6 +82,8 @@ def prepare(
     out = Path(out).expanduser() if out is not None else default_out(source, vocab_size)
     workers = max(1, workers or os.cpu_count() or 1)
     src = open_source(source, text_column=text_column, txt_mode=txt_mode)
+    if max_documents is not None:
+        src = limit_source(src, max_documents)
     inputs = _inputs(src, vocab_size, tokenizer, val_fraction, seed, tokenizer_train_bytes)
     fingerprint = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     out.mkdir(parents=True, exist_ok=True)

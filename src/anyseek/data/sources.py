@@ -64,6 +64,24 @@ class Source:
     extra: dict = field(default_factory=dict)
 
 
+def limit_source(src: Source, max_documents: int) -> Source:
+    """The same source, stopping after `max_documents` documents (skips do not count)."""
+    if max_documents < 1:
+        raise SourceError(f"max_documents must be >= 1, got {max_documents}")
+
+    def items() -> Iterator[str | Raw | Skip]:
+        n = 0
+        for item in src.items():
+            yield item
+            if not isinstance(item, Skip):
+                n += 1
+                if n >= max_documents:
+                    return
+
+    return Source(src.spec, {**src.description, "max_documents": max_documents},
+                  {**src.fingerprint, "max_documents": max_documents}, items, src.cleaner, None, src.extra)  # fmt: skip
+
+
 def default_cache_dir() -> Path:
     """$ANYSEEK_CACHE, else ~/.cache/anyseek."""
     return Path(os.environ.get("ANYSEEK_CACHE") or Path.home() / ".cache" / "anyseek").expanduser()
