@@ -122,6 +122,8 @@ def test_ranks_share_documents_disjointly(data_dir, world_size):
                               loop=False)  # fmt: skip
         streams.append(torch.cat([b.input_ids for b in loader]))
     assert sum(len(s) for s in streams) == total
+    lens = loader.len_per_rank()
+    assert len(lens) == world_size and lens[-1] == len(loader) == -(-len(streams[-1]) // T)
     assert torch.equal(torch.cat(streams).sort().values, torch.from_numpy(np.concatenate(
         [data.document(d) for d in range(data.num_docs)]).astype(np.int64)).sort().values)  # fmt: skip
     eos = 0

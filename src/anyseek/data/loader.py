@@ -122,6 +122,16 @@ class PackedLoader:
             raise TypeError("a PackedLoader with loop=True is infinite")
         return (self.tokens_per_epoch + self.tokens_per_batch - 1) // self.tokens_per_batch
 
+    def len_per_rank(self) -> list[int]:
+        """Batches in one pass for every rank (loop=False). Ranks get different numbers of tokens, so a distributed
+        evaluation that runs a collective per batch must run max(len_per_rank()) steps on every rank."""
+        if self.loop:
+            raise TypeError("a PackedLoader with loop=True is infinite")
+        n = self.data.num_docs
+        order = np.random.default_rng([self.seed, 0]).permutation(n) if self.shuffle else np.arange(n)
+        tokens = [int(self.data.doc_len[order[r :: self.world_size]].sum()) for r in range(self.world_size)]
+        return [(t + self.tokens_per_batch - 1) // self.tokens_per_batch for t in tokens]
+
     # ------------------------------------------------------------------------------------------ batches
     def _next_batch(self) -> Batch | None:
         parts, want = [], self.tokens_per_batch
