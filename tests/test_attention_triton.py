@@ -106,5 +106,16 @@ def test_gpu_varlen(dims, causal):
     assert checks.passes(table, torch.bfloat16), table
 
 
+@pytest.mark.cuda
+def test_gpu_offsets_past_2_31():
+    from anyseek.kernels import checks, ops
+
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * 2**30:
+        pytest.skip("needs ~40 GiB of free GPU memory")
+    table = checks.tail_document_table(ops.mla_attention, 90_000, 128, 1000, torch.bfloat16, "cuda")
+    assert checks.passes(table, torch.bfloat16), table
+
+
 if __name__ == "__main__":
     _worker()

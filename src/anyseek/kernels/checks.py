@@ -114,3 +114,30 @@ def check_all(device: str | torch.device | None = None) -> list[dict]:
                 rows.append(dict(what=what, detail=f"worst ratio {worst_ratio(table):.2f}  {detail}" if dtype != torch.float32 else detail,
                                  **{"pass": passes(table, dtype)}))  # fmt: skip
     return rows
+
+
+def tail_document_table(
+    fn: Callable, T: int, H: int, last: int, dtype: torch.dtype, device, dims: tuple[int, int, int] = (128, 64, 128)
+) -> list[tuple[str, float, float]]:
+    """Like error_table for MLA on a batch of T tokens whose last document (of `last` tokens) starts past 2**31
+    elements of q when T*H*(N+R) is large: checks 64-bit offsets without an fp32 reference over the whole batch.
+    Only the last document gets an output gradient; its slice is compared with the reference on that slice."""
+    N, R, V = dims
+    g = torch.Generator(device="cpu").manual_seed(3)
+    cu = torch.tensor([0, T - last, T], dtype=torch.int32, device=device)
+    xs = [torch.randn(s, generator=g).to(device, dtype) for s in ((T, H, N + R), (T, H, N), (T, R), (T, H, V))]
+    xs = [x.requires_grad_() for x in xs]
+    out = fn(*xs, cu, T - last, None, True)
+    dout = torch.zeros_like(out)
+    dout[T - last :] = torch.randn(last, H, V, generator=g).to(device, dtype)
+    grads = torch.autograd.grad(out, xs, dout)
+    got = [out[T - last :].float()] + [gr[T - last :].float() for gr in grads]
+    tail = [x.detach()[T - last :] for x in xs]
+    cu_tail = torch.tensor([0, last], dtype=torch.int32, device=device)
+    ref = _run(
+        reference.mla_attention, "mla_attention", tail, torch.float32, cu_tail, last, None, True, dout[T - last :]
+    )
+    pt = _run(reference.mla_attention, "mla_attention", tail, dtype, cu_tail, last, None, True, dout[T - last :],
+              compute_dtype=dtype)  # fmt: skip
+    names = ["out", "dq", "dk_nope", "dk_pe", "dv"]
+    return [(n, (a - r).abs().max().item(), (b - r).abs().max().item()) for n, a, b, r in zip(names, got, pt, ref)]

@@ -92,12 +92,16 @@ def _fwd_inner(
         n_idx = k0 + offs_n
         n_ok = n_idx < doc_end
         ka = tl.load(
-            KA + n_idx[None, :] * s_kat + offs_a[:, None], mask=n_ok[None, :] & (offs_a[:, None] < A), other=0.0
+            KA + (tl.cast(k0, tl.int64) * s_kat + offs_n[None, :] * s_kat) + offs_a[:, None],
+            mask=n_ok[None, :] & (offs_a[:, None] < A),
+            other=0.0,
         )
         s = tl.dot(qa, ka, input_precision=PREC)
         if HAS_B:
             kb = tl.load(
-                KB + n_idx[None, :] * s_kbt + offs_b[:, None], mask=n_ok[None, :] & (offs_b[:, None] < B), other=0.0
+                KB + (tl.cast(k0, tl.int64) * s_kbt + offs_n[None, :] * s_kbt) + offs_b[:, None],
+                mask=n_ok[None, :] & (offs_b[:, None] < B),
+                other=0.0,
             )
             s = tl.dot(qb, kb, s, input_precision=PREC)
         if MASK:
@@ -109,7 +113,11 @@ def _fwd_inner(
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + n_idx[:, None] * s_vt + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < VD), other=0.0)
+        v = tl.load(
+            V + (tl.cast(k0, tl.int64) * s_vt + offs_n[:, None] * s_vt) + offs_v[None, :],
+            mask=n_ok[:, None] & (offs_v[None, :] < VD),
+            other=0.0,
+        )
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -139,11 +147,17 @@ def _fwd_kernel(
     m_idx = m_start + offs_m
     m_ok = m_idx < doc_end
     Qh = Q + h * s_qh
-    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
+    qa = tl.load(
+        Qh + (m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_a[None, :],
+        mask=m_ok[:, None] & (offs_a[None, :] < A),
+        other=0.0,
+    )
     qb = qa
     if HAS_B:
         qb = tl.load(
-            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
+            Qh + A + (m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_b[None, :],
+            mask=m_ok[:, None] & (offs_b[None, :] < B),
+            other=0.0,
         )
     KAh = KA + h * s_kah
     KBh = KB + h * s_kbh
@@ -167,9 +181,9 @@ def _fwd_kernel(
         offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, True, CAUSAL, PREC,
     )  # fmt: skip
     out = acc / l_i[:, None]
-    o_ptr = O + h * s_oh + m_idx[:, None] * s_ot + offs_v[None, :]
+    o_ptr = O + h * s_oh + (m_start.to(tl.int64) * s_ot + offs_m[:, None] * s_ot) + offs_v[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < VD))
-    tl.store(LSE + h * T + m_idx, m_i + tl.log2(l_i), mask=m_ok)
+    tl.store(LSE + h.to(tl.int64) * T + m_idx, m_i + tl.log2(l_i), mask=m_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -182,9 +196,11 @@ def _delta_kernel(O, DO, DELTA, T, s_ot, s_oh, s_dot, s_doh, VD: tl.constexpr, B
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_v = tl.arange(0, BV)
     mask = (t[:, None] < T) & (offs_v[None, :] < VD)
-    o = tl.load(O + h * s_oh + t[:, None] * s_ot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + h * s_doh + t[:, None] * s_dot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + h * T + t, tl.sum(o * do, 1), mask=t < T)
+    o = tl.load(O + h * s_oh + t.to(tl.int64)[:, None] * s_ot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + h * s_doh + t.to(tl.int64)[:, None] * s_dot + offs_v[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+    tl.store(DELTA + h.to(tl.int64) * T + t, tl.sum(o * do, 1), mask=t < T)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -202,11 +218,17 @@ def _dkdv_inner(
     for q0 in range(q_lo, q_hi, BLOCK_M):
         m_idx = q0 + offs_m
         m_ok = m_idx < doc_end
-        qa = tl.load(Q + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
+        qa = tl.load(
+            Q + (tl.cast(q0, tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_a[None, :],
+            mask=m_ok[:, None] & (offs_a[None, :] < A),
+            other=0.0,
+        )
         sT = tl.dot(ka, tl.trans(qa), input_precision=PREC)  # (BN, BM)
         if HAS_B:
             qb = tl.load(
-                Q + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
+                Q + A + (tl.cast(q0, tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_b[None, :],
+                mask=m_ok[:, None] & (offs_b[None, :] < B),
+                other=0.0,
             )
             sT = tl.dot(kb, tl.trans(qb), sT, input_precision=PREC)
         lse = tl.load(LSE + m_idx, mask=m_ok, other=0.0)
@@ -217,7 +239,9 @@ def _dkdv_inner(
                 keep = keep & (m_idx[None, :] >= n_idx[:, None])
             pT = tl.where(keep, pT, 0.0)
         do = tl.load(
-            DO + m_idx[:, None] * s_dot + offs_v[None, :], mask=m_ok[:, None] & (offs_v[None, :] < VD), other=0.0
+            DO + (tl.cast(q0, tl.int64) * s_dot + offs_m[:, None] * s_dot) + offs_v[None, :],
+            mask=m_ok[:, None] & (offs_v[None, :] < VD),
+            other=0.0,
         )
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
         delta = tl.load(DELTA + m_idx, mask=m_ok, other=0.0)
@@ -266,23 +290,25 @@ def _dkdv_kernel(
     kb = tl.zeros([BLOCK_N, BB], KA.dtype.element_ty)
     if HAS_B and B_SHARED:
         kb = tl.load(
-            KB + n_idx[:, None] * s_kbt + offs_b[None, :], mask=n_ok[:, None] & (offs_b[None, :] < B), other=0.0
+            KB + (n_start.to(tl.int64) * s_kbt + offs_n[:, None] * s_kbt) + offs_b[None, :],
+            mask=n_ok[:, None] & (offs_b[None, :] < B),
+            other=0.0,
         )
     for hh in range(HEADS):
         h = hg * HEADS + hh
         ka = tl.load(
-            KA + h * s_kah + n_idx[:, None] * s_kat + offs_a[None, :],
+            KA + h * s_kah + (n_start.to(tl.int64) * s_kat + offs_n[:, None] * s_kat) + offs_a[None, :],
             mask=n_ok[:, None] & (offs_a[None, :] < A),
             other=0.0,
         )
         if HAS_B and not B_SHARED:
             kb = tl.load(
-                KB + h * s_kbh + n_idx[:, None] * s_kbt + offs_b[None, :],
+                KB + h * s_kbh + (n_start.to(tl.int64) * s_kbt + offs_n[:, None] * s_kbt) + offs_b[None, :],
                 mask=n_ok[:, None] & (offs_b[None, :] < B),
                 other=0.0,
             )
         v = tl.load(
-            V + h * s_vh + n_idx[:, None] * s_vt + offs_v[None, :],
+            V + h * s_vh + (n_start.to(tl.int64) * s_vt + offs_n[:, None] * s_vt) + offs_v[None, :],
             mask=n_ok[:, None] & (offs_v[None, :] < VD),
             other=0.0,
         )
@@ -291,8 +317,8 @@ def _dkdv_kernel(
         dv = tl.zeros([BLOCK_N, BV], tl.float32)
         Qh = Q + h * s_qh
         DOh = DO + h * s_doh
-        LSEh = LSE + h * T
-        DELTAh = DELTA + h * T
+        LSEh = LSE + h.to(tl.int64) * T
+        DELTAh = DELTA + h.to(tl.int64) * T
         dka, dkb, dv = _dkdv_inner(
             dka, dkb, dv, ka, kb, v, Qh, DOh, LSEh, DELTAh, q_lo, q_diag, n_idx, doc_end, s_qt, s_dot, qk_scale,
             offs_m, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_M, True, CAUSAL, PREC,
@@ -305,18 +331,18 @@ def _dkdv_kernel(
             dka, dkb, dv, ka, kb, v, Qh, DOh, LSEh, DELTAh, q_full, doc_end, n_idx, doc_end, s_qt, s_dot, qk_scale,
             offs_m, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_M, True, CAUSAL, PREC,
         )  # fmt: skip
-        ptr_a = DKA + h * s_dkah + n_idx[:, None] * s_dkat + offs_a[None, :]
+        ptr_a = DKA + h * s_dkah + (n_start.to(tl.int64) * s_dkat + offs_n[:, None] * s_dkat) + offs_a[None, :]
         tl.store(ptr_a, (dka * sm_scale).to(DKA.dtype.element_ty), mask=n_ok[:, None] & (offs_a[None, :] < A))
-        ptr_v = DV + h * s_dvh + n_idx[:, None] * s_dvt + offs_v[None, :]
+        ptr_v = DV + h * s_dvh + (n_start.to(tl.int64) * s_dvt + offs_n[:, None] * s_dvt) + offs_v[None, :]
         tl.store(ptr_v, dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (offs_v[None, :] < VD))
         if HAS_B:
             if B_SHARED:
                 dkb_sum += dkb
             else:
-                ptr_b = DKB + h * s_dkbh + n_idx[:, None] * s_dkbt + offs_b[None, :]
+                ptr_b = DKB + h * s_dkbh + (n_start.to(tl.int64) * s_dkbt + offs_n[:, None] * s_dkbt) + offs_b[None, :]
                 tl.store(ptr_b, (dkb * sm_scale).to(DKB.dtype.element_ty), mask=n_ok[:, None] & (offs_b[None, :] < B))
     if HAS_B and B_SHARED:
-        ptr_b = DKB + n_idx[:, None] * s_dkbt + offs_b[None, :]
+        ptr_b = DKB + (n_start.to(tl.int64) * s_dkbt + offs_n[:, None] * s_dkbt) + offs_b[None, :]
         tl.atomic_add(ptr_b, dkb_sum * sm_scale, mask=n_ok[:, None] & (offs_b[None, :] < B))
 
 
@@ -336,13 +362,17 @@ def _dq_inner(
         n_idx = k0 + offs_n
         n_ok = n_idx < doc_end
         ka = tl.load(
-            KA + n_idx[:, None] * s_kat + offs_a[None, :], mask=n_ok[:, None] & (offs_a[None, :] < A), other=0.0
+            KA + (tl.cast(k0, tl.int64) * s_kat + offs_n[:, None] * s_kat) + offs_a[None, :],
+            mask=n_ok[:, None] & (offs_a[None, :] < A),
+            other=0.0,
         )
         s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
         kb = ka
         if HAS_B:
             kb = tl.load(
-                KB + n_idx[:, None] * s_kbt + offs_b[None, :], mask=n_ok[:, None] & (offs_b[None, :] < B), other=0.0
+                KB + (tl.cast(k0, tl.int64) * s_kbt + offs_n[:, None] * s_kbt) + offs_b[None, :],
+                mask=n_ok[:, None] & (offs_b[None, :] < B),
+                other=0.0,
             )
             s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
         p = tl.exp2(s * qk_scale - lse[:, None])
@@ -351,7 +381,11 @@ def _dq_inner(
             if CAUSAL:
                 keep = keep & (n_idx[None, :] <= m_idx[:, None])
             p = tl.where(keep, p, 0.0)
-        v = tl.load(V + n_idx[:, None] * s_vt + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < VD), other=0.0)
+        v = tl.load(
+            V + (tl.cast(k0, tl.int64) * s_vt + offs_n[:, None] * s_vt) + offs_v[None, :],
+            mask=n_ok[:, None] & (offs_v[None, :] < VD),
+            other=0.0,
+        )
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = (p * (dp - delta[:, None])).to(ka.dtype)
         dqa = tl.dot(ds, ka, dqa, input_precision=PREC)
@@ -384,19 +418,25 @@ def _dq_kernel(
     m_idx = m_start + offs_m
     m_ok = m_idx < doc_end
     Qh = Q + h * s_qh
-    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
+    qa = tl.load(
+        Qh + (m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_a[None, :],
+        mask=m_ok[:, None] & (offs_a[None, :] < A),
+        other=0.0,
+    )
     qb = qa
     if HAS_B:
         qb = tl.load(
-            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
+            Qh + A + (m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_b[None, :],
+            mask=m_ok[:, None] & (offs_b[None, :] < B),
+            other=0.0,
         )
     do = tl.load(
-        DO + h * s_doh + m_idx[:, None] * s_dot + offs_v[None, :],
+        DO + h * s_doh + (m_start.to(tl.int64) * s_dot + offs_m[:, None] * s_dot) + offs_v[None, :],
         mask=m_ok[:, None] & (offs_v[None, :] < VD),
         other=0.0,
     )
-    lse = tl.load(LSE + h * T + m_idx, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + h * T + m_idx, mask=m_ok, other=0.0)
+    lse = tl.load(LSE + h.to(tl.int64) * T + m_idx, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + h.to(tl.int64) * T + m_idx, mask=m_ok, other=0.0)
     dqa = tl.zeros([BLOCK_M, BA], tl.float32)
     dqb = tl.zeros([BLOCK_M, BB], tl.float32)
     if CAUSAL:
@@ -416,7 +456,7 @@ def _dq_kernel(
         dqa, dqb, qa, qb, do, lse, delta, KAh, KBh, Vh, k_full, k_end, m_idx, doc_end, s_kat, s_kbt, s_vt,
         qk_scale, offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, True, CAUSAL, PREC,
     )  # fmt: skip
-    DQh = DQ + h * s_dqh + m_idx[:, None] * s_dqt
+    DQh = DQ + h * s_dqh + (m_start.to(tl.int64) * s_dqt + offs_m[:, None] * s_dqt)
     tl.store(
         DQh + offs_a[None, :], (dqa * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_a[None, :] < A)
     )
