@@ -174,3 +174,44 @@ def test_grouped_mm_backend_matches_reference_on_gpu():
         outs.append([y.float()] + [t.grad.float() for t in leaves])
     for a, b in zip(*outs):
         assert ((a - b).abs().max() / a.abs().max()).item() < 2e-2
+
+
+def official_style_gate(x, weight, bias, score_func, n_groups, topk_groups, topk, route_scale, normalize):
+    """DeepSeek's inference Gate, written out: selection on biased scores, weights from the unbiased ones."""
+    scores = x @ weight.t()
+    scores = scores.softmax(dim=-1) if score_func == "softmax" else scores.sigmoid()
+    original = scores
+    scores = scores + bias
+    if n_groups > 1:
+        grouped = scores.view(x.size(0), n_groups, -1)
+        if score_func == "softmax":
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        keep = group_scores.topk(topk_groups, dim=-1)[1]
+        mask = torch.ones(x.size(0), n_groups, dtype=torch.bool).scatter_(1, keep, False)
+        scores = grouped.masked_fill(mask[:, :, None], float("-inf")).flatten(1)
+    ids = scores.topk(topk, dim=-1)[1]
+    weights = original.gather(1, ids)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights * route_scale
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_matches_official_semantics(scoring, normalize):
+    torch.manual_seed(5)
+    config = ModelConfig.from_name("tiny", n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3,
+                                   scoring_func=scoring, norm_topk_prob=normalize, routed_scaling_factor=1.5)  # fmt: skip
+    gate = DeepSeekV3(config).model.layers[1].mlp.gate
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.3)
+        gate.e_score_correction_bias.normal_(0, 0.05)
+    x = torch.randn(64, config.hidden_size)
+    _, ids, w = gate(x)
+    ref_ids, ref_w = official_style_gate(x, gate.weight.detach(), gate.e_score_correction_bias, scoring, 4, 2, 3, 1.5,
+                                         normalize)  # fmt: skip
+    order, ref_order = ids.sort(dim=-1), ref_ids.sort(dim=-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
