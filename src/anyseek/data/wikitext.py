@@ -44,6 +44,18 @@ _QUOTES_RE = re.compile(r"'{2,}")
 _LEFTOVER_RE = re.compile(r"\{\{|\}\}|\[\[|\]\]")  # unbalanced markup the parser kept as text
 _SPACES_RE = re.compile(r"[ \t\u00a0]+")
 _EMPTY_PARENS_RE = re.compile(r"\(\s*[,;]?\s*\)")
+_PAREN_OPEN_RE = re.compile(r"\(\s*(?:[,;]\s*)+")  # "( ; born 1900)" once the pronunciation template is gone
+_PAREN_CLOSE_RE = re.compile(r"(?:\s*[,;])+\s*\)")
+_REPEATED_SEP_RE = re.compile(r"([,;])(?:\s*[,;])+")
+# Templates whose output is prose: name -> which positional parameter to keep ("all": joined with spaces).
+_KEEP_TEMPLATES = {
+    "nowrap": 1, "nobr": 1, "small": 1, "big": 1, "em": 1, "strong": 1, "var": 1, "abbr": 1, "sic": 1, "lang": 2,
+    "transl": -1, "transliteration": -1, "nihongo": 1, "ill": 1, "interlanguage link": 1, "keypress": 1, "math": 1,
+    "mvar": 1, "sub": 1, "sup": 1, "not a typo": 1, "proper name": 1, "noitalic": 1, "nastaliq": 1, "script": -1,
+    "convert": "value unit", "cvt": "value unit", "circa": "c.", "c.": "c.",
+}  # fmt: skip
+_LITERAL_TEMPLATES = {"!": "|", "ndash": "–", "mdash": "—", "snd": " – ", "spaced ndash": " – ", "'": "'", "=": "=",
+                      "nbsp": " ", "-": "", "shy": "", "zwsp": "", "dot": " · ", "middot": "·"}  # fmt: skip
 _BLANKS_RE = re.compile(r"\n{3,}")
 
 
@@ -185,7 +197,36 @@ def _node_text(nodes, out: list[str]) -> None:
                 out.append(node.normalize())
             except ValueError:
                 pass
-        # Template, Comment, Argument, Parameter: dropped
+        elif isinstance(node, N.Template):
+            out.append(_template_text(node))
+        # Comment, Argument: dropped
+
+
+def _template_text(node) -> str:
+    """The prose a few common inline templates stand for ({{lang|fr|...}}, {{convert|12|km}}, {{nowrap|...}}); ""
+    for every other template (infoboxes, citations, navigation boxes)."""
+    name = str(node.name).strip().lower().replace("_", " ")
+    if name in _LITERAL_TEMPLATES:
+        return _LITERAL_TEMPLATES[name]
+    keep = _KEEP_TEMPLATES.get(name)
+    if keep is None and name.startswith("lang-"):
+        keep = 1
+    if keep is None:
+        return ""
+    args = []
+    for param in node.params:
+        if not param.showkey:
+            part: list[str] = []
+            _node_text(param.value.nodes, part)
+            args.append("".join(part).strip())
+    if not args:
+        return ""
+    if keep == "value unit":
+        return " ".join(args[:2])
+    if keep == "c.":
+        return f"c. {args[0]}"
+    index = keep - 1 if keep > 0 else len(args) + keep
+    return args[index] if 0 <= index < len(args) else ""
 
 
 def clean_wikitext(text: str) -> str:
@@ -213,7 +254,8 @@ def clean_wikitext(text: str) -> str:
     prose = _LEFTOVER_RE.sub("", _QUOTES_RE.sub("", _MAGIC_RE.sub("", "".join(out))))
     lines = []
     for line in prose.split("\n"):
-        line = _EMPTY_PARENS_RE.sub("", _SPACES_RE.sub(" ", line)).strip()
+        line = _EMPTY_PARENS_RE.sub("", _SPACES_RE.sub(" ", line))
+        line = _REPEATED_SEP_RE.sub(r"\1", _PAREN_CLOSE_RE.sub(")", _PAREN_OPEN_RE.sub("(", line))).strip()
         line = line.replace(" ,", ",").replace(" .", ".")
         if line.startswith(("|", "!", "{|", "|}")):  # table rows the parser left as text
             continue
