@@ -133,6 +133,14 @@ def test_strict_names_file_and_line(tmp_path):
         prepare(str(src), tmp_path / "out", VOCAB, strict=True, progress=False)
 
 
+def test_refuses_a_foreign_output_folder(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", corpus(10))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(PrepareError, match=r"not empty and not written by anyseek prepare.*config\.json"):
+        prepare(str(src), tmp_path / "model", VOCAB, progress=False)
+
+
 def test_no_documents_is_an_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(PrepareError, match="no training documents.*empty_file"):

@@ -86,6 +86,7 @@ def prepare(
         src = limit_source(src, max_documents)
     inputs = _inputs(src, vocab_size, tokenizer, val_fraction, seed, tokenizer_train_bytes)
     fingerprint = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     with _locked(out):
         done = _complete_manifest(out, fingerprint)
@@ -145,6 +146,19 @@ def _inputs(src: Source, vocab_size, tokenizer, val_fraction, seed, train_bytes)
             raise T.TokenizerError(f"{path}: no tokenizer.json (give a tokenizer.json file or a tokenizer folder)")
         inputs["tokenizer"] = {"files": {f.name: T.sha256_file(f) for f in files}}
     return inputs
+
+
+def _check_out(out: Path) -> None:
+    """Refuse a folder that holds something else: prepare replaces tokenizer/ and the shard files in it."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise PrepareError(f"{out}: exists and is not a folder")
+    ours = {S.MANIFEST, S.MANIFEST + ".tmp", T.TOKENIZER_DIR, _STAGING, ".prepare.lock"}
+    foreign = [p.name for p in out.iterdir() if p.name not in ours and not _SHARD_RE.match(p.name)]
+    if foreign and not (out / S.MANIFEST).exists() and not (out / ".prepare.lock").exists():
+        raise PrepareError(f"{out}: not empty and not written by anyseek prepare (holds {sorted(foreign)[:5]}); "
+                           "choose a new or empty folder")  # fmt: skip
 
 
 def _has_complete_data(out: Path) -> bool:
