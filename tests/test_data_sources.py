@@ -54,6 +54,24 @@ def test_xml_dump_articles_only(tmp_path):
     assert all("enwiki.xml:" in s.where for s in skips)
 
 
+def test_file_kinds():
+    from pathlib import Path
+
+    from anyseek.data.sources import file_kind
+
+    names = {
+        "enwiki-20240601-pages-articles1.xml-p1p41242.bz2": "xml",
+        "enwiki-latest-pages-articles-multistream.xml.bz2": "xml",
+        "enwiki-latest-pages-articles-multistream-index.txt.bz2": "txt",
+        "train-00000-of-00041.parquet": "parquet",
+        "data.jsonl.gz": "jsonl",
+        "notes.ndjson.xz": "jsonl",
+        "README.md": "txt",
+        "archive.zip": None,
+    }
+    assert {n: file_kind(Path(n)) for n in names} == names
+
+
 @pytest.mark.parametrize("kind", ["bz2", "multistream", "headerless", "no-ns"])
 def test_xml_dump_variants(tmp_path, kind):
     pages = dump_pages(3)

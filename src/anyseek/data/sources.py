@@ -103,6 +103,8 @@ def file_kind(path: Path) -> str | None:
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in (".bz2", ".gz", ".xz"):
         suffixes = suffixes[:-1]
+    if suffixes and suffixes[-1].startswith(".xml-p"):  # enwiki's split dumps: pages-articles1.xml-p1p41242.bz2
+        return "xml"
     return _KINDS.get(suffixes[-1]) if suffixes else None
 
 
