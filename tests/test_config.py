@@ -165,3 +165,14 @@ def test_edge_configs_run(fields):
         assert out.expert_load is None and out.balance_loss is None
     if c.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_meta_then_materialise():
+    model = DeepSeekV3(ModelConfig.from_name("tiny"), device="meta", dtype=torch.bfloat16)
+    assert all(m.gate.e_score_correction_bias.dtype == torch.float32 for m in model.moe_layers())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert all(m.gate.e_score_correction_bias.abs().sum() == 0 for m in model.moe_layers())
+    assert model.model.norm.weight.dtype == torch.bfloat16 and (model.model.norm.weight == 1).all()
+    out = model(torch.randint(0, 4096, (1, 8)), targets=torch.randint(0, 4096, (1, 8)))
+    assert torch.isfinite(out.loss)
