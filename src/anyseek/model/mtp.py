@@ -2,8 +2,9 @@
 
 Module k (depth d = k + 1) at position i: h'_i = eh_proj([enorm(Emb(t_{i+d})) ; hnorm(h_i^{d-1})]) (embedding
 first, as the official checkpoints are laid out), h_i^d = DecoderLayer(h'_i), logits = lm_head(shared_head.norm(h_i^d))
-predict t_{i+d+1}. h^0 is the main model's last hidden state before its final norm. Embedding and output head are
-the main model's. In a packed batch the shifted inputs and labels never cross a document end.
+predict t_{i+d+1}. h^0 is the main model's last hidden state after its final norm (model.norm), the state that
+vLLM and SGLang hand to the official MTP weights. Embedding and output head are the main model's. In a packed
+batch the shifted inputs and labels never cross a document end.
 
 Shape legend: T tokens, D hidden.
 """

@@ -127,7 +127,8 @@ class DeepSeekV3(nn.Module):
         h_TD = self.model.embed_tokens(ids_T)
         for layer in self.model.layers:
             h_TD = layer(h_TD, pack)
-        logits_TV = self.lm_head(self.model.norm(h_TD))
+        h_TD = self.model.norm(h_TD)  # h^0 of MTP is this normed state, as inference engines feed official MTP weights
+        logits_TV = self.lm_head(h_TD)
 
         out = ModelOutput(logits=logits_TV.view(*shape, -1) if return_logits else None)
         if targets_T is not None:
