@@ -38,11 +38,11 @@ YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "
 
 CASES = {
     "qlora_groups_yarn_interleave": {"q_lora_rank": 32, "n_group": 4, "topk_group": 2, "rope_scaling": YARN,
-                                         "max_position_embeddings": 64, "rope_interleave": True},
+                                     "max_position_embeddings": 64, "rope_interleave": True},
     "no_qlora_one_group_halfsplit": {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "rope_interleave": False,
-                                         "max_position_embeddings": 64},
+                                     "max_position_embeddings": 64},
     "qlora_groups_yarn_halfsplit": {"q_lora_rank": 32, "n_group": 2, "topk_group": 1, "rope_scaling": YARN,
-                                        "max_position_embeddings": 64, "rope_interleave": False, "norm_topk_prob": False},
+                                    "max_position_embeddings": 64, "rope_interleave": False, "norm_topk_prob": False},
 }  # fmt: skip
 SEQ = 40  # > original_max_position_embeddings (16): positions well into the YaRN-extended range
 

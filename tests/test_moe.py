@@ -202,8 +202,10 @@ def official_style_gate(x, weight, bias, score_func, n_groups, topk_groups, topk
 @pytest.mark.parametrize("normalize", [True, False])
 def test_router_matches_official_semantics(scoring, normalize):
     torch.manual_seed(5)
-    config = ModelConfig.from_name("tiny", n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3,
-                                   scoring_func=scoring, norm_topk_prob=normalize, routed_scaling_factor=1.5)  # fmt: skip
+    config = ModelConfig.from_name(
+        "tiny", n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3,
+        scoring_func=scoring, norm_topk_prob=normalize, routed_scaling_factor=1.5,
+    )  # fmt: skip
     gate = DeepSeekV3(config).model.layers[1].mlp.gate
     with torch.no_grad():
         gate.weight.normal_(0, 0.3)

@@ -47,7 +47,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> scores fp32 [T, E] (unbiased, for the balance loss), topk_ids [T, K], topk_weights fp32 [T, K]."""
+        """x [T, D] -> scores fp32 [T, E] (unbiased; for the balance loss), topk_ids [T, K], weights fp32 [T, K]."""
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         scores_TE = logits_TE.sigmoid() if self.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
         with torch.no_grad():
