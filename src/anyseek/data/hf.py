@@ -10,7 +10,8 @@ import socket
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
-from anyseek.data.sources import Skip, Source, SourceError, _record, pick_field
+from anyseek.data.readers import Skip, SourceError, pick_field, read_record
+from anyseek.data.sources import Source
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -64,7 +65,7 @@ def hf_source(spec: str, text_column: str | None, split: str = "train") -> Sourc
     def items() -> Iterator[str | Skip]:
         col = column
         for i, rec in enumerate(ds):
-            doc, col = _record(rec, col, f"{spec}:row {i}")
+            doc, col = read_record(rec, col, f"{spec}:row {i}")
             yield doc
 
     description = {"kind": "hf", "dataset": name, "config": config, "split": split, "text_column": column}

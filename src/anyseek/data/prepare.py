@@ -23,8 +23,7 @@ import re
 import shutil
 import sys
 import time
-from collections import Counter, deque
-from collections.abc import Iterator
+from collections import Counter
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,8 +32,9 @@ import numpy as np
 
 from anyseek.data import shards as S
 from anyseek.data import tokenizer as T
+from anyseek.data.chunks import iter_chunks, split_key, val_mask
 from anyseek.data.progress import Progress, prefetch
-from anyseek.data.sources import Raw, Skip, Source, SourceError, default_cache_dir, limit_source, open_source
+from anyseek.data.sources import Skip, Source, SourceError, default_cache_dir, limit_source, open_source
 
 DEFAULT_TOKENIZER_TRAIN_BYTES = 256 << 20
 _STAGING = ".prepare-tmp"
@@ -227,82 +227,15 @@ def _commit(staging: Path, out: Path, manifest: dict) -> None:
 # ------------------------------------------------------------------------------------------------ documents
 
 
-def _clean_job(cleaner, texts: list[str], skips: list[Skip], wheres: list[str]) -> tuple[list[str], list[Skip]]:
-    """Run a source's cleaner over one chunk; pages that come out empty (or that it fails on) become skips."""
-    cleaned = cleaner(texts)
-    for text, where in zip(cleaned, wheres):
-        if not text:
-            skips.append(Skip("empty_after_cleaning" if text is not None else "cleaning_failed", where))
-    return [t for t in cleaned if t], skips
-
-
-def _raw_chunks(src: Source, chunk_bytes: int = 1 << 20, chunk_docs: int = 4096):
-    """(texts, skips, wheres) in source order; `wheres` names the texts of Raw items (empty for plain documents)."""
-    texts, skips, wheres, size = [], [], [], 0
-    for item in src.items():
-        if isinstance(item, Skip):
-            skips.append(item)
-            continue
-        if isinstance(item, Raw):
-            wheres.append(item.where)
-            item = item.text
-        texts.append(item)
-        size += len(item)
-        if size >= chunk_bytes or len(texts) >= chunk_docs:
-            yield texts, skips, wheres
-            texts, skips, wheres, size = [], [], [], 0
-    if texts or skips:
-        yield texts, skips, wheres
-
-
-def iter_chunks(src: Source, pool=None, window: int = 8) -> Iterator[tuple[list[str], list[Skip]]]:
-    """(documents, skips) in source order; a source's cleaner runs in `pool` with at most `window` chunks queued."""
-    if src.cleaner is None:
-        for texts, skips, _ in _raw_chunks(src):
-            yield texts, skips
-        return
-    if pool is None:
-        for chunk in _raw_chunks(src):
-            yield _clean_job(src.cleaner, *chunk)
-        return
-    pending: deque = deque()
-    for chunk in _raw_chunks(src):
-        pending.append(pool.apply_async(_clean_job, (src.cleaner, *chunk)))
-        if len(pending) >= window:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
-
-
-def _val_mask(texts: list[str], val_fraction: float, key: bytes) -> tuple[list[bool], list[int], list[int]]:
-    """Per document: goes to val?, utf-8 size; and the indexes of documents that are not valid Unicode."""
-    threshold = int(val_fraction * (1 << 64))
-    is_val, sizes, bad = [], [], []
-    for i, text in enumerate(texts):
-        try:
-            data = text.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates from JSON escapes
-            bad.append(i)
-            data = b""
-        digest = hashlib.blake2b(data, digest_size=8, key=key).digest()
-        is_val.append(int.from_bytes(digest, "little") < threshold)
-        sizes.append(len(data))
-    return is_val, sizes, bad
-
-
-def _split_key(seed: int) -> bytes:
-    return int(seed).to_bytes(8, "little", signed=True)
-
-
 def _tokenizer(src, pool, tokenizer, vocab_size, val_fraction, seed, train_bytes, log) -> tuple:
     if tokenizer is not None:
         tok, config = T.load_external(tokenizer)
         return tok, {"kind": "external", "path": str(tokenizer), "config": config, "base_config": config}
-    key, seen = _split_key(seed), [0]
+    key, seen = split_key(seed), [0]
 
     def batches():  # no prefetch thread: the trainer pulls from this generator while its own threads count words
         for texts, _ in iter_chunks(src, pool):
-            is_val, sizes, bad = _val_mask(texts, val_fraction, key)
+            is_val, sizes, bad = val_mask(texts, val_fraction, key)
             bad_set = set(bad)
             batch = [t for i, (t, v) in enumerate(zip(texts, is_val)) if not v and i not in bad_set]
             seen[0] += sum(sizes)
@@ -325,9 +258,9 @@ def _encode_all(src, pool, tok, eos: int, staging: Path, val_fraction, seed, str
     nbytes = {"train": 0, "val": 0}
     skipped: Counter = Counter()
     examples: list[dict] = []  # the first few of each reason
-    key = _split_key(seed)
+    key = split_key(seed)
     for texts, skips in prefetch(iter_chunks(src, pool)):
-        is_val, sizes, bad = _val_mask(texts, val_fraction, key)
+        is_val, sizes, bad = val_mask(texts, val_fraction, key)
         for i in reversed(bad):
             skips.append(Skip("invalid_unicode", f"{src.spec}: a document with lone surrogates"))
             del texts[i], is_val[i], sizes[i]

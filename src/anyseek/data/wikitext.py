@@ -106,7 +106,7 @@ def _page_from(elem: ET.Element, line: int, prefixes: set[str]) -> Page:
 def iter_pages(path: str | Path, chunk_bytes: int = 1 << 16) -> Iterator[Page]:
     """Stream the pages of a MediaWiki XML dump. A truncated file ends the stream with a Page whose skip is
     "truncated_file" (the pages before it are kept). `line` is the line of the page's end tag."""
-    from anyseek.data.sources import open_binary
+    from anyseek.data.readers import open_binary
 
     path = Path(path)
     prefixes = {p.lower() for p in _DEFAULT_NAMESPACES}
