@@ -45,6 +45,7 @@ def test_loss_is_lm_plus_weighted_mtp_plus_balance():
     expected = out.lm_loss + 0.5 * out.mtp_loss + 0.01 * out.balance_loss
     torch.testing.assert_close(out.loss, expected)
     assert out.expert_load.shape == (3 + 2, 8)  # 3 main MoE layers, then one row per MTP module
+    assert config.n_moe_layers == 5 == len(model.moe_layers())
     assert (out.expert_load.sum(dim=1) == 30 * 2).all()
     out.mtp_loss.backward()
     assert model.mtp[1].eh_proj.weight.grad.abs().sum() > 0

@@ -129,8 +129,10 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        """MoE layers in the main stack (MTP modules add one each when n_routed_experts > 0)."""
-        return self.num_hidden_layers - self.first_k_dense_replace if self.n_routed_experts else 0
+        """MoE layers, MTP modules' included: the rows of ModelOutput.expert_load."""
+        if not self.n_routed_experts:
+            return 0
+        return self.num_hidden_layers - self.first_k_dense_replace + self.num_nextn_predict_layers
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """MTP modules use layer_idx >= num_hidden_layers and are MoE like the last layers."""
