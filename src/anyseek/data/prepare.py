@@ -1,8 +1,8 @@
 """`prepare`: a text source -> tokenizer + memory-mappable token shards + manifest.json.
 
 Two passes over the source: (1) train a byte-level BPE on the first `tokenizer_train_bytes` of the training
-documents (skipped when a tokenizer is given), (2) clean, split, encode and write every document. Reading runs in a
-background thread, XML cleaning in a process pool, encoding in the tokenizers' Rust thread pool: all cores.
+documents (skipped when a tokenizer is given), (2) clean, split, encode and write every document. In pass 2 reading
+runs in a background thread, XML cleaning in a process pool, encoding in the tokenizers' Rust thread pool: all cores.
 
 Each document goes to "val" when a keyed hash of its text falls below `val_fraction`: deterministic for a seed,
 independent of order and of the machine, and identical documents never straddle the split.
