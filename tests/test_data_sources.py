@@ -197,9 +197,15 @@ def test_bad_specs(tmp_path):
 
 
 def test_hf_offline_fails_fast(monkeypatch):
+    import sys
     import time
+    import types
 
-    pytest.importorskip("datasets")
+    def load_dataset(*args, **kwargs):
+        raise AssertionError("must fail before touching the Hub")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
     with pytest.raises(SourceError, match="HF_HUB_OFFLINE"):
