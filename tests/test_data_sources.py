@@ -173,6 +173,13 @@ def test_dataset_folder_skips_readme_and_metadata(tmp_path):
         ("not_data_file", "README.md"), ("not_data_file", "dataset_info.json")]  # fmt: skip
 
 
+def test_byte_order_marks_are_not_text(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfHello.")
+    (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "World."}\n')
+    assert collect(tmp_path / "a.txt")[0] == ["Hello."]
+    assert collect(tmp_path / "b.jsonl")[0] == ["World."]
+
+
 def test_json_shapes(tmp_path):
     (tmp_path / "list.json").write_text(json.dumps([{"content": "one"}, {"content": "two"}]))
     (tmp_path / "map.json").write_text(json.dumps({"k1": {"extract": "three"}, "k2": {"extract": "four"}}))

@@ -59,7 +59,7 @@ def as_document(text: str, where: str) -> str | Skip:
 
 def decode_utf8(data: bytes, where_file: Path, first_line: int = 1) -> str | Skip:
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig" if data[:3] == b"\xef\xbb\xbf" else "utf-8")  # a BOM is not text
     except UnicodeDecodeError as e:
         line = first_line + data.count(b"\n", 0, e.start)
         return Skip("invalid_utf8", f"{where_file}:{line}")
