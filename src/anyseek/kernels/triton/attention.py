@@ -92,14 +92,14 @@ def _fwd_inner(
         n_idx = k0 + offs_n
         n_ok = n_idx < doc_end
         ka = tl.load(
-            KA + (tl.cast(k0, tl.int64) * s_kat + offs_n[None, :] * s_kat) + offs_a[:, None],
+            KA + tl.cast(k0, tl.int64) * s_kat + offs_n[None, :] * s_kat + offs_a[:, None],
             mask=n_ok[None, :] & (offs_a[:, None] < A),
             other=0.0,
         )
         s = tl.dot(qa, ka, input_precision=PREC)
         if HAS_B:
             kb = tl.load(
-                KB + (tl.cast(k0, tl.int64) * s_kbt + offs_n[None, :] * s_kbt) + offs_b[:, None],
+                KB + tl.cast(k0, tl.int64) * s_kbt + offs_n[None, :] * s_kbt + offs_b[:, None],
                 mask=n_ok[None, :] & (offs_b[:, None] < B),
                 other=0.0,
             )
@@ -114,7 +114,7 @@ def _fwd_inner(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
-            V + (tl.cast(k0, tl.int64) * s_vt + offs_n[:, None] * s_vt) + offs_v[None, :],
+            V + tl.cast(k0, tl.int64) * s_vt + offs_n[:, None] * s_vt + offs_v[None, :],
             mask=n_ok[:, None] & (offs_v[None, :] < VD),
             other=0.0,
         )
@@ -148,14 +148,14 @@ def _fwd_kernel(
     m_ok = m_idx < doc_end
     Qh = Q + h * s_qh
     qa = tl.load(
-        Qh + (m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_a[None, :],
+        Qh + m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_a[None, :],
         mask=m_ok[:, None] & (offs_a[None, :] < A),
         other=0.0,
     )
     qb = qa
     if HAS_B:
         qb = tl.load(
-            Qh + A + (m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_b[None, :],
+            Qh + A + m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_b[None, :],
             mask=m_ok[:, None] & (offs_b[None, :] < B),
             other=0.0,
         )
@@ -181,7 +181,7 @@ def _fwd_kernel(
         offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, True, CAUSAL, PREC,
     )  # fmt: skip
     out = acc / l_i[:, None]
-    o_ptr = O + h * s_oh + (m_start.to(tl.int64) * s_ot + offs_m[:, None] * s_ot) + offs_v[None, :]
+    o_ptr = O + h * s_oh + m_start.to(tl.int64) * s_ot + offs_m[:, None] * s_ot + offs_v[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < VD))
     tl.store(LSE + h.to(tl.int64) * T + m_idx, m_i + tl.log2(l_i), mask=m_ok)
 
@@ -219,14 +219,14 @@ def _dkdv_inner(
         m_idx = q0 + offs_m
         m_ok = m_idx < doc_end
         qa = tl.load(
-            Q + (tl.cast(q0, tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_a[None, :],
+            Q + tl.cast(q0, tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_a[None, :],
             mask=m_ok[:, None] & (offs_a[None, :] < A),
             other=0.0,
         )
         sT = tl.dot(ka, tl.trans(qa), input_precision=PREC)  # (BN, BM)
         if HAS_B:
             qb = tl.load(
-                Q + A + (tl.cast(q0, tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_b[None, :],
+                Q + A + tl.cast(q0, tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_b[None, :],
                 mask=m_ok[:, None] & (offs_b[None, :] < B),
                 other=0.0,
             )
@@ -239,7 +239,7 @@ def _dkdv_inner(
                 keep = keep & (m_idx[None, :] >= n_idx[:, None])
             pT = tl.where(keep, pT, 0.0)
         do = tl.load(
-            DO + (tl.cast(q0, tl.int64) * s_dot + offs_m[:, None] * s_dot) + offs_v[None, :],
+            DO + tl.cast(q0, tl.int64) * s_dot + offs_m[:, None] * s_dot + offs_v[None, :],
             mask=m_ok[:, None] & (offs_v[None, :] < VD),
             other=0.0,
         )
@@ -290,25 +290,25 @@ def _dkdv_kernel(
     kb = tl.zeros([BLOCK_N, BB], KA.dtype.element_ty)
     if HAS_B and B_SHARED:
         kb = tl.load(
-            KB + (n_start.to(tl.int64) * s_kbt + offs_n[:, None] * s_kbt) + offs_b[None, :],
+            KB + n_start.to(tl.int64) * s_kbt + offs_n[:, None] * s_kbt + offs_b[None, :],
             mask=n_ok[:, None] & (offs_b[None, :] < B),
             other=0.0,
         )
     for hh in range(HEADS):
         h = hg * HEADS + hh
         ka = tl.load(
-            KA + h * s_kah + (n_start.to(tl.int64) * s_kat + offs_n[:, None] * s_kat) + offs_a[None, :],
+            KA + h * s_kah + n_start.to(tl.int64) * s_kat + offs_n[:, None] * s_kat + offs_a[None, :],
             mask=n_ok[:, None] & (offs_a[None, :] < A),
             other=0.0,
         )
         if HAS_B and not B_SHARED:
             kb = tl.load(
-                KB + h * s_kbh + (n_start.to(tl.int64) * s_kbt + offs_n[:, None] * s_kbt) + offs_b[None, :],
+                KB + h * s_kbh + n_start.to(tl.int64) * s_kbt + offs_n[:, None] * s_kbt + offs_b[None, :],
                 mask=n_ok[:, None] & (offs_b[None, :] < B),
                 other=0.0,
             )
         v = tl.load(
-            V + h * s_vh + (n_start.to(tl.int64) * s_vt + offs_n[:, None] * s_vt) + offs_v[None, :],
+            V + h * s_vh + n_start.to(tl.int64) * s_vt + offs_n[:, None] * s_vt + offs_v[None, :],
             mask=n_ok[:, None] & (offs_v[None, :] < VD),
             other=0.0,
         )
@@ -331,18 +331,18 @@ def _dkdv_kernel(
             dka, dkb, dv, ka, kb, v, Qh, DOh, LSEh, DELTAh, q_full, doc_end, n_idx, doc_end, s_qt, s_dot, qk_scale,
             offs_m, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_M, True, CAUSAL, PREC,
         )  # fmt: skip
-        ptr_a = DKA + h * s_dkah + (n_start.to(tl.int64) * s_dkat + offs_n[:, None] * s_dkat) + offs_a[None, :]
+        ptr_a = DKA + h * s_dkah + n_start.to(tl.int64) * s_dkat + offs_n[:, None] * s_dkat + offs_a[None, :]
         tl.store(ptr_a, (dka * sm_scale).to(DKA.dtype.element_ty), mask=n_ok[:, None] & (offs_a[None, :] < A))
-        ptr_v = DV + h * s_dvh + (n_start.to(tl.int64) * s_dvt + offs_n[:, None] * s_dvt) + offs_v[None, :]
+        ptr_v = DV + h * s_dvh + n_start.to(tl.int64) * s_dvt + offs_n[:, None] * s_dvt + offs_v[None, :]
         tl.store(ptr_v, dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (offs_v[None, :] < VD))
         if HAS_B:
             if B_SHARED:
                 dkb_sum += dkb
             else:
-                ptr_b = DKB + h * s_dkbh + (n_start.to(tl.int64) * s_dkbt + offs_n[:, None] * s_dkbt) + offs_b[None, :]
+                ptr_b = DKB + h * s_dkbh + n_start.to(tl.int64) * s_dkbt + offs_n[:, None] * s_dkbt + offs_b[None, :]
                 tl.store(ptr_b, (dkb * sm_scale).to(DKB.dtype.element_ty), mask=n_ok[:, None] & (offs_b[None, :] < B))
     if HAS_B and B_SHARED:
-        ptr_b = DKB + (n_start.to(tl.int64) * s_dkbt + offs_n[:, None] * s_dkbt) + offs_b[None, :]
+        ptr_b = DKB + n_start.to(tl.int64) * s_dkbt + offs_n[:, None] * s_dkbt + offs_b[None, :]
         tl.atomic_add(ptr_b, dkb_sum * sm_scale, mask=n_ok[:, None] & (offs_b[None, :] < B))
 
 
@@ -362,7 +362,7 @@ def _dq_inner(
         n_idx = k0 + offs_n
         n_ok = n_idx < doc_end
         ka = tl.load(
-            KA + (tl.cast(k0, tl.int64) * s_kat + offs_n[:, None] * s_kat) + offs_a[None, :],
+            KA + tl.cast(k0, tl.int64) * s_kat + offs_n[:, None] * s_kat + offs_a[None, :],
             mask=n_ok[:, None] & (offs_a[None, :] < A),
             other=0.0,
         )
@@ -370,7 +370,7 @@ def _dq_inner(
         kb = ka
         if HAS_B:
             kb = tl.load(
-                KB + (tl.cast(k0, tl.int64) * s_kbt + offs_n[:, None] * s_kbt) + offs_b[None, :],
+                KB + tl.cast(k0, tl.int64) * s_kbt + offs_n[:, None] * s_kbt + offs_b[None, :],
                 mask=n_ok[:, None] & (offs_b[None, :] < B),
                 other=0.0,
             )
@@ -382,7 +382,7 @@ def _dq_inner(
                 keep = keep & (n_idx[None, :] <= m_idx[:, None])
             p = tl.where(keep, p, 0.0)
         v = tl.load(
-            V + (tl.cast(k0, tl.int64) * s_vt + offs_n[:, None] * s_vt) + offs_v[None, :],
+            V + tl.cast(k0, tl.int64) * s_vt + offs_n[:, None] * s_vt + offs_v[None, :],
             mask=n_ok[:, None] & (offs_v[None, :] < VD),
             other=0.0,
         )
@@ -419,19 +419,19 @@ def _dq_kernel(
     m_ok = m_idx < doc_end
     Qh = Q + h * s_qh
     qa = tl.load(
-        Qh + (m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_a[None, :],
+        Qh + m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_a[None, :],
         mask=m_ok[:, None] & (offs_a[None, :] < A),
         other=0.0,
     )
     qb = qa
     if HAS_B:
         qb = tl.load(
-            Qh + A + (m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt) + offs_b[None, :],
+            Qh + A + m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_b[None, :],
             mask=m_ok[:, None] & (offs_b[None, :] < B),
             other=0.0,
         )
     do = tl.load(
-        DO + h * s_doh + (m_start.to(tl.int64) * s_dot + offs_m[:, None] * s_dot) + offs_v[None, :],
+        DO + h * s_doh + m_start.to(tl.int64) * s_dot + offs_m[:, None] * s_dot + offs_v[None, :],
         mask=m_ok[:, None] & (offs_v[None, :] < VD),
         other=0.0,
     )
@@ -456,7 +456,7 @@ def _dq_kernel(
         dqa, dqb, qa, qb, do, lse, delta, KAh, KBh, Vh, k_full, k_end, m_idx, doc_end, s_kat, s_kbt, s_vt,
         qk_scale, offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, True, CAUSAL, PREC,
     )  # fmt: skip
-    DQh = DQ + h * s_dqh + (m_start.to(tl.int64) * s_dqt + offs_m[:, None] * s_dqt)
+    DQh = DQ + h * s_dqh + m_start.to(tl.int64) * s_dqt + offs_m[:, None] * s_dqt
     tl.store(
         DQh + offs_a[None, :], (dqa * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_a[None, :] < A)
     )
