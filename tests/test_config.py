@@ -81,6 +81,7 @@ def test_both_rope_spellings():
 def test_official_spellings_accepted():
     c = ModelConfig.from_hf_dict({"q_lora_rank": 0, "num_mtp_layers": 2, "topk_method": "noaux_tc", "seq_aux": True})
     assert c.q_lora_rank is None and c.num_nextn_predict_layers == 2
+    assert ModelConfig.from_hf_dict({"model_type": "deepseek_v2"}).num_nextn_predict_layers == 0  # silent: no MTP
 
 
 @pytest.mark.parametrize(

@@ -202,8 +202,8 @@ class ModelConfig:
         _check_hf_only(d, source)
         own = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in own}
-        if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
-            kwargs["num_nextn_predict_layers"] = d["num_mtp_layers"]
+        if "num_nextn_predict_layers" not in d:  # a config.json silent about MTP ships no MTP weights (V2, Moonlight)
+            kwargs["num_nextn_predict_layers"] = d.get("num_mtp_layers", 0)
         rope_params = d.get("rope_parameters")
         if rope_params is not None:
             unknown = set(rope_params) - ROPE_KEYS
