@@ -177,3 +177,20 @@ def test_meta_then_materialise():
     assert model.model.norm.weight.dtype == torch.bfloat16 and (model.model.norm.weight == 1).all()
     out = model(torch.randint(0, 4096, (1, 8)), targets=torch.randint(0, 4096, (1, 8)))
     assert torch.isfinite(out.loss)
+
+
+# moonshotai/Moonlight-16B-A3B config.json (architecture keys)
+MOONLIGHT = {
+    "aux_loss_alpha": 0.001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 11264, "kv_lora_rank": 512, "max_position_embeddings": 8192, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": True, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "num_nextn_predict_layers": 0, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "routed_scaling_factor": 2.446,
+    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 163840,
+}  # fmt: skip
+
+
+def test_moonlight_config_is_the_16b_flavor():
+    assert ModelConfig.from_hf_dict(MOONLIGHT) == ModelConfig.from_name("16B", aux_loss_alpha=0.001)

@@ -53,7 +53,7 @@ FLAVORS: dict[str, dict] = {
         "max_position_embeddings": 4096,
         "num_nextn_predict_layers": 0,
     },
-    # DeepSeek-V2-Lite / Moonlight-16B-A3B shapes, with V3-style sigmoid routing.
+    # moonshotai/Moonlight-16B-A3B config.json (DeepSeek-V2-Lite shapes with V3-style sigmoid routing)
     "16B": {
         "vocab_size": 163840,
         "hidden_size": 2048,
@@ -74,6 +74,7 @@ FLAVORS: dict[str, dict] = {
         "n_shared_experts": 2,
         "routed_scaling_factor": 2.446,
         "norm_topk_prob": True,
+        "rms_norm_eps": 1e-5,
         "rope_theta": 50000.0,
         "max_position_embeddings": 8192,
         "num_nextn_predict_layers": 0,
