@@ -21,7 +21,7 @@ from torch import nn
 
 from anyseek.model.block import DecoderLayer
 from anyseek.model.config import ModelConfig
-from anyseek.model.loss import cross_entropy
+from anyseek.model.loss import cross_entropy, linear_cross_entropy
 from anyseek.model.moe import Experts, MoE, Router
 from anyseek.model.mtp import MTPModule, shift_in_documents
 from anyseek.model.norm import RMSNorm
@@ -128,11 +128,15 @@ class DeepSeekV3(nn.Module):
         for layer in self.model.layers:
             h_TD = layer(h_TD, pack)
         h_TD = self.model.norm(h_TD)  # h^0 of MTP is this normed state, as inference engines feed official MTP weights
-        logits_TV = self.lm_head(h_TD)
-
-        out = ModelOutput(logits=logits_TV.view(*shape, -1) if return_logits else None)
+        out = ModelOutput(logits=None)
+        if return_logits or targets_T is None:
+            logits_TV = self.lm_head(h_TD)
+            out.logits = logits_TV.view(*shape, -1) if return_logits else None
         if targets_T is not None:
-            out.lm_loss = cross_entropy(logits_TV, targets_T)
+            if return_logits:
+                out.lm_loss = cross_entropy(logits_TV, targets_T)
+            else:  # never materialise [T, V]
+                out.lm_loss = linear_cross_entropy(h_TD, self.lm_head.weight, targets_T)
             out.loss = out.lm_loss
             if len(self.mtp):
                 out.mtp_loss = self._mtp_loss(h_TD, ids_T, targets_T, pack)
@@ -161,7 +165,7 @@ class DeepSeekV3(nn.Module):
         for k, module in enumerate(self.mtp):
             mtp_ids_T, labels_T = shift_in_documents(ids_T, targets_T, pack, depth=k + 1)
             h_TD = module(h_TD, self.model.embed_tokens(mtp_ids_T), pack)
-            losses.append(cross_entropy(self.lm_head(module.shared_head.norm(h_TD)), labels_T))
+            losses.append(linear_cross_entropy(module.shared_head.norm(h_TD), self.lm_head.weight, labels_T))
         return torch.stack(losses).mean()
 
     def _expert_load(self, pack: Packing) -> torch.Tensor | None:
