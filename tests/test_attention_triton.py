@@ -34,6 +34,13 @@ def _worker() -> None:
         dt = getattr(torch, dtype)
         table = checks.error_table(getattr(ops, op), op, lengths, H, dims, dt, "cpu", causal, scale=None, seed=1)
         results[name] = {"pass": checks.passes(table, dt), "table": table}
+    # the 64-bit indexing path (taken on batches past 2**31 elements), forced on a small case
+    from anyseek.kernels.triton import attention
+
+    big, attention._big = attention._big, lambda *a: True
+    table = checks.error_table(ops.mla_attention, "mla_attention", [3, 20, 1], 2, (16, 16, 16), torch.float16, "cpu")
+    results["int64_path"] = {"pass": checks.passes(table, torch.float16), "table": table}
+    attention._big = big
     # torch.compile traces the custom ops through their fake implementations (aot_eager: no C++ compiler)
     cu = torch.tensor([0, 3, 20], dtype=torch.int32)
     x = [torch.randn(20, 2, 48), torch.randn(20, 2, 32), torch.randn(20, 16), torch.randn(20, 2, 32)]
@@ -62,7 +69,7 @@ def interp_results():
     return json.loads(lines[-1][len("RESULTS ") :])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["compile", "registry"])
+@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["int64_path", "compile", "registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"

@@ -92,16 +92,12 @@ def _fwd_inner(
         n_idx = k0 + offs_n
         n_ok = n_idx < doc_end
         ka = tl.load(
-            KA + tl.cast(k0, tl.int64) * s_kat + offs_n[None, :] * s_kat + offs_a[:, None],
-            mask=n_ok[None, :] & (offs_a[:, None] < A),
-            other=0.0,
+            KA + n_idx[None, :] * s_kat + offs_a[:, None], mask=n_ok[None, :] & (offs_a[:, None] < A), other=0.0
         )
         s = tl.dot(qa, ka, input_precision=PREC)
         if HAS_B:
             kb = tl.load(
-                KB + tl.cast(k0, tl.int64) * s_kbt + offs_n[None, :] * s_kbt + offs_b[:, None],
-                mask=n_ok[None, :] & (offs_b[:, None] < B),
-                other=0.0,
+                KB + n_idx[None, :] * s_kbt + offs_b[:, None], mask=n_ok[None, :] & (offs_b[:, None] < B), other=0.0
             )
             s = tl.dot(qb, kb, s, input_precision=PREC)
         if MASK:
@@ -113,11 +109,7 @@ def _fwd_inner(
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + tl.cast(k0, tl.int64) * s_vt + offs_n[:, None] * s_vt + offs_v[None, :],
-            mask=n_ok[:, None] & (offs_v[None, :] < VD),
-            other=0.0,
-        )
+        v = tl.load(V + n_idx[:, None] * s_vt + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < VD), other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -129,7 +121,7 @@ def _fwd_kernel(
     s_qt, s_qh, s_kat, s_kah, s_kbt, s_kbh, s_vt, s_vh, s_ot, s_oh,
     A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr,
     BA: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     tile = tl.program_id(1)
@@ -139,6 +131,13 @@ def _fwd_kernel(
     m_start = tl.load(TILES + n_tiles + tile)
     doc_start = tl.load(CU + doc)
     doc_end = tl.load(CU + doc + 1)
+    if BIG:  # offsets past 2**31 elements: 64-bit row indices (slower address math, so only when needed)
+        m_start = m_start.to(tl.int64)
+        doc_start = doc_start.to(tl.int64)
+        doc_end = doc_end.to(tl.int64)
+    hT = h * T
+    if BIG:
+        hT = h.to(tl.int64) * T
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_a = tl.arange(0, BA)
@@ -147,17 +146,11 @@ def _fwd_kernel(
     m_idx = m_start + offs_m
     m_ok = m_idx < doc_end
     Qh = Q + h * s_qh
-    qa = tl.load(
-        Qh + m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_a[None, :],
-        mask=m_ok[:, None] & (offs_a[None, :] < A),
-        other=0.0,
-    )
+    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
     qb = qa
     if HAS_B:
         qb = tl.load(
-            Qh + A + m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_b[None, :],
-            mask=m_ok[:, None] & (offs_b[None, :] < B),
-            other=0.0,
+            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
         )
     KAh = KA + h * s_kah
     KBh = KB + h * s_kbh
@@ -181,9 +174,9 @@ def _fwd_kernel(
         offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, True, CAUSAL, PREC,
     )  # fmt: skip
     out = acc / l_i[:, None]
-    o_ptr = O + h * s_oh + m_start.to(tl.int64) * s_ot + offs_m[:, None] * s_ot + offs_v[None, :]
+    o_ptr = O + h * s_oh + m_idx[:, None] * s_ot + offs_v[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < VD))
-    tl.store(LSE + h.to(tl.int64) * T + m_idx, m_i + tl.log2(l_i), mask=m_ok)
+    tl.store(LSE + hT + m_idx, m_i + tl.log2(l_i), mask=m_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -191,16 +184,31 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, T, s_ot, s_oh, s_dot, s_doh, VD: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr):
+def _delta_kernel(
+    O,
+    DO,
+    DELTA,
+    T,
+    s_ot,
+    s_oh,
+    s_dot,
+    s_doh,
+    VD: tl.constexpr,
+    BV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BIG: tl.constexpr,
+):
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hT = h * T
+    if BIG:
+        t = t.to(tl.int64)
+        hT = h.to(tl.int64) * T
     offs_v = tl.arange(0, BV)
     mask = (t[:, None] < T) & (offs_v[None, :] < VD)
-    o = tl.load(O + h * s_oh + t.to(tl.int64)[:, None] * s_ot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + h * s_doh + t.to(tl.int64)[:, None] * s_dot + offs_v[None, :], mask=mask, other=0.0).to(
-        tl.float32
-    )
-    tl.store(DELTA + h.to(tl.int64) * T + t, tl.sum(o * do, 1), mask=t < T)
+    o = tl.load(O + h * s_oh + t[:, None] * s_ot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + h * s_doh + t[:, None] * s_dot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + hT + t, tl.sum(o * do, 1), mask=t < T)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,17 +226,11 @@ def _dkdv_inner(
     for q0 in range(q_lo, q_hi, BLOCK_M):
         m_idx = q0 + offs_m
         m_ok = m_idx < doc_end
-        qa = tl.load(
-            Q + tl.cast(q0, tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_a[None, :],
-            mask=m_ok[:, None] & (offs_a[None, :] < A),
-            other=0.0,
-        )
+        qa = tl.load(Q + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
         sT = tl.dot(ka, tl.trans(qa), input_precision=PREC)  # (BN, BM)
         if HAS_B:
             qb = tl.load(
-                Q + A + tl.cast(q0, tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_b[None, :],
-                mask=m_ok[:, None] & (offs_b[None, :] < B),
-                other=0.0,
+                Q + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
             )
             sT = tl.dot(kb, tl.trans(qb), sT, input_precision=PREC)
         lse = tl.load(LSE + m_idx, mask=m_ok, other=0.0)
@@ -239,9 +241,7 @@ def _dkdv_inner(
                 keep = keep & (m_idx[None, :] >= n_idx[:, None])
             pT = tl.where(keep, pT, 0.0)
         do = tl.load(
-            DO + tl.cast(q0, tl.int64) * s_dot + offs_m[:, None] * s_dot + offs_v[None, :],
-            mask=m_ok[:, None] & (offs_v[None, :] < VD),
-            other=0.0,
+            DO + m_idx[:, None] * s_dot + offs_v[None, :], mask=m_ok[:, None] & (offs_v[None, :] < VD), other=0.0
         )
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
         delta = tl.load(DELTA + m_idx, mask=m_ok, other=0.0)
@@ -261,7 +261,7 @@ def _dkdv_kernel(
     A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr, B_SHARED: tl.constexpr,
     HEADS: tl.constexpr,
     BA: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr,
 ):  # fmt: skip
     hg = tl.program_id(0)
     tile = tl.program_id(1)
@@ -271,6 +271,10 @@ def _dkdv_kernel(
     n_start = tl.load(TILES + n_tiles + tile)
     doc_start = tl.load(CU + doc)
     doc_end = tl.load(CU + doc + 1)
+    if BIG:  # offsets past 2**31 elements: 64-bit row indices (slower address math, so only when needed)
+        n_start = n_start.to(tl.int64)
+        doc_start = doc_start.to(tl.int64)
+        doc_end = doc_end.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_a = tl.arange(0, BA)
@@ -290,25 +294,23 @@ def _dkdv_kernel(
     kb = tl.zeros([BLOCK_N, BB], KA.dtype.element_ty)
     if HAS_B and B_SHARED:
         kb = tl.load(
-            KB + n_start.to(tl.int64) * s_kbt + offs_n[:, None] * s_kbt + offs_b[None, :],
-            mask=n_ok[:, None] & (offs_b[None, :] < B),
-            other=0.0,
+            KB + n_idx[:, None] * s_kbt + offs_b[None, :], mask=n_ok[:, None] & (offs_b[None, :] < B), other=0.0
         )
     for hh in range(HEADS):
         h = hg * HEADS + hh
         ka = tl.load(
-            KA + h * s_kah + n_start.to(tl.int64) * s_kat + offs_n[:, None] * s_kat + offs_a[None, :],
+            KA + h * s_kah + n_idx[:, None] * s_kat + offs_a[None, :],
             mask=n_ok[:, None] & (offs_a[None, :] < A),
             other=0.0,
         )
         if HAS_B and not B_SHARED:
             kb = tl.load(
-                KB + h * s_kbh + n_start.to(tl.int64) * s_kbt + offs_n[:, None] * s_kbt + offs_b[None, :],
+                KB + h * s_kbh + n_idx[:, None] * s_kbt + offs_b[None, :],
                 mask=n_ok[:, None] & (offs_b[None, :] < B),
                 other=0.0,
             )
         v = tl.load(
-            V + h * s_vh + n_start.to(tl.int64) * s_vt + offs_n[:, None] * s_vt + offs_v[None, :],
+            V + h * s_vh + n_idx[:, None] * s_vt + offs_v[None, :],
             mask=n_ok[:, None] & (offs_v[None, :] < VD),
             other=0.0,
         )
@@ -317,8 +319,11 @@ def _dkdv_kernel(
         dv = tl.zeros([BLOCK_N, BV], tl.float32)
         Qh = Q + h * s_qh
         DOh = DO + h * s_doh
-        LSEh = LSE + h.to(tl.int64) * T
-        DELTAh = DELTA + h.to(tl.int64) * T
+        hT = h * T
+        if BIG:
+            hT = h.to(tl.int64) * T
+        LSEh = LSE + hT
+        DELTAh = DELTA + hT
         dka, dkb, dv = _dkdv_inner(
             dka, dkb, dv, ka, kb, v, Qh, DOh, LSEh, DELTAh, q_lo, q_diag, n_idx, doc_end, s_qt, s_dot, qk_scale,
             offs_m, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_M, True, CAUSAL, PREC,
@@ -331,18 +336,18 @@ def _dkdv_kernel(
             dka, dkb, dv, ka, kb, v, Qh, DOh, LSEh, DELTAh, q_full, doc_end, n_idx, doc_end, s_qt, s_dot, qk_scale,
             offs_m, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_M, True, CAUSAL, PREC,
         )  # fmt: skip
-        ptr_a = DKA + h * s_dkah + n_start.to(tl.int64) * s_dkat + offs_n[:, None] * s_dkat + offs_a[None, :]
+        ptr_a = DKA + h * s_dkah + n_idx[:, None] * s_dkat + offs_a[None, :]
         tl.store(ptr_a, (dka * sm_scale).to(DKA.dtype.element_ty), mask=n_ok[:, None] & (offs_a[None, :] < A))
-        ptr_v = DV + h * s_dvh + n_start.to(tl.int64) * s_dvt + offs_n[:, None] * s_dvt + offs_v[None, :]
+        ptr_v = DV + h * s_dvh + n_idx[:, None] * s_dvt + offs_v[None, :]
         tl.store(ptr_v, dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (offs_v[None, :] < VD))
         if HAS_B:
             if B_SHARED:
                 dkb_sum += dkb
             else:
-                ptr_b = DKB + h * s_dkbh + n_start.to(tl.int64) * s_dkbt + offs_n[:, None] * s_dkbt + offs_b[None, :]
+                ptr_b = DKB + h * s_dkbh + n_idx[:, None] * s_dkbt + offs_b[None, :]
                 tl.store(ptr_b, (dkb * sm_scale).to(DKB.dtype.element_ty), mask=n_ok[:, None] & (offs_b[None, :] < B))
     if HAS_B and B_SHARED:
-        ptr_b = DKB + n_start.to(tl.int64) * s_dkbt + offs_n[:, None] * s_dkbt + offs_b[None, :]
+        ptr_b = DKB + n_idx[:, None] * s_dkbt + offs_b[None, :]
         tl.atomic_add(ptr_b, dkb_sum * sm_scale, mask=n_ok[:, None] & (offs_b[None, :] < B))
 
 
@@ -362,17 +367,13 @@ def _dq_inner(
         n_idx = k0 + offs_n
         n_ok = n_idx < doc_end
         ka = tl.load(
-            KA + tl.cast(k0, tl.int64) * s_kat + offs_n[:, None] * s_kat + offs_a[None, :],
-            mask=n_ok[:, None] & (offs_a[None, :] < A),
-            other=0.0,
+            KA + n_idx[:, None] * s_kat + offs_a[None, :], mask=n_ok[:, None] & (offs_a[None, :] < A), other=0.0
         )
         s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
         kb = ka
         if HAS_B:
             kb = tl.load(
-                KB + tl.cast(k0, tl.int64) * s_kbt + offs_n[:, None] * s_kbt + offs_b[None, :],
-                mask=n_ok[:, None] & (offs_b[None, :] < B),
-                other=0.0,
+                KB + n_idx[:, None] * s_kbt + offs_b[None, :], mask=n_ok[:, None] & (offs_b[None, :] < B), other=0.0
             )
             s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
         p = tl.exp2(s * qk_scale - lse[:, None])
@@ -381,11 +382,7 @@ def _dq_inner(
             if CAUSAL:
                 keep = keep & (n_idx[None, :] <= m_idx[:, None])
             p = tl.where(keep, p, 0.0)
-        v = tl.load(
-            V + tl.cast(k0, tl.int64) * s_vt + offs_n[:, None] * s_vt + offs_v[None, :],
-            mask=n_ok[:, None] & (offs_v[None, :] < VD),
-            other=0.0,
-        )
+        v = tl.load(V + n_idx[:, None] * s_vt + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < VD), other=0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = (p * (dp - delta[:, None])).to(ka.dtype)
         dqa = tl.dot(ds, ka, dqa, input_precision=PREC)
@@ -400,7 +397,7 @@ def _dq_kernel(
     s_qt, s_qh, s_kat, s_kah, s_kbt, s_kbh, s_vt, s_vh, s_dot, s_doh, s_dqt, s_dqh,
     A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr,
     BA: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     tile = tl.program_id(1)
@@ -410,6 +407,13 @@ def _dq_kernel(
     m_start = tl.load(TILES + n_tiles + tile)
     doc_start = tl.load(CU + doc)
     doc_end = tl.load(CU + doc + 1)
+    if BIG:  # offsets past 2**31 elements: 64-bit row indices (slower address math, so only when needed)
+        m_start = m_start.to(tl.int64)
+        doc_start = doc_start.to(tl.int64)
+        doc_end = doc_end.to(tl.int64)
+    hT = h * T
+    if BIG:
+        hT = h.to(tl.int64) * T
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_a = tl.arange(0, BA)
@@ -418,25 +422,19 @@ def _dq_kernel(
     m_idx = m_start + offs_m
     m_ok = m_idx < doc_end
     Qh = Q + h * s_qh
-    qa = tl.load(
-        Qh + m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_a[None, :],
-        mask=m_ok[:, None] & (offs_a[None, :] < A),
-        other=0.0,
-    )
+    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
     qb = qa
     if HAS_B:
         qb = tl.load(
-            Qh + A + m_start.to(tl.int64) * s_qt + offs_m[:, None] * s_qt + offs_b[None, :],
-            mask=m_ok[:, None] & (offs_b[None, :] < B),
-            other=0.0,
+            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
         )
     do = tl.load(
-        DO + h * s_doh + m_start.to(tl.int64) * s_dot + offs_m[:, None] * s_dot + offs_v[None, :],
+        DO + h * s_doh + m_idx[:, None] * s_dot + offs_v[None, :],
         mask=m_ok[:, None] & (offs_v[None, :] < VD),
         other=0.0,
     )
-    lse = tl.load(LSE + h.to(tl.int64) * T + m_idx, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + h.to(tl.int64) * T + m_idx, mask=m_ok, other=0.0)
+    lse = tl.load(LSE + hT + m_idx, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + hT + m_idx, mask=m_ok, other=0.0)
     dqa = tl.zeros([BLOCK_M, BA], tl.float32)
     dqb = tl.zeros([BLOCK_M, BB], tl.float32)
     if CAUSAL:
@@ -456,7 +454,7 @@ def _dq_kernel(
         dqa, dqb, qa, qb, do, lse, delta, KAh, KBh, Vh, k_full, k_end, m_idx, doc_end, s_kat, s_kbt, s_vt,
         qk_scale, offs_n, offs_a, offs_b, offs_v, A, B, VD, HAS_B, BLOCK_N, True, CAUSAL, PREC,
     )  # fmt: skip
-    DQh = DQ + h * s_dqh + m_start.to(tl.int64) * s_dqt + offs_m[:, None] * s_dqt
+    DQh = DQ + h * s_dqh + m_idx[:, None] * s_dqt
     tl.store(
         DQh + offs_a[None, :], (dqa * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_a[None, :] < A)
     )
@@ -560,6 +558,12 @@ def _check(q, ka, kb, v, cu_seqlens, b_shared):
         raise ValueError(f"key dims {A} + {kb.shape[-1]} do not add up to q's head dim {C}")
 
 
+def _big(*tensors: torch.Tensor) -> bool:
+    """Does any element offset reach 2**31 (then the kernels index rows in 64 bits)?"""
+    span = max(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 for t in tensors if t.numel())
+    return span >= 2**31 or tensors[0].shape[0] * tensors[0].shape[1] >= 2**31
+
+
 def _kb_strides(kb: torch.Tensor, b_shared: bool) -> tuple[int, int]:
     return (kb.stride(0), 0) if b_shared else (kb.stride(0), kb.stride(1))
 
@@ -588,7 +592,7 @@ def attention_fwd(q, ka, kb, v, cu_seqlens, max_seqlen, softmax_scale, causal, b
         q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         A=A, B=max(B, 1), VD=VD, HAS_B=has_b, BA=_pow2(A), BB=_pow2(B), BV=_pow2(VD), CAUSAL=causal,
-        PREC=_prec(q.dtype),
+        PREC=_prec(q.dtype), BIG=_big(q, ka, kb, v, out),
     )  # fmt: skip
     return out, lse
 
@@ -626,7 +630,18 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
     delta = torch.empty(H, T, device=q.device, dtype=torch.float32)
     blk = 64 if q.device.type == "cuda" else 16
     _delta_kernel[(triton.cdiv(T, blk), H)](
-        out, do, delta, T, out.stride(0), out.stride(1), do.stride(0), do.stride(1), VD=VD, BV=_pow2(VD), BLOCK=blk
+        out,
+        do,
+        delta,
+        T,
+        out.stride(0),
+        out.stride(1),
+        do.stride(0),
+        do.stride(1),
+        VD=VD,
+        BV=_pow2(VD),
+        BLOCK=blk,
+        BIG=_big(q, ka, kb, v, out, do),
     )
     qk_scale = softmax_scale * LOG2E
     common = {
@@ -640,6 +655,7 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
         "CAUSAL": causal,
     }
     common["PREC"] = _prec(q.dtype)
+    common["BIG"] = _big(q, ka, kb, v, out, do, dq, dv, dka, dkb_arg)
     s_kbt, s_kbh = _kb_strides(kb, b_shared)
 
     cfg = _config("dkdv", A, B, VD, q.device, max_seqlen)
