@@ -1,12 +1,13 @@
-"""Training throughput on CPU: anyseek vs Hugging Face transformers' DeepseekV3ForCausalLM.
+"""Training throughput: anyseek vs Hugging Face transformers' DeepseekV3ForCausalLM, on CPU or one GPU.
 
-Same model config (the `tiny` flavor), same weights (copied through a saved checkpoint), same batches (the built-in
+Same model config (`--flavor`, default tiny), same weights (copied through a saved checkpoint), same batches (the built-in
 Wikipedia sample), same optimizer (AdamW, foreach), same thread count, same run. One step = forward + backward +
 clip + AdamW step. transformers has no multi-token prediction and no packed-document masking, so the like-for-like rows
 run anyseek with MTP off on the same [B, S] rows; the rows after show anyseek as it really trains (packed documents,
 MTP on).
 
-    python benchmarks/train_cpu.py --threads 2 --steps 20
+    python benchmarks/train_step.py --threads 2 --steps 20                       # CPU, tiny (issue 4's table)
+    python benchmarks/train_step.py --device cuda --flavor small --tokens 8192 --seqlen 2048 --dtype bf16
 """
 
 from __future__ import annotations
@@ -34,18 +35,28 @@ def batches(data_dir: Path, tokens: int, seqlen: int, n: int):
     return out
 
 
-def time_steps(step_fn, data, warmup: int) -> list[float]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step_fn, data, warmup: int, device: torch.device) -> list[float]:
     times = []
     for i, b in enumerate(data):
+        b = b.to(device)
+        _sync(device)
         t0 = time.perf_counter()
         step_fn(b)
+        _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
 
 
 def make_step(model, forward):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    fused = next(model.parameters()).device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                            **({"fused": True} if fused else {"foreach": True}))
 
     def step(b):
         loss = forward(b)
@@ -66,8 +77,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="parameter dtype of both models")
+    p.add_argument("--vocab", type=int, default=4096, help="BPE size when preparing the built-in sample")
+    p.add_argument("--skip-eager", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
 
     import transformers
@@ -76,7 +93,7 @@ def main() -> None:
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
 
-    data_dir = Path(args.data) if args.data else ensure_prepared("wiki-sample", vocab_size=4096)
+    data_dir = Path(args.data) if args.data else ensure_prepared("wiki-sample", vocab_size=args.vocab)
     import json
 
     vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
@@ -96,18 +113,22 @@ def main() -> None:
     results = []
 
     def bench(name, model, forward, layout):
-        model.train()
-        times = time_steps(make_step(model, forward), data, args.warmup)
+        model.to(device=device, dtype=dtype).train()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = time_steps(make_step(model, forward), data, args.warmup, device)
         med = statistics.median(times)
-        results.append((name, layout, med * 1e3, args.tokens / med))
+        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        results.append((name, layout, med * 1e3, args.tokens / med, mem))
         print(f"  {name:48s} {med * 1e3:8.1f} ms/step {args.tokens / med:10,.0f} tok/s", flush=True)
+        model.to("cpu")
 
     with tempfile.TemporaryDirectory() as tmp:
         base = DeepSeekV3(cfg_nomtp)
         base.save_pretrained(Path(tmp) / "ckpt")
-        for impl in ("sdpa", "eager"):
+        for impl in ("sdpa",) if args.skip_eager else ("sdpa", "eager"):
             hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "ckpt"), attn_implementation=impl,
-                                                                   torch_dtype=torch.float32)
+                                                                   dtype=torch.float32)
             bench(f"transformers DeepseekV3ForCausalLM ({impl})", hf,
                   lambda b, m=hf: m(input_ids=b.input_ids.view(rows_shape), labels=b.input_ids.view(rows_shape)).loss,
                   "[B,S] rows")
@@ -120,15 +141,16 @@ def main() -> None:
 
     hf_best = max(r[3] for r in results if r[0].startswith("transformers"))
     print()
-    print(f"CPU training step, {args.flavor} flavor ({base.num_parameters() / 1e6:.2f}M parameters), "
-          f"{args.tokens} tokens/step, {args.threads} threads")
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, {time.strftime('%Y-%m-%d')}")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} threads"
+    print(f"Training step, {args.flavor} flavor ({base.num_parameters() / 1e6:.2f}M parameters), {args.tokens} "
+          f"tokens/step, {args.dtype} parameters, {where}")
+    print(f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}, median of {args.steps} steps after {args.warmup} warm-up")
     print()
-    print("| path | layout | ms/step | tokens/s | vs best transformers |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, layout, ms, tps in results:
-        print(f"| {name} | {layout} | {ms:.1f} | {tps:,.0f} | {tps / hf_best:.2f}x |")
+    print("| path | layout | ms/step | tokens/s | vs best transformers | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, layout, ms, tps, mem in results:
+        print(f"| {name} | {layout} | {ms:.1f} | {tps:,.0f} | {tps / hf_best:.2f}x | {mem:.1f} |")
 
 
 if __name__ == "__main__":
