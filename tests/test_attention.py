@@ -53,3 +53,11 @@ def test_bad_shapes_name_the_problem():
         )
     with pytest.raises(ValueError, match="token count 5"):
         torch_backends.sdpa_varlen_attention(torch.randn(5, 1, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8), cu, 4)
+
+
+def test_mixed_dtypes_follow_q():
+    """Under autocast the rope part may arrive in fp32 while q is bf16: computed in q's dtype."""
+    cu = _cu([3, 5])
+    q, kn, v = torch.randn(8, 2, 24).bfloat16(), torch.randn(8, 2, 16).bfloat16(), torch.randn(8, 2, 8).bfloat16()
+    out = torch_backends.sdpa_mla_attention(q, kn, torch.randn(8, 8), v, cu, 5)
+    assert out.dtype == torch.bfloat16 and out.shape == (8, 2, 8)

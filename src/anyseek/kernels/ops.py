@@ -92,6 +92,7 @@ def mla_attention(
     max_seqlen (a host int, no sync) only picks launch settings; the tile schedule is built from cu_seqlens on the
     device."""
     check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens)
+    k_nope_THN, k_pe_TR, v_THV = (t.to(q_THC.dtype) for t in (k_nope_THN, k_pe_TR, v_THV))  # mixed under autocast
     scale = _k.default_scale(q_THC.shape[-1], softmax_scale)
     return _MLAAttention.apply(
         q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens.to(torch.int32), _max_len(max_seqlen, q_THC), scale, causal
@@ -169,6 +170,7 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Triton varlen attention, head dims up to 256 (d_qk != d_v allowed); as `anyseek.kernels.varlen_attention`."""
     check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
+    k_THD, v_THV = k_THD.to(q_THD.dtype), v_THV.to(q_THD.dtype)
     scale = _k.default_scale(q_THD.shape[-1], softmax_scale)
     return _VarlenAttention.apply(
         q_THD, k_THD, v_THV, cu_seqlens.to(torch.int32), _max_len(max_seqlen, q_THD), scale, causal

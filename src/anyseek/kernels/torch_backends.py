@@ -123,6 +123,7 @@ def sdpa_mla_attention(
 ) -> torch.Tensor:
     """MLA attention through padded SDPA buckets. Shapes as `anyseek.kernels.mla_attention`; out [T, H, V]."""
     check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens)
+    k_nope_THN, v_THV = k_nope_THN.to(q_THC.dtype), v_THV.to(q_THC.dtype)  # mixed dtypes under autocast
     H = q_THC.shape[1]
 
     def make_k(idx_nL):
@@ -147,6 +148,7 @@ def sdpa_varlen_attention(
 ) -> torch.Tensor:
     """Varlen attention through padded SDPA buckets. Shapes as `anyseek.kernels.varlen_attention`."""
     check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
+    k_THD, v_THV = k_THD.to(q_THD.dtype), v_THV.to(q_THD.dtype)
     return _padded_sdpa(q_THD, lambda idx_nL: k_THD[idx_nL].transpose(1, 2), v_THV, cu_seqlens, softmax_scale, causal)
 
 
