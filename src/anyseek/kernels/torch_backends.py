@@ -46,33 +46,37 @@ def _bucket_index(starts: list[int], lengths: list[int], docs: list[int], device
     return idx_nL, valid_nL
 
 
-def _padded_sdpa(q_THC, make_k, v_THV, cu_seqlens, softmax_scale, causal) -> torch.Tensor:
-    """Shared driver: make_k(idx_nL) -> k [n, H, L, C] for one bucket."""
+def _padded_sdpa(q_THC, ks, make_k, v_THV, cu_seqlens, softmax_scale, causal) -> torch.Tensor:
+    """Shared driver. ks: the key tensors, gathered once for all buckets (one gather per input keeps the backward
+    to one scatter per input); make_k([k[rows of a bucket] for k in ks], n, L) -> k [n, H, L, C]."""
     T, H, C = q_THC.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(C)
     bounds = cu_seqlens.tolist()  # host sync: this backend sizes its buckets on the host
     if bounds[0] != 0 or bounds[-1] != T or any(b > e for b, e in itertools.pairwise(bounds)):
         raise ValueError(f"cu_seqlens must rise from 0 to the token count {T}, got {bounds[:4]}...{bounds[-2:]}")
     starts, lengths = bounds[:-1], [e - s for s, e in itertools.pairwise(bounds)]
-    outs, perms = [], []
-    for docs in _buckets(lengths):
-        idx_nL, valid_nL = _bucket_index(starts, lengths, docs, q_THC.device)
-        q = q_THC[idx_nL].transpose(1, 2)  # (n, H, L, C)
-        v = v_THV[idx_nL].transpose(1, 2)  # (n, H, L, V)
-        k = make_k(idx_nL)
+    buckets = [_bucket_index(starts, lengths, docs, q_THC.device) for docs in _buckets(lengths)]
+    if not buckets:
+        return v_THV.new_zeros(T, H, v_THV.shape[-1]).to(q_THC.dtype)
+    flat = torch.cat([idx_nL.reshape(-1) for idx_nL, _ in buckets])  # (F,) padded slots of every bucket
+    q_all, v_all, k_all = q_THC[flat], v_THV[flat], [k[flat] for k in ks]
+    Vd, outs, offset = v_THV.shape[-1], [], 0
+    for idx_nL, valid_nL in buckets:
+        n, L = idx_nL.shape
+        rows = slice(offset, offset + n * L)
+        offset += n * L
+        q = q_all[rows].view(n, L, H, C).transpose(1, 2)  # (n, H, L, C)
+        v = v_all[rows].view(n, L, H, Vd).transpose(1, 2)  # (n, H, L, V)
+        k = make_k([kk[rows] for kk in k_all], n, L)
         mask = None if causal else valid_nL[:, None, None, :]
-        Vd = v.shape[-1]
         if q.device.type == "cpu" and Vd < C:  # the CPU flash kernel needs d_v == d_qk; the math path is 2x slower
             v = F.pad(v, (0, C - Vd))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)[..., :Vd]
-        outs.append(o.transpose(1, 2)[valid_nL])  # (tokens of the bucket, H, V)
-        perms.append(idx_nL[valid_nL])
-    if not outs:
-        return v_THV.new_zeros(T, H, v_THV.shape[-1]).to(q_THC.dtype)
-    perm = torch.cat(perms)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return torch.cat(outs)[inv].to(q_THC.dtype)
+        outs.append(o.transpose(1, 2).reshape(n * L, H, Vd))
+    valid = torch.cat([valid_nL.reshape(-1) for _, valid_nL in buckets])
+    pos = torch.empty(T, dtype=torch.long, device=flat.device)  # each token's slot in the padded buckets
+    pos[flat[valid]] = torch.nonzero(valid).squeeze(1)
+    return torch.cat(outs)[pos].to(q_THC.dtype)
 
 
 def check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens) -> None:
@@ -126,15 +130,14 @@ def sdpa_mla_attention(
     k_nope_THN, v_THV = k_nope_THN.to(q_THC.dtype), v_THV.to(q_THC.dtype)  # mixed dtypes under autocast
     H = q_THC.shape[1]
 
-    def make_k(idx_nL):
-        k_pe = k_pe_TR[idx_nL]  # (n, L, R): expanded over heads only here, one bucket at a time
-        k_nope = k_nope_THN[idx_nL]  # (n, L, H, N)
-        # expand from fp32 so that the backward sums dk_pe over heads in fp32, not in bf16
-        k_pe = k_pe.float()[:, :, None, :].expand(-1, -1, H, -1).to(k_nope.dtype)
-        k = torch.cat([k_nope, k_pe], dim=-1)
-        return k.transpose(1, 2)
+    def make_k(parts, n, L):
+        k_nope, k_pe = parts[0].view(n, L, H, -1), parts[1].view(n, L, 1, -1)
+        # k_pe expanded over heads only here, one bucket at a time; from fp32, so that the backward sums dk_pe
+        # over heads in fp32, not in bf16
+        k_pe = k_pe.float().expand(-1, -1, H, -1).to(k_nope.dtype)
+        return torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
 
-    return _padded_sdpa(q_THC, make_k, v_THV, cu_seqlens, softmax_scale, causal)
+    return _padded_sdpa(q_THC, [k_nope_THN, k_pe_TR], make_k, v_THV, cu_seqlens, softmax_scale, causal)
 
 
 def sdpa_varlen_attention(
@@ -149,7 +152,12 @@ def sdpa_varlen_attention(
     """Varlen attention through padded SDPA buckets. Shapes as `anyseek.kernels.varlen_attention`."""
     check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
     k_THD, v_THV = k_THD.to(q_THD.dtype), v_THV.to(q_THD.dtype)
-    return _padded_sdpa(q_THD, lambda idx_nL: k_THD[idx_nL].transpose(1, 2), v_THV, cu_seqlens, softmax_scale, causal)
+    H, D = q_THD.shape[1:]
+
+    def make_k(parts, n, L):
+        return parts[0].view(n, L, H, D).transpose(1, 2)
+
+    return _padded_sdpa(q_THD, [k_THD], make_k, v_THV, cu_seqlens, softmax_scale, causal)
 
 
 def sdpa_available(example: torch.Tensor) -> tuple[bool, str]:
