@@ -4,7 +4,7 @@
 long document does not pad a thousand short ones, and call `F.scaled_dot_product_attention` once per bucket.
 With causal masking a valid query never sees a padded key (padding sits at the end of each row), so no mask
 tensor is built; with causal=False a key-padding mask is passed. MLA's shared k_pe is expanded per head only
-inside the call, bucket by bucket.
+inside the call.
 
 Shape legend: T tokens in the packed batch, H heads, C = N + R query/key dim, N nope dim, R rope dim, V value
 dim, n documents in one bucket, L the bucket's padded length.
@@ -46,9 +46,12 @@ def _bucket_index(starts: list[int], lengths: list[int], docs: list[int], device
     return idx_nL, valid_nL
 
 
-def _padded_sdpa(q_THC, ks, make_k, v_THV, cu_seqlens, softmax_scale, causal) -> torch.Tensor:
-    """Shared driver. ks: the key tensors, gathered once for all buckets (one gather per input keeps the backward
-    to one scatter per input); make_k([k[rows of a bucket] for k in ks], n, L) -> k [n, H, L, C]."""
+def _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal) -> torch.Tensor:
+    """Shared driver: q, k [T, H, C], v [T, H, V] -> out [T, H, V].
+
+    Every input is gathered once for all buckets with index_select (its backward is an index_add; plain advanced
+    indexing would backpropagate through a much slower accumulating index_put on CPU), and the output is gathered
+    back the same way."""
     T, H, C = q_THC.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(C)
     bounds = cu_seqlens.tolist()  # host sync: this backend sizes its buckets on the host
@@ -58,25 +61,24 @@ def _padded_sdpa(q_THC, ks, make_k, v_THV, cu_seqlens, softmax_scale, causal) ->
     buckets = [_bucket_index(starts, lengths, docs, q_THC.device) for docs in _buckets(lengths)]
     if not buckets:
         return v_THV.new_zeros(T, H, v_THV.shape[-1]).to(q_THC.dtype)
+    Vd = v_THV.shape[-1]
+    if q_THC.device.type == "cpu" and Vd < C:  # the CPU flash kernel needs d_v == d_qk; the math path is 2x slower
+        v_THV = F.pad(v_THV, (0, C - Vd))
     flat = torch.cat([idx_nL.reshape(-1) for idx_nL, _ in buckets])  # (F,) padded slots of every bucket
-    q_all, v_all, k_all = q_THC[flat], v_THV[flat], [k[flat] for k in ks]
-    Vd, outs, offset = v_THV.shape[-1], [], 0
+    q_all, k_all, v_all = (x.index_select(0, flat) for x in (q_THC, k_THC, v_THV))
+    outs, offset = [], 0
     for idx_nL, valid_nL in buckets:
         n, L = idx_nL.shape
         rows = slice(offset, offset + n * L)
         offset += n * L
-        q = q_all[rows].view(n, L, H, C).transpose(1, 2)  # (n, H, L, C)
-        v = v_all[rows].view(n, L, H, Vd).transpose(1, 2)  # (n, H, L, V)
-        k = make_k([kk[rows] for kk in k_all], n, L)
+        q, k, v = (x[rows].view(n, L, H, -1).transpose(1, 2) for x in (q_all, k_all, v_all))  # (n, H, L, .)
         mask = None if causal else valid_nL[:, None, None, :]
-        if q.device.type == "cpu" and Vd < C:  # the CPU flash kernel needs d_v == d_qk; the math path is 2x slower
-            v = F.pad(v, (0, C - Vd))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)[..., :Vd]
-        outs.append(o.transpose(1, 2).reshape(n * L, H, Vd))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+        outs.append(o.transpose(1, 2).reshape(n * L, H, -1))
     valid = torch.cat([valid_nL.reshape(-1) for _, valid_nL in buckets])
     pos = torch.empty(T, dtype=torch.long, device=flat.device)  # each token's slot in the padded buckets
     pos[flat[valid]] = torch.nonzero(valid).squeeze(1)
-    return torch.cat(outs)[pos].to(q_THC.dtype)
+    return torch.cat(outs).index_select(0, pos)[..., :Vd].to(q_THC.dtype)
 
 
 def check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens) -> None:
@@ -128,16 +130,11 @@ def sdpa_mla_attention(
     """MLA attention through padded SDPA buckets. Shapes as `anyseek.kernels.mla_attention`; out [T, H, V]."""
     check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens)
     k_nope_THN, v_THV = k_nope_THN.to(q_THC.dtype), v_THV.to(q_THC.dtype)  # mixed dtypes under autocast
-    H = q_THC.shape[1]
-
-    def make_k(parts, n, L):
-        k_nope, k_pe = parts[0].view(n, L, H, -1), parts[1].view(n, L, 1, -1)
-        # k_pe expanded over heads only here, one bucket at a time; from fp32, so that the backward sums dk_pe
-        # over heads in fp32, not in bf16
-        k_pe = k_pe.float().expand(-1, -1, H, -1).to(k_nope.dtype)
-        return torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
-
-    return _padded_sdpa(q_THC, [k_nope_THN, k_pe_TR], make_k, v_THV, cu_seqlens, softmax_scale, causal)
+    T, H, _ = q_THC.shape
+    # k_pe expanded over heads only inside this call; from fp32, so that the backward sums dk_pe over heads in fp32
+    k_pe_THR = k_pe_TR.float()[:, None, :].expand(T, H, -1).to(k_nope_THN.dtype)
+    k_THC = torch.cat([k_nope_THN, k_pe_THR], dim=-1)
+    return _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal)
 
 
 def sdpa_varlen_attention(
@@ -152,12 +149,7 @@ def sdpa_varlen_attention(
     """Varlen attention through padded SDPA buckets. Shapes as `anyseek.kernels.varlen_attention`."""
     check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
     k_THD, v_THV = k_THD.to(q_THD.dtype), v_THV.to(q_THD.dtype)
-    H, D = q_THD.shape[1:]
-
-    def make_k(parts, n, L):
-        return parts[0].view(n, L, H, D).transpose(1, 2)
-
-    return _padded_sdpa(q_THD, [k_THD], make_k, v_THV, cu_seqlens, softmax_scale, causal)
+    return _padded_sdpa(q_THD, k_THD, v_THV, cu_seqlens, softmax_scale, causal)
 
 
 def sdpa_available(example: torch.Tensor) -> tuple[bool, str]:
