@@ -117,10 +117,18 @@ def requested(op: str) -> tuple[str, str]:
 def choose(op: str, example: torch.Tensor) -> tuple[Callable, str, str]:
     """(function, backend name, why) for running `op` on tensors like `example`."""
     name, source = requested(op)
-    key = (op, name, example.device.type, example.dtype, tuple(example.shape[1:]))
+    key = (op, name, example.device.type, example.dtype, tuple(example.shape[1:]), _autocast_dtype(example))
     if key not in _cache:
         _cache[key] = _choose_explicit(op, name, source, example) if name != AUTO else _choose_auto(op, example)
     return _cache[key]
+
+
+def _autocast_dtype(example: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype in force for the example's device type, or None (a backend may compute in it)."""
+    kind = example.device.type
+    if kind not in ("cuda", "cpu") or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
 
 
 def _choose_explicit(op: str, name: str, source: str, example: torch.Tensor) -> tuple[Callable, str, str]:
@@ -184,6 +192,8 @@ def _register_defaults() -> None:
             register(op, Backend("flash_attn", flash, flash_ok, ("cuda",), optional=True))
         register(op, Backend("sdpa", _lazy(f"anyseek.kernels.torch_backends.sdpa_{op}"), _sdpa_ok))
         register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
+    register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.reference.moe.grouped_mm_routed_experts"),
+                                       _lazy_check("anyseek.kernels.reference.moe.grouped_mm_available"), ("cuda",)))
     register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
 
 

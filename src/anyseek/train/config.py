@@ -62,6 +62,8 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype: "auto" (bf16 on CUDA, none on CPU), "bf16", "fp32"
     threads: int = 0  # torch CPU threads; 0 = torch's default
     compile: bool = False
+    attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, sdpa, reference, ...
+    moe_backend: str = "auto"  # for the routed experts: auto, grouped_mm, reference
     log_every: int = 10
     eval_every: int = 250
     eval_tokens: int = 65536  # validation tokens per evaluation
@@ -175,7 +177,7 @@ def _load_raw(config: str) -> dict[str, Any]:
 
 
 def _parse_override(item: str) -> tuple[str, str, Any]:
-    body = item[2:] if item.startswith("--") else item
+    body = item.removeprefix("--")
     if "=" not in body or "." not in body.split("=", 1)[0]:
         raise ConfigError(f"override {item!r} must look like --section.key=value (e.g. --train.max_steps=200)")
     dotted, value = body.split("=", 1)

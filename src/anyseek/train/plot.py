@@ -58,7 +58,7 @@ def _draw(train: list[tuple[int, float]], val: list[tuple[int, float]]) -> list[
     def px(x: float, y: float) -> tuple[int, int]:
         u = MARGIN_L + (x - x0) / (x1 - x0) * (W - MARGIN_L - MARGIN_R)
         v = H - MARGIN_B - (y - y0) / (y1 - y0) * (H - MARGIN_T - MARGIN_B)
-        return int(round(u)), int(round(v))
+        return round(u), round(v)
 
     def dot(u: int, v: int, rgb: tuple[int, int, int], r: int = 0) -> None:
         for yy in range(v - r, v + r + 1):
@@ -74,7 +74,7 @@ def _draw(train: list[tuple[int, float]], val: list[tuple[int, float]]) -> list[
     grey, black = (200, 200, 200), (0, 0, 0)
     for i in range(5):  # horizontal grid lines with labels
         y = y0 + (y1 - y0) * i / 4
-        u, v = px(x0, y)
+        _, v = px(x0, y)
         line((MARGIN_L, v), (W - MARGIN_R, v), grey)
         _text(img, f"{y:.2f}", 4, v - 7, black)
     line((MARGIN_L, H - MARGIN_B), (W - MARGIN_R, H - MARGIN_B), black)

@@ -14,9 +14,10 @@ import math
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class StepStats:
     parts: dict[str, torch.Tensor | float] = field(default_factory=dict)
     expert_load: torch.Tensor | None = None
     tokens: int = 0
+    flops: float = 0.0  # training FLOPs of the step, attention counted over each document's real length
 
 
 class Trainer:
@@ -51,6 +53,10 @@ class Trainer:
         self.autocast_dtype = _autocast_dtype(t.dtype, self.device)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
+        from anyseek.kernels import registry
+
+        registry.set_backend("attention", t.attention_backend)  # an unknown name raises here, naming it
+        registry.set_backend("moe", t.moe_backend)
 
         self.data_dir = self._prepare_data()
         from anyseek.data.tokenizer import load_tokenizer, tokenizer_files
@@ -120,10 +126,9 @@ class Trainer:
         progress = Progress(t.max_steps, start=self.step, every=t.log_every)
         old_handlers = self._install_signal_handlers()
         peak = peak_flops(self.device)
-        flops_per_token = self.model.flops_per_token(self.cfg.data.max_seqlen)
         batches = iter(self.train_loader)
         t_start = time.perf_counter()
-        window_t, window_tokens = time.perf_counter(), 0
+        window_t, window_tokens, window_flops = time.perf_counter(), 0, 0.0
         summary: dict[str, Any] = {}
         try:
             while self.step < t.max_steps and not self.stop_requested:
@@ -132,6 +137,7 @@ class Trainer:
                 stats = self._accumulate(batches)
                 ok, loss, grad_norm = self._apply(stats)
                 window_tokens += stats.tokens
+                window_flops += stats.flops
                 if not ok:
                     metrics.write("skip", self.step, {"loss": loss, "grad_norm": grad_norm, "in_a_row": self.bad_in_a_row})
                     continue
@@ -139,15 +145,9 @@ class Trainer:
                 self.tokens_seen += stats.tokens
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     elapsed = time.perf_counter() - window_t
-                    tps = window_tokens / max(elapsed, 1e-9)
-                    row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
-                           "tokens_seen": self.tokens_seen, "tflops": tps * flops_per_token / 1e12}
-                    row.update({k: float(v) / t.grad_accum for k, v in stats.parts.items()})
-                    if peak:
-                        row["mfu"] = tps * flops_per_token / peak
-                    metrics.write("train", self.step, row)
-                    progress.update(self.step, loss, tps)
-                    window_t, window_tokens = time.perf_counter(), 0
+                    self._log_step(metrics, progress, stats, loss, lr, grad_norm, window_tokens / elapsed,
+                                   window_flops / elapsed, peak)
+                    window_t, window_tokens, window_flops = time.perf_counter(), 0, 0.0
                 if self.step % t.eval_every == 0 and self.step < t.max_steps:
                     self._evaluate(metrics)
                 if self.step % t.save_every == 0 and self.step < t.max_steps:
@@ -170,6 +170,15 @@ class Trainer:
             summary.update(step=self.step, tokens_seen=self.tokens_seen, wall_s=time.perf_counter() - t_start)
         return summary
 
+    def _log_step(self, metrics, progress, stats, loss, lr, grad_norm, tokens_per_s, flops_per_s, peak) -> None:
+        row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+               "tokens_seen": self.tokens_seen, "tflops": flops_per_s / 1e12}
+        row.update({k: float(v) / self.cfg.train.grad_accum for k, v in stats.parts.items()})
+        if peak:
+            row["mfu"] = flops_per_s / peak
+        metrics.write("train", self.step, row)
+        progress.update(self.step, loss, tokens_per_s)
+
     def _accumulate(self, batches) -> StepStats:
         t = self.cfg.train
         stats = StepStats()
@@ -191,6 +200,9 @@ class Trainer:
                 load = out.expert_load.detach()
                 stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
             stats.tokens += int(ids.numel())
+            lens = batch.cu_seqlens.diff().double()
+            mean_context = float((lens * lens).sum() / lens.sum())  # per-token attention span of this packing
+            stats.flops += ids.numel() * self.model.flops_per_token(mean_context)
         return stats
 
     def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
@@ -261,8 +273,8 @@ class Trainer:
     def _finish(self, metrics: MetricsLog) -> dict[str, Any]:
         val_loss = self._evaluate(metrics)
         path = self._save()
-        from anyseek.train.plot import write_loss_curve
         from anyseek.train.metrics import read_metrics
+        from anyseek.train.plot import write_loss_curve
 
         rows = read_metrics(metrics.path)
         curve = write_loss_curve(
