@@ -48,7 +48,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> scores fp32 [T, E] (unbiased; for the balance loss), topk_ids [T, K], weights fp32 [T, K]."""
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):  # routing stays fp32 under autocast
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
         scores_TE = logits_TE.sigmoid() if self.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
         with torch.no_grad():
             choice_TE = scores_TE + self.e_score_correction_bias
