@@ -220,12 +220,16 @@ class DeepSeekV3(nn.Module):
 
     # ---- checkpoints (implemented in anyseek.model.hf) -------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device=None) -> DeepSeekV3:
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype | None = None, device=None, strict: bool = True
+    ) -> DeepSeekV3:
+        """Load a Hugging Face DeepseekV3 folder (safetensors, sharded or not, FP8 block-quantized or not)."""
         from anyseek.model import hf
 
-        return hf.load_pretrained(path, dtype=dtype, device=device)
+        return hf.load_pretrained(path, dtype=dtype, device=device, strict=strict)
 
-    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size="5GB") -> None:
+        """Write a Hugging Face folder (config.json, safetensors, generation_config.json) atomically."""
         from anyseek.model import hf
 
-        hf.save_pretrained(self, path, dtype=dtype)
+        hf.save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)

@@ -45,7 +45,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1500
+    max_steps: int = 1000
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     warmup_steps: int = 100

@@ -97,7 +97,7 @@ def _config(kind: str, A: int, B: int, VD: int, device: torch.device, max_seqlen
     """Block sizes and launch settings per kernel (kind: fwd, dkdv, dq).
 
     On the interpreter: 16x16 tiles (small and quick). On GPUs: from sweeps on an H200 (benchmarks/attention.py
-    --tune, docs/bench-attention.md) for DeepSeek-V3's 128+64 / 128 dims. Short documents (max_seqlen <= 512,
+    --tune, docs/benchmarks.md) for DeepSeek-V3's 128+64 / 128 dims. Short documents (max_seqlen <= 512,
     e.g. packed Wikipedia leads) waste less of a small tile; dims wider than 384 in all get smaller tiles."""
     if device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
