@@ -279,7 +279,7 @@ class Trainer:
         rows = read_metrics(metrics.path)
         curve = write_loss_curve(
             self.out_dir / "loss.png",
-            [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"],
+            [(r["step"], r.get("lm_loss", r["loss"])) for r in rows if r["kind"] == "train"],
             [(r["step"], r["loss"]) for r in rows if r["kind"] == "val"],
             title=f"{self.cfg.model.get('flavor', '')} on {self.cfg.data.path or self.cfg.data.source}",
         )
