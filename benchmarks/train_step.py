@@ -81,6 +81,9 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="parameter dtype of both models")
     p.add_argument("--vocab", type=int, default=4096, help="BPE size when preparing the built-in sample")
     p.add_argument("--skip-eager", action="store_true")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="CPU: let the cases take turns in N rounds (robust to load bursts on a shared machine; every "
+                        "case measured this way ran 10-40%% slower than alone). 0: each case alone, one after another")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -112,32 +115,61 @@ def main() -> None:
 
     results = []
 
-    def bench(name, model, forward, layout):
+    def record(name, layout, times, mem):
+        med = statistics.median(times)
+        results.append((name, layout, med * 1e3, args.tokens / med, mem))
+        print(f"  {name:48s} {med * 1e3:8.1f} ms/step {args.tokens / med:10,.0f} tok/s", flush=True)
+
+    def bench(name, model, forward, layout):  # one case at a time (GPU: per-case peak memory)
         model.to(device=device, dtype=dtype).train()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = time_steps(make_step(model, forward), data, args.warmup, device)
-        med = statistics.median(times)
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-        results.append((name, layout, med * 1e3, args.tokens / med, mem))
-        print(f"  {name:48s} {med * 1e3:8.1f} ms/step {args.tokens / med:10,.0f} tok/s", flush=True)
+        record(name, layout, times, mem)
         model.to("cpu")
+
+    def bench_rounds(cases, rounds: int):
+        """CPU: the cases take turns in rounds of (warm-up + steps/rounds timed) steps, so a busy moment on a shared
+        machine hits every row alike, while each case still runs warm (back-to-back steps of one model)."""
+        steps = [make_step(model.to(dtype=dtype).train(), forward) for _, model, forward, _ in cases]
+        times = [[] for _ in cases]
+        per_round = max(1, args.steps // rounds)
+        for r in range(rounds):
+            chunk = data[r * per_round: (r + 1) * per_round]
+            for step, t in zip(steps, times):
+                for b in data[-args.warmup:]:  # warm-up batches, untimed, before every turn
+                    step(b)
+                for b in chunk:
+                    t0 = time.perf_counter()
+                    step(b)
+                    t.append(time.perf_counter() - t0)
+        for (name, _, _, layout), t in zip(cases, times):
+            record(name, layout, t, float("nan"))
 
     with tempfile.TemporaryDirectory() as tmp:
         base = DeepSeekV3(cfg_nomtp)
         base.save_pretrained(Path(tmp) / "ckpt")
+        cases = []
         for impl in ("sdpa",) if args.skip_eager else ("sdpa", "eager"):
             hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "ckpt"), attn_implementation=impl,
                                                                    dtype=torch.float32)
-            bench(f"transformers DeepseekV3ForCausalLM ({impl})", hf,
-                  lambda b, m=hf: m(input_ids=b.input_ids.view(rows_shape), labels=b.input_ids.view(rows_shape)).loss,
-                  "[B,S] rows")
-            del hf
+            cases.append((f"transformers DeepseekV3ForCausalLM ({impl})", hf,
+                          lambda b, m=hf: m(input_ids=b.input_ids.view(rows_shape),
+                                            labels=b.input_ids.view(rows_shape)).loss, "[B,S] rows"))
         ours = DeepSeekV3.from_pretrained(Path(tmp) / "ckpt")
-        bench("anyseek, MTP off", ours, ours_rows(ours), "[B,S] rows")
-        bench("anyseek, MTP off, packed documents", ours, ours_packed(ours), "packed varlen")
+        packed = DeepSeekV3.from_pretrained(Path(tmp) / "ckpt")
         full = DeepSeekV3(cfg)
-        bench("anyseek, MTP on, packed documents (as trained)", full, ours_packed(full), "packed varlen")
+        cases += [
+            ("anyseek, MTP off", ours, ours_rows(ours), "[B,S] rows"),
+            ("anyseek, MTP off, packed documents", packed, ours_packed(packed), "packed varlen"),
+            ("anyseek, MTP on, packed documents (as trained)", full, ours_packed(full), "packed varlen"),
+        ]
+        if device.type == "cpu" and args.rounds > 0:
+            bench_rounds(cases, args.rounds)
+        else:
+            for name, model, forward, layout in cases:
+                bench(name, model, forward, layout)
 
     hf_best = max(r[3] for r in results if r[0].startswith("transformers"))
     print()
@@ -145,7 +177,8 @@ def main() -> None:
     print(f"Training step, {args.flavor} flavor ({base.num_parameters() / 1e6:.2f}M parameters), {args.tokens} "
           f"tokens/step, {args.dtype} parameters, {where}")
     print(f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}, median of {args.steps} steps after {args.warmup} warm-up")
+          f"{time.strftime('%Y-%m-%d')}, median of {args.steps} steps after {args.warmup} warm-up"
+          f"{f', cases taking turns in {args.rounds} rounds' if args.rounds else ''}")
     print()
     print("| path | layout | ms/step | tokens/s | vs best transformers | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- |")
