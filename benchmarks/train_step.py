@@ -93,13 +93,12 @@ def main() -> None:
     import transformers
 
     from anyseek.data.prepare import ensure_prepared
+    from anyseek.data.shards import read_manifest
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
 
     data_dir = Path(args.data) if args.data else ensure_prepared("wiki-sample", vocab_size=args.vocab)
-    import json
-
-    vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+    vocab = read_manifest(data_dir)["vocab_size"]
     cfg = dataclasses.replace(ModelConfig.from_name(args.flavor), vocab_size=vocab)
     cfg_nomtp = dataclasses.replace(cfg, num_nextn_predict_layers=0)
     data = batches(data_dir, args.tokens, args.seqlen, args.steps + args.warmup)

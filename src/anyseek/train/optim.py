@@ -68,27 +68,26 @@ def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, fol
 
 def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path) -> None:
     params = dict(model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
     meta = json.loads((folder / "optimizer.json").read_text())
     saved_groups = meta["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"{folder / 'optimizer.json'}: {len(saved_groups)} param groups, expected "
                          f"{len(optimizer.param_groups)}")
     for group, saved in zip(optimizer.param_groups, saved_groups):
-        mine = [n for p in group["params"] for n, q in params.items() if q is p]
-        if mine != saved["params"]:
+        if [names[id(p)] for p in group["params"]] != saved["params"]:
             raise ValueError(f"{folder / 'optimizer.json'}: parameter list differs from the model's")
         group.update({k: v for k, v in saved.items() if k != "params"})
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
     tensors = load_file(str(folder / "optimizer.safetensors"))
+    # AdamW keeps its scalar `step` on the CPU unless fused/capturable; every other state lives with its parameter.
+    step_on_param = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
     optimizer.state.clear()
     for key, value in tensors.items():
         name, state_key = key.rsplit("/", 1)
         if name not in params:
             raise ValueError(f"{folder / 'optimizer.safetensors'}: state for unknown parameter {name!r}")
         p = params[name]
-        # AdamW keeps `step` as a CPU float tensor unless fused/capturable; keep each value where torch expects it.
-        device = p.device if state_key != "step" or value.dim() > 0 else "cpu"
-        if state_key == "step" and (optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")):
-            device = p.device
-        optimizer.state[p][state_key] = value.to(device)
+        on_param = state_key != "step" or value.dim() > 0 or step_on_param
+        optimizer.state[p][state_key] = value.to(p.device if on_param else "cpu")

@@ -59,11 +59,12 @@ class Trainer:
         registry.set_backend("moe", t.moe_backend)
 
         self.data_dir = self._prepare_data()
+        from anyseek.data.shards import read_manifest
         from anyseek.data.tokenizer import load_tokenizer, tokenizer_files
 
+        self.manifest = read_manifest(self.data_dir)  # first: its error says how to prepare the folder
         self.tokenizer = load_tokenizer(self.data_dir)
         self.tokenizer_files = tokenizer_files(self.data_dir)
-        self.manifest = _read_manifest(self.data_dir)
 
         from anyseek.model.transformer import DeepSeekV3
 
@@ -72,6 +73,9 @@ class Trainer:
         self.model.train()
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
+        # flops_per_token(L) = a + b*L; computed once here, not per batch (it walks every module)
+        self._flops_a = self.model.flops_per_token(0)
+        self._flops_b = self.model.flops_per_token(1) - self._flops_a
         self.step = 0
         self.tokens_seen = 0
         self.bad_in_a_row = 0
@@ -82,10 +86,7 @@ class Trainer:
     def _prepare_data(self) -> Path:
         d = self.cfg.data
         if d.path:
-            path = Path(d.path)
-            if not (path / "manifest.json").is_file():
-                raise FileNotFoundError(f"data.path {path} has no manifest.json; run `anyseek prepare --out {path}`")
-            return path
+            return Path(d.path)  # read_manifest below says so if it is not a prepared folder
         from anyseek.data.prepare import ensure_prepared
 
         return Path(ensure_prepared(source=d.source, vocab_size=d.vocab_size))
@@ -202,7 +203,7 @@ class Trainer:
             stats.tokens += int(ids.numel())
             lens = batch.cu_seqlens.diff().double()
             mean_context = float((lens * lens).sum() / lens.sum())  # per-token attention span of this packing
-            stats.flops += ids.numel() * self.model.flops_per_token(mean_context)
+            stats.flops += ids.numel() * (self._flops_a + self._flops_b * mean_context)
         return stats
 
     def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
@@ -356,8 +357,3 @@ def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
         return torch.bfloat16 if device.type == "cuda" else None
     return {"bf16": torch.bfloat16, "fp32": None}[name]
 
-
-def _read_manifest(data_dir: Path) -> dict[str, Any]:
-    import json
-
-    return json.loads((data_dir / "manifest.json").read_text())
