@@ -84,8 +84,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=0,
                    help="CPU: let the cases take turns in N rounds (robust to load bursts on a shared machine; every "
                         "case measured this way ran 10-40%% slower than alone). 0: each case alone, one after another")
+    p.add_argument("--tune-allocator", action="store_true",
+                   help="CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime.tune_cpu_allocator, what "
+                        "`anyseek train` does on CPU), for every case of this process, transformers' included")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tune_allocator:
+        from anyseek.runtime import tune_cpu_allocator
+
+        print(tune_cpu_allocator())
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)

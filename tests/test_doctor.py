@@ -6,7 +6,7 @@ from anyseek import doctor
 
 def test_report_names_the_machine_and_backends():
     text = "\n".join(doctor.report("cpu"))
-    for word in ("OS", "Python", "PyTorch", "Triton", "mla_attention", "varlen_attention", "sdpa"):
+    for word in ("OS", "Python", "PyTorch", "Triton", "mla_attention", "varlen_attention", "bmm"):
         assert word in text
 
 

@@ -16,12 +16,14 @@ def _clean(monkeypatch):
     registry.set_backend("attention", None)
 
 
-def test_cpu_auto_picks_sdpa_without_warning():
-    ex = registry.example_for("mla_attention", "cpu")
+def test_cpu_auto_picks_bmm_then_sdpa_without_warning():
+    ex = registry.example_for("mla_attention", "cpu")  # fp32
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, name, why = registry.choose("mla_attention", ex)
-    assert name == "sdpa" and "SDPA" in why
+        assert name == "bmm" and "tiles" in why
+        _, name, why = registry.choose("mla_attention", ex.bfloat16())  # bmm is fp32-only: SDPA, silently
+        assert name == "sdpa" and "SDPA" in why
 
 
 def test_env_and_set_backend(monkeypatch):
@@ -40,7 +42,7 @@ def test_explicit_unavailable_raises_with_reason(monkeypatch):
 
 
 def test_unknown_names_raise(monkeypatch):
-    with pytest.raises(ValueError, match="known: flash_attn, reference, sdpa, triton"):
+    with pytest.raises(ValueError, match="known: bmm, flash_attn, reference, sdpa, triton"):
         registry.set_backend("attention", "flashy")
     monkeypatch.setenv("ANYSEEK_ATTENTION", "flashy")
     with pytest.raises(ValueError, match="ANYSEEK_ATTENTION asks for backend 'flashy'"):
@@ -58,7 +60,7 @@ def test_auto_fallback_warns_once():
         ex = registry.example_for("varlen_attention", "cpu")
         with pytest.warns(RuntimeWarning, match="broken on purpose"):
             _, name, why = registry.choose("varlen_attention", ex)
-        assert name == "sdpa" and "skipped broken" in why
+        assert name == "bmm" and "skipped broken" in why
         registry._cache.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("error")

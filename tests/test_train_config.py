@@ -66,3 +66,14 @@ def test_schedules():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # cosine decays monotonically
     cfg.schedule, cfg.decay_fraction = "wsd", 0.2
     assert lr_at(50, cfg) == 1.0 and lr_at(81, cfg) == 1.0 and lr_at(90, cfg) < 1.0 and lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_tune_cpu_allocator_is_idempotent_and_says_what_it_did():
+    import sys
+
+    from anyseek.runtime import tune_cpu_allocator
+
+    first = tune_cpu_allocator()
+    assert tune_cpu_allocator() == first
+    if sys.platform.startswith("linux"):
+        assert "glibc malloc" in first or "left as is" in first

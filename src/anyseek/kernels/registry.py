@@ -190,6 +190,9 @@ def _register_defaults() -> None:
             flash_ok = _lazy_check("anyseek.kernels.native.flash_attn_available")
             flash = _lazy("anyseek.kernels.native.flash_attn_varlen_attention")
             register(op, Backend("flash_attn", flash, flash_ok, ("cuda",), optional=True))
+        register(op, Backend("bmm", _lazy(f"anyseek.kernels.torch_backends.bmm_{op}"),
+                             _lazy_check("anyseek.kernels.torch_backends.bmm_available"), ("cpu",),
+                             optional=True))  # bf16/fp16 or autocast: SDPA, by design, without a warning
         register(op, Backend("sdpa", _lazy(f"anyseek.kernels.torch_backends.sdpa_{op}"), _sdpa_ok))
         register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
     register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.reference.moe.grouped_mm_routed_experts"),

@@ -46,12 +46,13 @@ def _bucket_index(starts: list[int], lengths: list[int], docs: list[int], device
     return idx_nL, valid_nL
 
 
-def _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal) -> torch.Tensor:
+def _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal, tiles: bool = False) -> torch.Tensor:
     """Shared driver: q, k [T, H, C], v [T, H, V] -> out [T, H, V].
 
     Every input is gathered once for all buckets with index_select (its backward is an index_add; plain advanced
     indexing would backpropagate through a much slower accumulating index_put on CPU), and the output is gathered
-    back the same way."""
+    back the same way. tiles=True runs causal buckets of length <= _TILED_MAX_LEN through `_TiledCausal` (batched
+    matmuls), the others through SDPA."""
     T, H, C = q_THC.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(C)
     bounds = cu_seqlens.tolist()  # host sync: this backend sizes its buckets on the host
@@ -62,23 +63,81 @@ def _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal) -> torc
     if not buckets:
         return v_THV.new_zeros(T, H, v_THV.shape[-1]).to(q_THC.dtype)
     Vd = v_THV.shape[-1]
-    if q_THC.device.type == "cpu" and Vd < C:  # the CPU flash kernel needs d_v == d_qk; the math path is 2x slower
-        v_THV = F.pad(v_THV, (0, C - Vd))
     flat = torch.cat([idx_nL.reshape(-1) for idx_nL, _ in buckets])  # (F,) padded slots of every bucket
     q_all, k_all, v_all = (x.index_select(0, flat) for x in (q_THC, k_THC, v_THV))
-    outs, offset = [], 0
-    for idx_nL, valid_nL in buckets:
+    outs = []
+    sizes = [idx_nL.numel() for idx_nL, _ in buckets]  # split, not slices: its backward is one cat, not zero-filled
+    for (idx_nL, valid_nL), *qkv in zip(buckets, *(x.split(sizes) for x in (q_all, k_all, v_all))):  # full copies
         n, L = idx_nL.shape
-        rows = slice(offset, offset + n * L)
-        offset += n * L
-        q, k, v = (x[rows].view(n, L, H, -1).transpose(1, 2) for x in (q_all, k_all, v_all))  # (n, H, L, .)
+        if tiles and causal and L <= _TILED_MAX_LEN:
+            q, k, v = (x.view(n, L, H, -1).transpose(1, 2).reshape(n * H, L, -1) for x in qkv)  # (n*H, L, .)
+            o = _TiledCausal.apply(q, k, v, scale)
+            outs.append(o.view(n, H, L, Vd).transpose(1, 2).reshape(n * L, H, Vd))
+            continue
+        q, k, v = (x.view(n, L, H, -1).transpose(1, 2) for x in qkv)  # (n, H, L, .)
+        if q.device.type == "cpu" and Vd < C:  # the CPU flash kernel needs d_v == d_qk; the math path is 2x slower
+            v = F.pad(v, (0, C - Vd))
         mask = None if causal else valid_nL[:, None, None, :]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
-        outs.append(o.transpose(1, 2).reshape(n * L, H, -1))
+        outs.append(o[..., :Vd].transpose(1, 2).reshape(n * L, H, Vd))
     valid = torch.cat([valid_nL.reshape(-1) for _, valid_nL in buckets])
     pos = torch.empty(T, dtype=torch.long, device=flat.device)  # each token's slot in the padded buckets
     pos[flat[valid]] = torch.nonzero(valid).squeeze(1)
-    return torch.cat(outs).index_select(0, pos)[..., :Vd].to(q_THC.dtype)
+    return torch.cat(outs).index_select(0, pos).to(q_THC.dtype)
+
+
+# Causal buckets up to this length go through _TiledCausal (it keeps the softmax probabilities for the backward,
+# H * L * (L/2 + tile) floats per document; longer documents go to SDPA, whose memory is linear in L).
+_TILED_MAX_LEN = 1024
+_TILE = 64  # query rows per tile: measured on 2 cores for L = 64..1024, head dims 48/32
+
+
+def _tile_scores(qs_BtC: torch.Tensor, k_BLC: torch.Tensor, s: int, e: int) -> torch.Tensor:
+    """Scaled scores of query rows s:e against keys 0:e, causal: [B, e-s, e]. Only the last (e-s) columns, the
+    diagonal block, hold masked entries."""
+    sc_BtL = torch.bmm(qs_BtC, k_BLC[:, :e].transpose(1, 2))
+    sc_BtL[:, :, s:e].masked_fill_(torch.ones(e - s, e - s, dtype=torch.bool, device=sc_BtL.device).triu_(1), -math.inf)
+    return sc_BtL
+
+
+class _TiledCausal(torch.autograd.Function):
+    """Causal attention of B independent sequences, q, k [B, L, C], v [B, L, V] -> [B, L, V], through batched
+    matmuls in query tiles: tile [s, e) sees keys [0, e), so the work is ~L^2/2 + L*tile rather than L^2, and each
+    tile's softmax probabilities are kept for the backward. For CPUs, where PyTorch's flash kernel runs small head
+    dims (MLA's 48/32 in the tiny flavor) at a fraction of the matmul rate: 20-35% faster forward + backward than
+    SDPA over L = 64..1024 on 2 cores, and v needs no padding to q's head dim."""
+
+    @staticmethod
+    def forward(ctx, q_BLC, k_BLC, v_BLV, scale: float):
+        L = q_BLC.shape[1]
+        qs_BLC = q_BLC * scale
+        probs, outs = [], []
+        for s in range(0, L, _TILE):
+            e = min(L, s + _TILE)
+            p_BtL = torch.softmax(_tile_scores(qs_BLC[:, s:e], k_BLC, s, e), dim=-1)
+            outs.append(torch.bmm(p_BtL, v_BLV[:, :e]))  # (bmm out= into a strided slice is slower than a cat)
+            probs.append(p_BtL)
+        out_BLV = torch.cat(outs, dim=1)
+        ctx.save_for_backward(qs_BLC, k_BLC, v_BLV, out_BLV, *probs)
+        ctx.scale = scale
+        return out_BLV
+
+    @staticmethod
+    def backward(ctx, do_BLV):
+        qs_BLC, k_BLC, v_BLV, out_BLV, *probs = ctx.saved_tensors
+        L = qs_BLC.shape[1]
+        do_BLV = do_BLV.contiguous()
+        delta_BL1 = (do_BLV * out_BLV).sum(dim=-1, keepdim=True)  # sum_j p_ij dp_ij = do_i . o_i
+        dk_BLC, dv_BLV = torch.zeros_like(k_BLC), torch.zeros_like(v_BLV)
+        dqs = []
+        for p_BtL, s in zip(probs, range(0, L, _TILE)):
+            e = min(L, s + _TILE)
+            do_BtV = do_BLV[:, s:e]
+            dv_BLV[:, :e] += torch.bmm(p_BtL.transpose(1, 2), do_BtV)  # (baddbmm_ into a slice loops per batch)
+            ds_BtL = torch.bmm(do_BtV, v_BLV[:, :e].transpose(1, 2)).sub_(delta_BL1[:, s:e]).mul_(p_BtL)
+            dqs.append(torch.bmm(ds_BtL, k_BLC[:, :e]))
+            dk_BLC[:, :e] += torch.bmm(ds_BtL.transpose(1, 2), qs_BLC[:, s:e])
+        return torch.cat(dqs, dim=1).mul_(ctx.scale), dk_BLC, dv_BLV, None
 
 
 def check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens) -> None:
@@ -126,15 +185,17 @@ def sdpa_mla_attention(
     max_seqlen: int | None = None,
     softmax_scale: float | None = None,
     causal: bool = True,
+    tiles: bool = False,
 ) -> torch.Tensor:
-    """MLA attention through padded SDPA buckets. Shapes as `anyseek.kernels.mla_attention`; out [T, H, V]."""
+    """MLA attention through padded SDPA buckets (tiles=True: causal buckets through batched-matmul tiles).
+    Shapes as `anyseek.kernels.mla_attention`; out [T, H, V]."""
     check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens)
     k_nope_THN, v_THV = k_nope_THN.to(q_THC.dtype), v_THV.to(q_THC.dtype)  # mixed dtypes under autocast
     T, H, _ = q_THC.shape
     # k_pe expanded over heads only inside this call; from fp32, so that the backward sums dk_pe over heads in fp32
     k_pe_THR = k_pe_TR.float()[:, None, :].expand(T, H, -1).to(k_nope_THN.dtype)
     k_THC = torch.cat([k_nope_THN, k_pe_THR], dim=-1)
-    return _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal)
+    return _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal, tiles)
 
 
 def sdpa_varlen_attention(
@@ -145,11 +206,13 @@ def sdpa_varlen_attention(
     max_seqlen: int | None = None,
     softmax_scale: float | None = None,
     causal: bool = True,
+    tiles: bool = False,
 ) -> torch.Tensor:
-    """Varlen attention through padded SDPA buckets. Shapes as `anyseek.kernels.varlen_attention`."""
+    """Varlen attention through padded SDPA buckets (tiles=True: causal buckets through batched-matmul tiles).
+    Shapes as `anyseek.kernels.varlen_attention`."""
     check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
     k_THD, v_THV = k_THD.to(q_THD.dtype), v_THV.to(q_THD.dtype)
-    return _padded_sdpa(q_THD, k_THD, v_THV, cu_seqlens, softmax_scale, causal)
+    return _padded_sdpa(q_THD, k_THD, v_THV, cu_seqlens, softmax_scale, causal, tiles)
 
 
 def sdpa_available(example: torch.Tensor) -> tuple[bool, str]:
@@ -157,3 +220,24 @@ def sdpa_available(example: torch.Tensor) -> tuple[bool, str]:
     if "scale" not in F.scaled_dot_product_attention.__doc__:
         return False, "this PyTorch's scaled_dot_product_attention takes no scale= argument (needs torch >= 2.1)"
     return True, f"PyTorch SDPA on {example.device.type}, documents padded in length buckets"
+
+
+def bmm_mla_attention(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens, max_seqlen=None, softmax_scale=None, causal=True):
+    """The `bmm` backend of mla_attention: causal documents up to 1024 tokens through `_TiledCausal`."""
+    return sdpa_mla_attention(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens, max_seqlen, softmax_scale, causal, True)
+
+
+def bmm_varlen_attention(q_THD, k_THD, v_THV, cu_seqlens, max_seqlen=None, softmax_scale=None, causal=True):
+    """The `bmm` backend of varlen_attention: causal documents up to 1024 tokens through `_TiledCausal`."""
+    return sdpa_varlen_attention(q_THD, k_THD, v_THV, cu_seqlens, max_seqlen, softmax_scale, causal, True)
+
+
+def bmm_available(example: torch.Tensor) -> tuple[bool, str]:
+    """fp32/fp64 only: the tiles take softmax and matmuls in the input dtype (bf16 would lose the fp32 accumulation
+    that SDPA's kernels keep)."""
+    if example.dtype not in (torch.float32, torch.float64):
+        return False, f"batched-matmul tiles compute in the input dtype; {example.dtype} goes to SDPA"
+    if torch.is_autocast_enabled(example.device.type):
+        return False, "autocast is on (matmuls would run in the autocast dtype); SDPA instead"
+    return True, (f"PyTorch batched matmuls in causal query tiles of {_TILE} (documents up to {_TILED_MAX_LEN} "
+                  "tokens; longer ones through SDPA), documents padded in length buckets")

@@ -45,33 +45,39 @@ def cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tens
 class _LinearCrossEntropy(torch.autograd.Function):
     """cross_entropy(h @ weight.T, labels) without keeping the [T, V] logits: chunk by chunk over tokens, the
     forward computes the loss and, when gradients are wanted, already the gradients of h and weight (softmax -
-    onehot is known as soon as the chunk's softmax is); the backward only scales them by the incoming gradient."""
+    onehot is known as soon as the chunk's softmax is); the backward only scales them by the incoming gradient.
+
+    Per chunk the [C, V] logits see one softmax and one in-place scatter: the log-sum-exp comes from the softmax
+    itself (its largest entry is exactly 1 / sum exp(x - max), so lse = max - log(max p), which never underflows),
+    and the per-row scale (valid / count) is applied on the narrow [C, D] side of the two gradient matmuls."""
 
     @staticmethod
     def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, want_grad: bool):
         valid_T = labels_T != IGNORE_INDEX
         count = valid_T.sum().clamp(min=1)
         safe_T = labels_T.clamp(min=0)
+        scale_T = valid_T / count  # fp32 [T]: d loss / d logit-row
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         grad_h_TD = torch.empty_like(h_TD) if want_grad else None
         grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_grad else None
         for start in range(0, h_TD.shape[0], chunk):
-            h_CD, label_C, valid_C = (
-                h_TD[start : start + chunk],
-                safe_T[start : start + chunk],
-                valid_T[start : start + chunk],
-            )
-            logp_CV = torch.log_softmax((h_CD @ weight_VD.t()).float(), dim=-1)
-            loss += -(logp_CV.gather(1, label_C[:, None])[:, 0] * valid_C).sum()
+            rows = slice(start, start + chunk)
+            h_CD, label_C1, valid_C, scale_C1 = h_TD[rows], safe_T[rows, None], valid_T[rows], scale_T[rows, None]
+            logits_CV = (h_CD @ weight_VD.t()).float()
+            max_C = logits_CV.amax(dim=-1)
+            label_logit_C = logits_CV.gather(1, label_C1)[:, 0]
+            p_CV = torch.softmax(logits_CV, dim=-1)
+            lse_C = max_C - p_CV.amax(dim=-1).log()
+            loss += ((lse_C - label_logit_C) * valid_C).sum()
             if want_grad:
-                g_CV = logp_CV.exp_()
-                g_CV.scatter_add_(1, label_C[:, None], torch.full_like(label_C[:, None], -1, dtype=g_CV.dtype))
-                g_CV = g_CV.mul_(valid_C[:, None] / count).to(h_TD.dtype)
-                grad_h_TD[start : start + chunk] = g_CV @ weight_VD
+                g_CV = p_CV.scatter_add_(1, label_C1, torch.full_like(label_C1, -1, dtype=p_CV.dtype))  # p - onehot
+                g_CV = g_CV.to(h_TD.dtype)
+                grad_h_TD[rows] = (g_CV @ weight_VD) * scale_C1
+                hs_CD = h_CD * scale_C1 if h_CD.dtype == torch.float32 else (h_CD * scale_C1).to(h_CD.dtype)
                 if g_CV.dtype == torch.float32:
-                    grad_w_VD.addmm_(g_CV.t(), h_CD)
+                    grad_w_VD.addmm_(g_CV.t(), hs_CD)
                 else:  # bf16/fp16 products, summed over chunks in fp32
-                    grad_w_VD += (g_CV.t() @ h_CD).float()
+                    grad_w_VD += (g_CV.t() @ hs_CD).float()
         ctx.save_for_backward(grad_h_TD, grad_w_VD)
         ctx.weight_dtype = weight_VD.dtype
         return loss / count
@@ -84,6 +90,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_h_TD * grad_out).to(grad_h_TD.dtype), (grad_w_VD * grad_out).to(ctx.weight_dtype), None, None, None
 
 
+_CPU_CHUNK_ELEMENTS = 1 << 20
+
+
 def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
     """cross_entropy(h @ weight.T, labels) for an output head, never holding more than a chunk of the [T, V] logits.
 
@@ -93,7 +102,7 @@ def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: 
     if labels_T.shape != h_TD.shape[:1]:
         raise ValueError(f"labels shape {tuple(labels_T.shape)} must be [T] for hidden states {tuple(h_TD.shape)}")
     # fp32 logits per chunk: 4 MB on CPU (stays in cache; 256 rows of V=4096 measured best), 512 MB on GPUs
-    budget = 1 << 20 if h_TD.device.type == "cpu" else 1 << 27
+    budget = _CPU_CHUNK_ELEMENTS if h_TD.device.type == "cpu" else 1 << 27
     chunk = max(1, budget // weight_VD.shape[0])
     want_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
     return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, want_grad)

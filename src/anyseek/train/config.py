@@ -62,7 +62,8 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype: "auto" (bf16 on CUDA, none on CPU), "bf16", "fp32"
     threads: int = 0  # torch CPU threads; 0 = torch's default
     compile: bool = False
-    attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, sdpa, reference, ...
+    tune_allocator: bool = True  # CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime)
+    attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, bmm, sdpa, reference, ...
     moe_backend: str = "auto"  # for the routed experts: auto, grouped_mm, reference
     log_every: int = 10
     eval_every: int = 250

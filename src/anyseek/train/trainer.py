@@ -50,6 +50,11 @@ class Trainer:
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.device = _pick_device(t.device)
+        self.allocator = "allocator left as is"
+        if self.device.type == "cpu" and t.tune_allocator:
+            from anyseek.runtime import tune_cpu_allocator
+
+            self.allocator = tune_cpu_allocator()
         self.autocast_dtype = _autocast_dtype(t.dtype, self.device)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
@@ -309,7 +314,7 @@ class Trainer:
         d = self.cfg.data
         self.log(f"model: {self.cfg.model.get('flavor')} | {m.num_parameters() / 1e6:.2f}M parameters "
                  f"({m.num_parameters(active_only=True) / 1e6:.2f}M active) | device {self.device} "
-                 f"| autocast {self.autocast_dtype}")
+                 f"| autocast {self.autocast_dtype} | {torch.get_num_threads()} threads | {self.allocator}")
         self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "
                  f"{self.cfg.train.grad_accum} micro-batches per step")
         describe = getattr(registry, "describe", None)

@@ -37,21 +37,30 @@ def unpermute(y_MD: torch.Tensor, order_M: torch.Tensor, topk_weights_TK: torch.
 
 
 def grouped_swiglu(
-    x_MD: torch.Tensor, counts: list[int], gate_up_proj_EFD: torch.Tensor, down_proj_EDI: torch.Tensor
+    x_MD: torch.Tensor,
+    counts: list[int],
+    gate_up_proj_EFD: torch.Tensor,
+    down_proj_EDI: torch.Tensor,
+    w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows grouped by expert (counts[e] rows for expert e) -> down_e(silu(gate_e x) * up_e x), [M, D].
+    """Rows grouped by expert (counts[e] rows for expert e) -> down_e(w * silu(gate_e x) * up_e x), [M, D].
 
-    A Python loop over experts (not tokens); empty experts are skipped.
+    w_M (optional, fp32 [M]) scales each row's activation before the down projection: the routing weight applied on
+    the narrow [M, I] side instead of the [M, D] output (the same product, as down_e is linear), rounded once to
+    x's dtype. A Python loop over experts (not tokens); empty experts are skipped.
     """
     I = down_proj_EDI.shape[-1]
     # unbind, not [e]: the backward of E selects would build E full-size [E, F, D] gradients; unbind's is one stack
     gate_up_FD, down_DI = gate_up_proj_EFD.unbind(0), down_proj_EDI.unbind(0)
+    w_groups = w_M.split(counts) if w_M is not None else [None] * len(counts)
     outs = []
-    for e, rows in enumerate(x_MD.split(counts)):
+    for e, (rows, w_R) in enumerate(zip(x_MD.split(counts), w_groups)):
         if rows.shape[0] == 0:
             continue
         h_RF = rows @ gate_up_FD[e].t()
         act_RI = F.silu(h_RF[:, :I]) * h_RF[:, I:]
+        if w_R is not None:
+            act_RI = act_RI * w_R[:, None] if act_RI.dtype == w_R.dtype else (act_RI * w_R[:, None]).to(act_RI.dtype)
         outs.append(act_RI @ down_DI[e].t())
     if not outs:
         return x_MD.new_zeros(0, down_proj_EDI.shape[1])
@@ -75,9 +84,12 @@ def routed_experts(
             f"routed_experts: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights {tuple(topk_weights_TK.shape)} "
             f"must both be [T, K] with T = {x_TD.shape[0]}"
         )
+    T, K = topk_ids_TK.shape
     x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)
-    y_MD = grouped_swiglu(x_MD, counts_E.tolist(), gate_up_proj_EFD, down_proj_EDI)
-    return unpermute(y_MD, order_M, topk_weights_TK).to(x_TD.dtype)
+    w_M = topk_weights_TK.reshape(-1).index_select(0, order_M).float()
+    y_MD = grouped_swiglu(x_MD, counts_E.tolist(), gate_up_proj_EFD, down_proj_EDI, w_M)  # rows already weighted
+    out_TD = torch.zeros(T, x_TD.shape[-1], dtype=torch.float32, device=x_TD.device)  # summed over k in fp32
+    return out_TD.index_add_(0, order_M // K, y_MD.float()).to(x_TD.dtype)
 
 
 def grouped_mm_routed_experts(
