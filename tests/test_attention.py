@@ -18,8 +18,8 @@ def _grads(out, inputs, g):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(
     "lengths",
-    [[1], [5, 1, 17, 64, 3, 1, 100], [1] * 40 + [33], [130, 64, 65, 1], [1100, 7]],  # tiles of 64; > 1024 -> SDPA
-    ids=["one", "mixed", "many-short", "tile-edges", "long"],
+    [[1], [5, 1, 17, 64, 3, 1, 100], [1] * 40 + [33], [130, 64, 65, 1], [1100, 7], [70] * 3],
+    ids=["one", "mixed", "many-short", "tile-edges", "long (> 1024: SDPA)", "equal (no gather)"],
 )
 def test_sdpa_mla_matches_reference(lengths, causal, tiles):
     torch.manual_seed(0)

@@ -63,8 +63,13 @@ def _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal, tiles: 
     if not buckets:
         return v_THV.new_zeros(T, H, v_THV.shape[-1]).to(q_THC.dtype)
     Vd = v_THV.shape[-1]
-    flat = torch.cat([idx_nL.reshape(-1) for idx_nL, _ in buckets])  # (F,) padded slots of every bucket
-    q_all, k_all, v_all = (x.index_select(0, flat) for x in (q_THC, k_THC, v_THV))
+    # equal documents ([B, S] rows): one bucket without padding, already in order; nothing to gather
+    identity = len(buckets) == 1 and len(set(lengths)) == 1 and buckets[0][0].numel() == T
+    if identity:
+        q_all, k_all, v_all = q_THC, k_THC, v_THV
+    else:
+        flat = torch.cat([idx_nL.reshape(-1) for idx_nL, _ in buckets])  # (F,) padded slots of every bucket
+        q_all, k_all, v_all = (x.index_select(0, flat) for x in (q_THC, k_THC, v_THV))
     outs = []
     sizes = [idx_nL.numel() for idx_nL, _ in buckets]  # split, not slices: its backward is one cat, not zero-filled
     for (idx_nL, valid_nL), *qkv in zip(buckets, *(x.split(sizes) for x in (q_all, k_all, v_all))):  # full copies
@@ -80,6 +85,8 @@ def _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal, tiles: 
         mask = None if causal else valid_nL[:, None, None, :]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
         outs.append(o[..., :Vd].transpose(1, 2).reshape(n * L, H, Vd))
+    if identity:
+        return outs[0].to(q_THC.dtype)
     valid = torch.cat([valid_nL.reshape(-1) for _, valid_nL in buckets])
     pos = torch.empty(T, dtype=torch.long, device=flat.device)  # each token's slot in the padded buckets
     pos[flat[valid]] = torch.nonzero(valid).squeeze(1)

@@ -11,6 +11,7 @@ Shape legend: T tokens, D hidden, H heads, N nope dim, R rope dim, V v dim, L kv
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from anyseek import kernels
@@ -40,6 +41,7 @@ class MLA(nn.Module):
             self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
             self.q_b_proj = nn.Linear(c.q_lora_rank, H * C, bias=False)
+        self.kv_a_dim = c.kv_lora_rank + c.qk_rope_head_dim
         self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
@@ -50,14 +52,17 @@ class MLA(nn.Module):
         T, H = x_TD.shape[0], self.n_heads
         if hasattr(self, "q_proj"):
             q_TQ = self.q_proj(x_TD)
-        else:
-            q_TQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+            kv_a_TX = self.kv_a_proj_with_mqa(x_TD)
+        else:  # both down-projections read x: one matmul (and one for each gradient) instead of two
+            w_XD = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
+            q_a_TQ, kv_a_TX = F.linear(x_TD, w_XD).split([self.q_a_proj.out_features, self.kv_a_dim], dim=-1)
+            q_TQ = self.q_b_proj(self.q_a_layernorm(q_a_TQ))
         q_THC = q_TQ.view(T, H, self.nope + self.rope)
         q_nope_THN, q_pe_THR = q_THC.split([self.nope, self.rope], dim=-1)
         q_pe_THR = apply_rope(q_pe_THR, pack.cos, pack.sin, self.rope_interleave)
         q_THC = torch.cat([q_nope_THN, q_pe_THR], dim=-1)
 
-        latent_TL, k_pe_TR = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent_TL, k_pe_TR = kv_a_TX.split([self.kv_lora_rank, self.rope], dim=-1)
         k_pe_TR = apply_rope(k_pe_TR, pack.cos, pack.sin, self.rope_interleave)
         kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent_TL)).view(T, H, self.nope + self.v_dim)
         k_nope_THN, v_THV = kv_THX.split([self.nope, self.v_dim], dim=-1)

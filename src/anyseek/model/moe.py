@@ -31,7 +31,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # gate and up read the same x: one matmul (and one per gradient) on their concatenated weights
+        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
