@@ -6,7 +6,12 @@ clip + AdamW step. transformers has no multi-token prediction and no packed-docu
 run anyseek with MTP off on the same [B, S] rows; the rows after show anyseek as it really trains (packed documents,
 MTP on).
 
-    python benchmarks/train_step.py --threads 2 --steps 20                       # CPU, tiny (issue 4's table)
+CPU (the default): every case runs in a fresh process of its own, once per round, the cases taking turns round after
+round (`--rounds`), so that no case inherits another's heap and a slow minute on a shared machine hits every case
+alike. anyseek's cases run as `anyseek train` runs them, with glibc malloc tuned (`anyseek.runtime`); transformers
+runs as it comes, and once more with the same allocator setting (`--allocator`).
+
+    python benchmarks/train_step.py                                                   # CPU, tiny (issue 4's table)
     python benchmarks/train_step.py --device cuda --flavor small --tokens 8192 --seqlen 2048 --dtype bf16
 """
 
@@ -14,13 +19,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+# name, layout, (anyseek MTP, packed) or None for transformers, allocator tuned
+CASES = {
+    "hf": ("transformers DeepseekV3ForCausalLM (sdpa)", "[B,S] rows"),
+    "hf-tuned": ("transformers DeepseekV3ForCausalLM (sdpa), glibc malloc tuned as anyseek does", "[B,S] rows"),
+    "hf-eager": ("transformers DeepseekV3ForCausalLM (eager)", "[B,S] rows"),
+    "rows": ("anyseek, MTP off", "[B,S] rows"),
+    "packed": ("anyseek, MTP off, packed documents", "packed varlen"),
+    "mtp": ("anyseek, MTP on, packed documents (as trained)", "packed varlen"),
+}
 
 
 def batches(data_dir: Path, tokens: int, seqlen: int, n: int):
@@ -40,19 +58,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step_fn, data, warmup: int, device: torch.device) -> list[float]:
-    times = []
-    for i, b in enumerate(data):
-        b = b.to(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        step_fn(b)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def make_step(model, forward):
     fused = next(model.parameters()).device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
@@ -68,31 +73,82 @@ def make_step(model, forward):
     return step
 
 
+def build_case(case: str, ckpt: Path, cfg, rows_shape, dtype):
+    """(model, forward) for one case; the weights come from the shared checkpoint (MTP's are fresh: the checkpoint
+    has none)."""
+    from anyseek.model.transformer import DeepSeekV3
+
+    if case.startswith("hf"):
+        import transformers
+
+        impl = "eager" if case == "hf-eager" else "sdpa"
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), attn_implementation=impl,
+                                                                  dtype=torch.float32)
+        forward = lambda b: model(input_ids=b.input_ids.view(rows_shape), labels=b.input_ids.view(rows_shape)).loss
+    elif case == "rows":
+        model = DeepSeekV3.from_pretrained(ckpt)
+        forward = lambda b: model(b.input_ids.view(rows_shape), targets=b.targets.view(rows_shape),
+                                  return_logits=False).loss
+    else:
+        model = DeepSeekV3.from_pretrained(ckpt) if case == "packed" else DeepSeekV3(cfg)
+        if case == "mtp":
+            torch.manual_seed(0)
+            model.load_state_dict(DeepSeekV3.from_pretrained(ckpt).state_dict(), strict=False)  # trunk as the others
+        forward = lambda b: model(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets,
+                                  max_seqlen=b.max_seqlen, return_logits=False).loss
+    return model.to(dtype=dtype).train(), forward
+
+
+def worker(args) -> None:
+    """One case, one process: warm-up then timed steps; prints one JSON line of step times (seconds)."""
+    torch.set_num_threads(args.threads)
+    if args.tuned:
+        from anyseek.runtime import tune_cpu_allocator
+
+        tune_cpu_allocator()
+    torch.manual_seed(0)
+    from anyseek.model.config import ModelConfig
+
+    spec = json.loads(args.worker)
+    cfg = ModelConfig.from_hf_dict(spec["config"])
+    data = batches(Path(spec["data"]), args.tokens, args.seqlen, spec["first"] + args.steps)[spec["first"]:]
+    warm = batches(Path(spec["data"]), args.tokens, args.seqlen, args.warmup)
+    model, forward = build_case(spec["case"], Path(spec["ckpt"]), cfg, (args.tokens // args.seqlen, args.seqlen),
+                                torch.float32)
+    step = make_step(model, forward)
+    for b in warm:
+        step(b)
+    times = []
+    for b in data:
+        t0 = time.perf_counter()
+        step(b)
+        times.append(time.perf_counter() - t0)
+    print("RESULT " + json.dumps(times), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="tiny")
     p.add_argument("--data", default=None, help="prepared data folder (default: the built-in sample)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per step")
     p.add_argument("--seqlen", type=int, default=512, help="row length for the [B, S] layout / max document segment")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=24, help="timed steps per case (CPU: in all rounds together)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="parameter dtype of both models")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="GPU: parameter dtype of both models")
     p.add_argument("--vocab", type=int, default=4096, help="BPE size when preparing the built-in sample")
     p.add_argument("--skip-eager", action="store_true")
-    p.add_argument("--rounds", type=int, default=0,
-                   help="CPU: let the cases take turns in N rounds (robust to load bursts on a shared machine; every "
-                        "case measured this way ran 10-40%% slower than alone). 0: each case alone, one after another")
-    p.add_argument("--tune-allocator", action="store_true",
-                   help="CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime.tune_cpu_allocator, what "
-                        "`anyseek train` does on CPU), for every case of this process, transformers' included")
+    p.add_argument("--rounds", type=int, default=4, help="CPU: rounds of one fresh process per case")
+    p.add_argument("--allocator", default="as-shipped", choices=["as-shipped", "default", "tuned"],
+                   help="CPU: as-shipped = anyseek tuned as `anyseek train` does, transformers both ways; default = "
+                        "nothing tuned; tuned = everything tuned")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tuned", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.worker:
+        return worker(args)
     torch.set_num_threads(args.threads)
-    if args.tune_allocator:
-        from anyseek.runtime import tune_cpu_allocator
-
-        print(tune_cpu_allocator())
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
@@ -108,88 +164,87 @@ def main() -> None:
     vocab = read_manifest(data_dir)["vocab_size"]
     cfg = dataclasses.replace(ModelConfig.from_name(args.flavor), vocab_size=vocab)
     cfg_nomtp = dataclasses.replace(cfg, num_nextn_predict_layers=0)
-    data = batches(data_dir, args.tokens, args.seqlen, args.steps + args.warmup)
     rows_shape = (args.tokens // args.seqlen, args.seqlen)
-
-    def ours_rows(model):
-        return lambda b: model(b.input_ids.view(rows_shape), targets=b.targets.view(rows_shape),
-                               return_logits=False).loss
-
-    def ours_packed(model):
-        return lambda b: model(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets, max_seqlen=b.max_seqlen,
-                               return_logits=False).loss
-
     results = []
 
-    def record(name, layout, times, mem):
+    def record(case, times, mem, tuned=None):
+        name, layout = CASES[case]
         med = statistics.median(times)
-        results.append((name, layout, med * 1e3, args.tokens / med, mem))
-        print(f"  {name:48s} {med * 1e3:8.1f} ms/step {args.tokens / med:10,.0f} tok/s", flush=True)
+        results.append((case, name, layout, med * 1e3, args.tokens / med, mem, tuned))
+        print(f"  {name:78s} {med * 1e3:8.1f} ms/step {args.tokens / med:10,.0f} tok/s", flush=True)
 
-    def bench(name, model, forward, layout):  # one case at a time (GPU: per-case peak memory)
-        model.to(device=device, dtype=dtype).train()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = time_steps(make_step(model, forward), data, args.warmup, device)
-        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-        record(name, layout, times, mem)
-        model.to("cpu")
-
-    def bench_rounds(cases, rounds: int):
-        """CPU: the cases take turns in rounds of (warm-up + steps/rounds timed) steps, so a busy moment on a shared
-        machine hits every row alike, while each case still runs warm (back-to-back steps of one model)."""
-        steps = [make_step(model.to(dtype=dtype).train(), forward) for _, model, forward, _ in cases]
-        times = [[] for _ in cases]
-        per_round = max(1, args.steps // rounds)
-        for r in range(rounds):
-            chunk = data[r * per_round: (r + 1) * per_round]
-            for step, t in zip(steps, times):
-                for b in data[-args.warmup:]:  # warm-up batches, untimed, before every turn
-                    step(b)
-                for b in chunk:
-                    t0 = time.perf_counter()
-                    step(b)
-                    t.append(time.perf_counter() - t0)
-        for (name, _, _, layout), t in zip(cases, times):
-            record(name, layout, t, float("nan"))
-
+    cases = ["hf"] + ([] if args.skip_eager else ["hf-eager"]) + ["rows", "packed", "mtp"]
     with tempfile.TemporaryDirectory() as tmp:
         base = DeepSeekV3(cfg_nomtp)
-        base.save_pretrained(Path(tmp) / "ckpt")
-        cases = []
-        for impl in ("sdpa",) if args.skip_eager else ("sdpa", "eager"):
-            hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "ckpt"), attn_implementation=impl,
-                                                                   dtype=torch.float32)
-            cases.append((f"transformers DeepseekV3ForCausalLM ({impl})", hf,
-                          lambda b, m=hf: m(input_ids=b.input_ids.view(rows_shape),
-                                            labels=b.input_ids.view(rows_shape)).loss, "[B,S] rows"))
-        ours = DeepSeekV3.from_pretrained(Path(tmp) / "ckpt")
-        packed = DeepSeekV3.from_pretrained(Path(tmp) / "ckpt")
-        full = DeepSeekV3(cfg)
-        cases += [
-            ("anyseek, MTP off", ours, ours_rows(ours), "[B,S] rows"),
-            ("anyseek, MTP off, packed documents", packed, ours_packed(packed), "packed varlen"),
-            ("anyseek, MTP on, packed documents (as trained)", full, ours_packed(full), "packed varlen"),
-        ]
-        if device.type == "cpu" and args.rounds > 0:
-            bench_rounds(cases, args.rounds)
+        ckpt = Path(tmp) / "ckpt"
+        base.save_pretrained(ckpt)
+        if device.type == "cpu":
+            plan = []  # (case, allocator tuned)
+            for case in cases:
+                anyseek_case = not case.startswith("hf")
+                if args.allocator == "as-shipped":
+                    plan.append((case, anyseek_case))
+                    if case == "hf":
+                        plan.append(("hf-tuned", True))
+                else:
+                    plan.append((case, args.allocator == "tuned"))
+            times = {c: [] for c, _ in plan}
+            per_round = max(1, args.steps // args.rounds)
+            for r in range(args.rounds):
+                for case, tuned in plan:
+                    spec = {"case": case, "ckpt": str(ckpt), "data": str(data_dir),
+                            "config": cfg.to_hf_dict(), "first": r * per_round}
+                    cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--steps", str(per_round),
+                           "--warmup", str(args.warmup), "--tokens", str(args.tokens), "--seqlen", str(args.seqlen),
+                           "--threads", str(args.threads)] + (["--tuned"] if tuned else [])
+                    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+                    if out.returncode != 0 or not line:
+                        raise SystemExit(f"case {case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+                    times[case] += json.loads(line[0][len("RESULT "):])
+                print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                    f"{c} {statistics.median(t) * 1e3:.0f} ms" for c, t in times.items()), flush=True)
+            for case, tuned in plan:
+                record(case, times[case], float("nan"), tuned)
         else:
-            for name, model, forward, layout in cases:
-                bench(name, model, forward, layout)
+            data = batches(data_dir, args.tokens, args.seqlen, args.steps + args.warmup)
+            for case in cases:
+                model, forward = build_case(case, ckpt, cfg, rows_shape, dtype)
+                model.to(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                step = make_step(model, forward)
+                t = []
+                for i, b in enumerate(data):
+                    b = b.to(device)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    step(b)
+                    _sync(device)
+                    if i >= args.warmup:
+                        t.append(time.perf_counter() - t0)
+                record(case, t, torch.cuda.max_memory_allocated(device) / 2**30)
+                model.to("cpu")
 
-    hf_best = max(r[3] for r in results if r[0].startswith("transformers"))
+    ref = {r[0]: r[4] for r in results}  # case -> tokens/s
+    hf_plain = ref.get("hf")
+    hf_tuned = ref.get("hf-tuned")
     print()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} threads"
     print(f"Training step, {args.flavor} flavor ({base.num_parameters() / 1e6:.2f}M parameters), {args.tokens} "
           f"tokens/step, {args.dtype} parameters, {where}")
+    method = (f"each case in a fresh process per round, {args.rounds} rounds, allocator {args.allocator}"
+              if device.type == "cpu" else "cases one after another in one process")
     print(f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}, median of {args.steps} steps after {args.warmup} warm-up"
-          f"{f', cases taking turns in {args.rounds} rounds' if args.rounds else ''}")
+          f"{time.strftime('%Y-%m-%d')}, median of {args.steps} steps after {args.warmup} warm-up, {method}")
     print()
-    print("| path | layout | ms/step | tokens/s | vs best transformers | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, layout, ms, tps, mem in results:
-        print(f"| {name} | {layout} | {ms:.1f} | {tps:,.0f} | {tps / hf_best:.2f}x | {mem:.1f} |")
+    tuned_col = hf_tuned is not None
+    print("| path | layout | malloc | ms/step | tokens/s | vs transformers |" + (" vs transformers, malloc tuned |"
+                                                                              if tuned_col else " peak GiB |"))
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for case, name, layout, ms, tps, mem, tuned in results:
+        malloc = "-" if tuned is None else ("tuned" if tuned else "default")
+        last = f" {tps / hf_tuned:.2f}x |" if tuned_col else f" {mem:.1f} |"
+        print(f"| {name} | {layout} | {malloc} | {ms:.1f} | {tps:,.0f} | {tps / hf_plain:.2f}x |{last}")
 
 
 if __name__ == "__main__":
