@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-# name, layout, (anyseek MTP, packed) or None for transformers, allocator tuned
+# case -> (row name, layout)
 CASES = {
     "hf": ("transformers DeepseekV3ForCausalLM (sdpa)", "[B,S] rows"),
     "hf-tuned": ("transformers DeepseekV3ForCausalLM (sdpa), glibc malloc tuned as anyseek does", "[B,S] rows"),
@@ -92,7 +92,6 @@ def build_case(case: str, ckpt: Path, cfg, rows_shape, dtype):
     else:
         model = DeepSeekV3.from_pretrained(ckpt) if case == "packed" else DeepSeekV3(cfg)
         if case == "mtp":
-            torch.manual_seed(0)
             model.load_state_dict(DeepSeekV3.from_pretrained(ckpt).state_dict(), strict=False)  # trunk as the others
         forward = lambda b: model(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets,
                                   max_seqlen=b.max_seqlen, return_logits=False).loss

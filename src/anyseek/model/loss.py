@@ -73,7 +73,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g_CV = p_CV.scatter_add_(1, label_C1, torch.full_like(label_C1, -1, dtype=p_CV.dtype))  # p - onehot
                 g_CV = g_CV.to(h_TD.dtype)
                 grad_h_TD[rows] = (g_CV @ weight_VD) * scale_C1
-                hs_CD = h_CD * scale_C1 if h_CD.dtype == torch.float32 else (h_CD * scale_C1).to(h_CD.dtype)
+                hs_CD = (h_CD * scale_C1).to(h_CD.dtype)
                 if g_CV.dtype == torch.float32:
                     grad_w_VD.addmm_(g_CV.t(), hs_CD)
                 else:  # bf16/fp16 products, summed over chunks in fp32

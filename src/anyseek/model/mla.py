@@ -41,7 +41,6 @@ class MLA(nn.Module):
             self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
             self.q_b_proj = nn.Linear(c.q_lora_rank, H * C, bias=False)
-        self.kv_a_dim = c.kv_lora_rank + c.qk_rope_head_dim
         self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
@@ -55,7 +54,9 @@ class MLA(nn.Module):
             kv_a_TX = self.kv_a_proj_with_mqa(x_TD)
         else:  # both down-projections read x: one matmul (and one for each gradient) instead of two
             w_XD = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
-            q_a_TQ, kv_a_TX = F.linear(x_TD, w_XD).split([self.q_a_proj.out_features, self.kv_a_dim], dim=-1)
+            q_a_TQ, kv_a_TX = F.linear(x_TD, w_XD).split(
+                [self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1
+            )
             q_TQ = self.q_b_proj(self.q_a_layernorm(q_a_TQ))
         q_THC = q_TQ.view(T, H, self.nope + self.rope)
         q_nope_THN, q_pe_THR = q_THC.split([self.nope, self.rope], dim=-1)

@@ -6,6 +6,7 @@ F = 2*I (gate rows then up rows).
 The bookkeeping is exposed for tests and for other backends:
     x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)   # rows grouped by expert, stable in (token, k)
     y_TD = unpermute(y_MD, order_M, topk_weights_TK)         # y[t] = sum_k w[t,k] * y_MD[row of (t,k)]
+    y_TD = combine(y_MD, order_M, T, K)                      # the same for rows already weighted (sorted_weights)
 """
 
 from __future__ import annotations
@@ -28,12 +29,21 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int):
     return x_TD.index_select(0, order_M // K), order_M, counts_E
 
 
+def sorted_weights(topk_weights_TK: torch.Tensor, order_M: torch.Tensor) -> torch.Tensor:
+    """The routing weight of each routed row, in the expert order of `permute`: fp32 [M]."""
+    return topk_weights_TK.reshape(-1).index_select(0, order_M).float()
+
+
+def combine(y_MD: torch.Tensor, order_M: torch.Tensor, T: int, K: int) -> torch.Tensor:
+    """Sum each token's K rows back to it, in fp32: out[t] = sum_k y_MD[row(t,k)]. -> fp32 [T, D]."""
+    out_TD = torch.zeros(T, y_MD.shape[-1], dtype=torch.float32, device=y_MD.device)
+    return out_TD.index_add_(0, order_M // K, y_MD.float())
+
+
 def unpermute(y_MD: torch.Tensor, order_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """Weighted combine back to tokens, accumulated in fp32: y[t] = sum_k w[t,k] * y_MD[row(t,k)]. -> fp32 [T, D]."""
     T, K = topk_weights_TK.shape
-    w_M = topk_weights_TK.reshape(-1).index_select(0, order_M).float()
-    out_TD = torch.zeros(T, y_MD.shape[-1], dtype=torch.float32, device=y_MD.device)
-    return out_TD.index_add(0, order_M // K, y_MD.float() * w_M[:, None])
+    return combine(y_MD.float() * sorted_weights(topk_weights_TK, order_M)[:, None], order_M, T, K)
 
 
 def grouped_swiglu(
@@ -60,7 +70,7 @@ def grouped_swiglu(
         h_RF = rows @ gate_up_FD[e].t()
         act_RI = F.silu(h_RF[:, :I]) * h_RF[:, I:]
         if w_R is not None:
-            act_RI = act_RI * w_R[:, None] if act_RI.dtype == w_R.dtype else (act_RI * w_R[:, None]).to(act_RI.dtype)
+            act_RI = (act_RI * w_R[:, None]).to(act_RI.dtype)
         outs.append(act_RI @ down_DI[e].t())
     if not outs:
         return x_MD.new_zeros(0, down_proj_EDI.shape[1])
@@ -84,12 +94,10 @@ def routed_experts(
             f"routed_experts: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights {tuple(topk_weights_TK.shape)} "
             f"must both be [T, K] with T = {x_TD.shape[0]}"
         )
-    T, K = topk_ids_TK.shape
     x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)
-    w_M = topk_weights_TK.reshape(-1).index_select(0, order_M).float()
+    w_M = sorted_weights(topk_weights_TK, order_M)
     y_MD = grouped_swiglu(x_MD, counts_E.tolist(), gate_up_proj_EFD, down_proj_EDI, w_M)  # rows already weighted
-    out_TD = torch.zeros(T, x_TD.shape[-1], dtype=torch.float32, device=x_TD.device)  # summed over k in fp32
-    return out_TD.index_add_(0, order_M // K, y_MD.float()).to(x_TD.dtype)
+    return combine(y_MD, order_M, *topk_ids_TK.shape).to(x_TD.dtype)
 
 
 def grouped_mm_routed_experts(

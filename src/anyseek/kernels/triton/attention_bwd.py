@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from anyseek.kernels.triton.attention_fwd import _load_q_tile, _tile_bounds
+
 
 @triton.jit
 def _delta_kernel(
@@ -96,13 +98,7 @@ def _dkdv_kernel(
     doc = tl.load(TILES + tile)
     if doc < 0:
         return
-    n_start = tl.load(TILES + n_tiles + tile)
-    doc_start = tl.load(CU + doc)
-    doc_end = tl.load(CU + doc + 1)
-    if BIG:  # offsets past 2**31 elements: 64-bit row indices (slower address math, so only when needed)
-        n_start = n_start.to(tl.int64)
-        doc_start = doc_start.to(tl.int64)
-        doc_end = doc_end.to(tl.int64)
+    n_start, doc_start, doc_end = _tile_bounds(TILES, CU, n_tiles, tile, doc, BIG)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_a = tl.arange(0, BA)
@@ -232,13 +228,7 @@ def _dq_kernel(
     doc = tl.load(TILES + tile)
     if doc < 0:
         return
-    m_start = tl.load(TILES + n_tiles + tile)
-    doc_start = tl.load(CU + doc)
-    doc_end = tl.load(CU + doc + 1)
-    if BIG:  # offsets past 2**31 elements: 64-bit row indices (slower address math, so only when needed)
-        m_start = m_start.to(tl.int64)
-        doc_start = doc_start.to(tl.int64)
-        doc_end = doc_end.to(tl.int64)
+    m_start, doc_start, doc_end = _tile_bounds(TILES, CU, n_tiles, tile, doc, BIG)
     hT = h * T
     if BIG:
         hT = h.to(tl.int64) * T
@@ -249,13 +239,7 @@ def _dq_kernel(
     offs_v = tl.arange(0, BV)
     m_idx = m_start + offs_m
     m_ok = m_idx < doc_end
-    Qh = Q + h * s_qh
-    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
-    qb = qa
-    if HAS_B:
-        qb = tl.load(
-            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
-        )
+    qa, qb = _load_q_tile(Q + h * s_qh, s_qt, m_idx, m_ok, offs_a, offs_b, A, B, HAS_B)
     do = tl.load(
         DO + h * s_doh + m_idx[:, None] * s_dot + offs_v[None, :],
         mask=m_ok[:, None] & (offs_v[None, :] < VD),

@@ -13,6 +13,31 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_bounds(TILES, CU, n_tiles, tile, doc, BIG: tl.constexpr):
+    """First row of a (non-idle) tile of the schedule and its document's [start, end)."""
+    start = tl.load(TILES + n_tiles + tile)
+    doc_start = tl.load(CU + doc)
+    doc_end = tl.load(CU + doc + 1)
+    if BIG:  # offsets past 2**31 elements: 64-bit row indices (slower address math, so only when needed)
+        start = start.to(tl.int64)
+        doc_start = doc_start.to(tl.int64)
+        doc_end = doc_end.to(tl.int64)
+    return start, doc_start, doc_end
+
+
+@triton.jit
+def _load_q_tile(Qh, s_qt, m_idx, m_ok, offs_a, offs_b, A: tl.constexpr, B: tl.constexpr, HAS_B: tl.constexpr):
+    """A tile of one head's queries, split into its first A and (when HAS_B) next B columns; qb = qa without B."""
+    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
+    qb = qa
+    if HAS_B:
+        qb = tl.load(
+            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
+        )
+    return qa, qb
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, qa, qb, KA, KB, V, k_lo, k_hi, m_idx, doc_end,
     s_kat, s_kbt, s_vt, qk_scale,
@@ -60,13 +85,7 @@ def _fwd_kernel(
     doc = tl.load(TILES + tile)
     if doc < 0:
         return
-    m_start = tl.load(TILES + n_tiles + tile)
-    doc_start = tl.load(CU + doc)
-    doc_end = tl.load(CU + doc + 1)
-    if BIG:  # offsets past 2**31 elements: 64-bit row indices (slower address math, so only when needed)
-        m_start = m_start.to(tl.int64)
-        doc_start = doc_start.to(tl.int64)
-        doc_end = doc_end.to(tl.int64)
+    m_start, doc_start, doc_end = _tile_bounds(TILES, CU, n_tiles, tile, doc, BIG)
     hT = h * T
     if BIG:
         hT = h.to(tl.int64) * T
@@ -77,13 +96,7 @@ def _fwd_kernel(
     offs_v = tl.arange(0, BV)
     m_idx = m_start + offs_m
     m_ok = m_idx < doc_end
-    Qh = Q + h * s_qh
-    qa = tl.load(Qh + m_idx[:, None] * s_qt + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < A), other=0.0)
-    qb = qa
-    if HAS_B:
-        qb = tl.load(
-            Qh + A + m_idx[:, None] * s_qt + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < B), other=0.0
-        )
+    qa, qb = _load_q_tile(Q + h * s_qh, s_qt, m_idx, m_ok, offs_a, offs_b, A, B, HAS_B)
     KAh = KA + h * s_kah
     KBh = KB + h * s_kbh
     Vh = V + h * s_vh
