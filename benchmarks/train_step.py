@@ -76,6 +76,7 @@ def make_step(model, forward):
 def build_case(case: str, ckpt: Path, cfg, rows_shape, dtype):
     """(model, forward) for one case; the weights come from the shared checkpoint (MTP's are fresh: the checkpoint
     has none)."""
+    from anyseek.hf import load_pretrained
     from anyseek.model.transformer import DeepSeekV3
 
     if case.startswith("hf"):
@@ -86,13 +87,13 @@ def build_case(case: str, ckpt: Path, cfg, rows_shape, dtype):
                                                                   dtype=torch.float32)
         forward = lambda b: model(input_ids=b.input_ids.view(rows_shape), labels=b.input_ids.view(rows_shape)).loss
     elif case == "rows":
-        model = DeepSeekV3.from_pretrained(ckpt)
+        model = load_pretrained(ckpt)
         forward = lambda b: model(b.input_ids.view(rows_shape), targets=b.targets.view(rows_shape),
                                   return_logits=False).loss
     else:
-        model = DeepSeekV3.from_pretrained(ckpt) if case == "packed" else DeepSeekV3(cfg)
+        model = load_pretrained(ckpt) if case == "packed" else DeepSeekV3(cfg)
         if case == "mtp":
-            model.load_state_dict(DeepSeekV3.from_pretrained(ckpt).state_dict(), strict=False)  # trunk as the others
+            model.load_state_dict(load_pretrained(ckpt).state_dict(), strict=False)  # trunk as the others
         forward = lambda b: model(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets,
                                   max_seqlen=b.max_seqlen, return_logits=False).loss
     return model.to(dtype=dtype).train(), forward
@@ -106,10 +107,10 @@ def worker(args) -> None:
 
         tune_cpu_allocator()
     torch.manual_seed(0)
-    from anyseek.model.config import ModelConfig
+    from anyseek.hf import config_from_hf
 
     spec = json.loads(args.worker)
-    cfg = ModelConfig.from_hf_dict(spec["config"])
+    cfg = config_from_hf(spec["config"])
     data = batches(Path(spec["data"]), args.tokens, args.seqlen, spec["first"] + args.steps)[spec["first"]:]
     warm = batches(Path(spec["data"]), args.tokens, args.seqlen, args.warmup)
     model, forward = build_case(spec["case"], Path(spec["ckpt"]), cfg, (args.tokens // args.seqlen, args.seqlen),
@@ -156,6 +157,7 @@ def main() -> None:
 
     from anyseek.data.prepare import ensure_prepared
     from anyseek.data.shards import read_manifest
+    from anyseek.hf import config_to_hf, save_pretrained
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
 
@@ -176,7 +178,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = DeepSeekV3(cfg_nomtp)
         ckpt = Path(tmp) / "ckpt"
-        base.save_pretrained(ckpt)
+        save_pretrained(base, ckpt)
         if device.type == "cpu":
             plan = []  # (case, allocator tuned)
             for case in cases:
@@ -192,7 +194,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for case, tuned in plan:
                     spec = {"case": case, "ckpt": str(ckpt), "data": str(data_dir),
-                            "config": cfg.to_hf_dict(), "first": r * per_round}
+                            "config": config_to_hf(cfg), "first": r * per_round}
                     cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--steps", str(per_round),
                            "--warmup", str(args.warmup), "--tokens", str(args.tokens), "--seqlen", str(args.seqlen),
                            "--threads", str(args.threads)] + (["--tuned"] if tuned else [])

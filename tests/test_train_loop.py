@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import anyseek
 from anyseek.train import checkpoint as ckpt_lib
 from anyseek.train.config import load_run_config
 from anyseek.train.metrics import read_metrics
@@ -204,9 +205,8 @@ def test_checkpoint_loads_in_transformers_with_equal_logits(data_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     run(tiny_cfg(data_dir, "--train.max_steps=3", "--train.save_every=100"), tmp_path)
     ckpt = tmp_path / "step-3"
-    from anyseek.model.transformer import DeepSeekV3
 
-    ours = DeepSeekV3.from_pretrained(ckpt).eval()
+    ours = anyseek.load_pretrained(ckpt).eval()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
     ids = torch.tensor([tok("The cat sat on the mat. The king ran north.")["input_ids"]])

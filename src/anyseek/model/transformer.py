@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -217,19 +216,3 @@ class DeepSeekV3(nn.Module):
         weights += len(self.mtp) * self.lm_head.weight.numel()  # the shared head runs once per MTP depth
         attention = 3 * n_layers * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * seq_len
         return 6.0 * weights + attention
-
-    # ---- checkpoints (implemented in anyseek.model.hf) -------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype | None = None, device=None, strict: bool = True
-    ) -> DeepSeekV3:
-        """Load a Hugging Face DeepseekV3 folder (safetensors, sharded or not, FP8 block-quantized or not)."""
-        from anyseek.model import hf
-
-        return hf.load_pretrained(path, dtype=dtype, device=device, strict=strict)
-
-    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size="5GB") -> None:
-        """Write a Hugging Face folder (config.json, safetensors, generation_config.json) atomically."""
-        from anyseek.model import hf
-
-        hf.save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)

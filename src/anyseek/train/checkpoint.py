@@ -7,8 +7,9 @@
       optimizer.safetensors  optimizer.json  rng.safetensors  train_state.json
       checkpoint.json                                              written last: every file with its size
 
-A checkpoint is assembled in a hidden temporary folder and renamed into place, so a crash or `kill -9` at any moment
-leaves either the complete new checkpoint or none; the previous ones are untouched. Nothing here is a pickle.
+A checkpoint is assembled in a hidden temporary folder and renamed into place (`anyseek.storage.atomic_folder`, the
+same writer `anyseek.save_pretrained` uses), so a crash or `kill -9` at any moment leaves either the complete new
+checkpoint or none; the previous ones are untouched. Nothing here is a pickle.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from anyseek.storage import CheckpointError, atomic_folder, recover_staging
+
+__all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints", "load_training_state", "save_checkpoint",
+           "verify"]
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = "checkpoint.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint folder that is missing pieces or cannot be read; the message names it."""
-
 
 @dataclass
 class Checkpoint:
@@ -76,32 +77,22 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write `out_dir/step-{step}` atomically, then delete all but the newest `keep_last` complete checkpoints."""
+    from anyseek.hf import write_model_files
     from anyseek.train.optim import save_optimizer
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"step-{step}"
-    tmp = out_dir / f".step-{step}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # writes config.json, model.safetensors, generation_config.json
-    for f in tokenizer_files:
-        shutil.copy2(f, tmp / f.name)
-    (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
-    save_optimizer(optimizer, model, tmp)
-    save_file(_torch_rng_state(), str(tmp / "rng.safetensors"))
-    state = {**train_state, "step": step, "python_rng": _python_rng_state(), "saved_at": time.time()}
-    (tmp / "train_state.json").write_text(json.dumps(state, indent=1))
-    _hook("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. a resumed run saving again): swap atomically
-        old = out_dir / f".step-{step}.old-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    _fsync_dir(out_dir)
+    with atomic_folder(final) as tmp:
+        write_model_files(model, tmp)  # config.json, model.safetensors, generation_config.json
+        for f in tokenizer_files:
+            shutil.copy2(f, tmp / f.name)
+        (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
+        save_optimizer(optimizer, model, tmp)
+        save_file(_torch_rng_state(), str(tmp / "rng.safetensors"))
+        state = {**train_state, "step": step, "python_rng": _python_rng_state(), "saved_at": time.time()}
+        (tmp / "train_state.json").write_text(json.dumps(state, indent=1))
+        _hook("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
     _prune(out_dir, keep_last)
     return final
 
@@ -121,7 +112,7 @@ def load_training_state(
     ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json."""
-    from anyseek.model.hf import load_pretrained
+    from anyseek.hf import load_pretrained
     from anyseek.train.optim import load_optimizer
 
     verify(ckpt)
@@ -151,19 +142,7 @@ def _prune(out_dir: Path, keep_last: int) -> None:
             pass
     for c in complete[:-keep_last]:
         shutil.rmtree(c.path, ignore_errors=True)
-    for leftover in out_dir.glob(".step-*.tmp-*"):  # debris of saves killed half-way (never a live one: ours is renamed)
-        if not _pid_alive(leftover.name.rsplit("-", 1)[-1]):
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _pid_alive(pid_text: str) -> bool:
-    try:
-        os.kill(int(pid_text), 0)
-        return True
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
+    recover_staging(out_dir)  # debris of saves killed half-way (never a live one: ours is renamed)
 
 
 def _torch_rng_state() -> dict[str, torch.Tensor]:
@@ -190,24 +169,6 @@ def _python_rng_state() -> list:
 def _python_rng_from_json(value: list) -> tuple:
     version, internal, gauss = value
     return (version, tuple(internal), gauss)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.iterdir():
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    if os.name == "nt":  # directories cannot be fsynced on Windows; rename is still atomic there
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hook(var: str) -> None:
