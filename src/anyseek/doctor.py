@@ -121,7 +121,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         print(line)
     if not args.check:
         return 0
-    from anyseek.kernels.checks import check_all
+    from anyseek.kernels.accuracy import check_all
 
     print("Checks against the fp32 reference (err: max abs error; pt: PyTorch in the same low precision):")
     ok = True

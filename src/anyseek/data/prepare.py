@@ -33,7 +33,7 @@ import numpy as np
 from anyseek.data import shards as S
 from anyseek.data import tokenizer as T
 from anyseek.data.chunks import iter_chunks, split_key, val_mask
-from anyseek.data.progress import Progress, prefetch
+from anyseek.data.progress import PrepareProgress, prefetch
 from anyseek.data.sources import Skip, Source, SourceError, default_cache_dir, limit_source, open_source
 
 DEFAULT_TOKENIZER_TRAIN_BYTES = 256 << 20
@@ -96,7 +96,7 @@ def prepare(
         staging = out / _STAGING
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        log = Progress(progress)
+        log = PrepareProgress(progress)
         start = time.perf_counter()
         try:
             with _pool(src, workers) as pool:

@@ -7,14 +7,13 @@ parse). Documents are stripped of surrounding whitespace; empty ones are skips.
 
 from __future__ import annotations
 
-import bz2
-import gzip
 import json
-import lzma
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from anyseek.data.compressed import open_binary
 
 TEXT_FIELDS = ("text", "content", "extract", "body", "article", "document")
 _BLOCK_RE = re.compile(rb"\r?\n[ \t]*\r?\n")
@@ -38,18 +37,6 @@ class Raw:
 
     text: str
     where: str
-
-
-def open_binary(path: Path):
-    """Open a file for reading bytes, decompressing .bz2 (multistream too), .gz and .xz."""
-    suffix = path.suffix.lower()
-    if suffix == ".bz2":
-        return bz2.open(path, "rb")
-    if suffix == ".gz":
-        return gzip.open(path, "rb")
-    if suffix == ".xz":
-        return lzma.open(path, "rb")
-    return open(path, "rb")
 
 
 def as_document(text: str, where: str) -> str | Skip:
@@ -207,3 +194,17 @@ def read_xml(path: Path) -> Iterator[str | Skip]:
         yield Skip(page.skip, where) if page.skip else Raw(page.text, where)
     if n == 0:
         yield Skip("empty_file", str(path))
+
+
+@dataclass
+class Source:
+    """A resolved SPEC: `items()` streams its documents (a fresh pass per call); `description` goes into the
+    manifest, `fingerprint` identifies the inputs (files with size and mtime) for idempotent re-runs."""
+
+    spec: str
+    description: dict
+    fingerprint: dict
+    items: Callable[[], Iterator[str | Raw | Skip]]
+    cleaner: Callable[[list[str]], list[str]] | None = None
+    total_bytes: int | None = None
+    extra: dict = field(default_factory=dict)

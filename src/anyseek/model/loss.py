@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-IGNORE_INDEX = -100
+from anyseek.constants import IGNORE_INDEX
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits_TV: torch.Tensor, labels_T: torch.Tensor, num_targets) -> torch.Tensor:
         valid_T = labels_T != IGNORE_INDEX
-        count = valid_T.sum().clamp(min=1)
+        count = _count(valid_T, num_targets)
         safe_T = labels_T.clamp(min=0)  # ignored rows read class 0; their loss and gradient are masked out
         logp_TV = torch.log_softmax(logits_TV.float(), dim=-1)
         ctx.save_for_backward(logp_TV, safe_T, valid_T, count)
@@ -31,15 +31,26 @@ class _CrossEntropy(torch.autograd.Function):
         grad_TV = logp_TV.exp()  # softmax
         grad_TV.scatter_add_(1, safe_T[:, None], torch.full_like(safe_T[:, None], -1, dtype=grad_TV.dtype))
         grad_TV.mul_((grad_out / count * valid_T)[:, None])
-        return grad_TV.to(ctx.logits_dtype), None
+        return grad_TV.to(ctx.logits_dtype), None, None
 
 
-def cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    """logits [T, V] (any float dtype), labels int [T] (IGNORE_INDEX = skip) -> fp32 scalar: the mean loss over
-    non-ignored labels, 0 when all are ignored. No host sync."""
+def _count(valid_T: torch.Tensor, num_targets: int | float | torch.Tensor | None) -> torch.Tensor:
+    """The loss's denominator: this batch's non-ignored labels, or the caller's `num_targets` (e.g. a whole
+    accumulated step's); at least 1."""
+    if num_targets is None:
+        return valid_T.sum().clamp(min=1)
+    return torch.as_tensor(num_targets, dtype=torch.float32, device=valid_T.device).clamp(min=1)
+
+
+def cross_entropy(
+    logits_TV: torch.Tensor, labels_T: torch.Tensor, num_targets: int | float | torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits [T, V] (any float dtype), labels int [T] (IGNORE_INDEX = skip) -> fp32 scalar: the summed loss over
+    non-ignored labels divided by `num_targets` (default: their count, i.e. the mean; 0 when all are ignored).
+    No host sync."""
     if labels_T.shape != logits_TV.shape[:1]:
         raise ValueError(f"labels shape {tuple(labels_T.shape)} must be [T] for logits {tuple(logits_TV.shape)}")
-    return _CrossEntropy.apply(logits_TV, labels_T)
+    return _CrossEntropy.apply(logits_TV, labels_T, num_targets)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -52,9 +63,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     and the per-row scale (valid / count) is applied on the narrow [C, D] side of the two gradient matmuls."""
 
     @staticmethod
-    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, want_grad: bool):
+    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, want_grad: bool, num_targets):
         valid_T = labels_T != IGNORE_INDEX
-        count = valid_T.sum().clamp(min=1)
+        count = _count(valid_T, num_targets)
         safe_T = labels_T.clamp(min=0)
         scale_T = valid_T / count  # fp32 [T]: d loss / d logit-row
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
@@ -87,16 +98,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
         if grad_h_TD is None:
             raise RuntimeError("linear_cross_entropy ran without gradients (want_grad=False) but was differentiated")
-        return (grad_h_TD * grad_out).to(grad_h_TD.dtype), (grad_w_VD * grad_out).to(ctx.weight_dtype), None, None, None
+        return (grad_h_TD * grad_out).to(grad_h_TD.dtype), (grad_w_VD * grad_out).to(ctx.weight_dtype), None, None, None, None
 
 
 _CPU_CHUNK_ELEMENTS = 1 << 20
 
 
-def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(
+    h_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    num_targets: int | float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """cross_entropy(h @ weight.T, labels) for an output head, never holding more than a chunk of the [T, V] logits.
 
-    h [T, D], weight [V, D], labels int [T] -> fp32 scalar (mean over non-ignored labels). The gradients are computed
+    h [T, D], weight [V, D], labels int [T] -> fp32 scalar (summed over non-ignored labels, divided by num_targets,
+    default their count). The gradients are computed
     during the forward, so the result must be used linearly (a loss term), and backward may run once.
     """
     if labels_T.shape != h_TD.shape[:1]:
@@ -105,4 +122,4 @@ def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: 
     budget = _CPU_CHUNK_ELEMENTS if h_TD.device.type == "cpu" else 1 << 27
     chunk = max(1, budget // weight_VD.shape[0])
     want_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
-    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, want_grad)
+    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, want_grad, num_targets)

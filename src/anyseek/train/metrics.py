@@ -72,7 +72,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-class Progress:
+class TrainProgress:
     """One status line: step, loss, tokens/s, ETA. Redrawn in place on a terminal, printed every `every` steps else."""
 
     def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, every: int = 10):

@@ -23,7 +23,7 @@ import torch
 
 from anyseek.train import checkpoint as ckpt_lib
 from anyseek.train.config import RunConfig
-from anyseek.train.metrics import MetricsLog, Progress, peak_flops
+from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -129,7 +129,7 @@ class Trainer:
             )
         self._describe()
         metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard)
-        progress = Progress(t.max_steps, start=self.step, every=t.log_every)
+        progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every)
         old_handlers = self._install_signal_handlers()
         peak = peak_flops(self.device)
         batches = iter(self.train_loader)
