@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from anyseek.kernels.reference.moe import permute, routed_experts, unpermute
 from anyseek.model.config import ModelConfig
-from anyseek.model.moe import sequence_balance_loss
 from anyseek.model.layout import PackedLayout
+from anyseek.model.moe import sequence_balance_loss
 from anyseek.model.transformer import DeepSeekV3
 
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from anyseek.model.config import ModelConfig
-from anyseek.model.mtp import shift_in_documents
 from anyseek.model.layout import PackedLayout
+from anyseek.model.mtp import shift_in_documents
 from anyseek.model.transformer import DeepSeekV3
 
 

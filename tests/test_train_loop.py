@@ -184,7 +184,7 @@ def test_nan_steps_are_skipped_then_stop_the_run(data_dir, tmp_path, monkeypatch
         if self.training:
             counter["n"] += 1
             if counter["n"] in poison["calls"]:
-                out.loss = out.loss * float("nan")
+                out.lm_loss = out.lm_loss * float("nan")
         return out
 
     monkeypatch.setattr(DeepSeekV3, "forward", forward)

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from anyseek.constants import IGNORE_INDEX
+from anyseek.model.mtp import count_targets
 from anyseek.train import checkpoint as ckpt_lib
-from anyseek.train.config import RunConfig
+from anyseek.train.config import RunConfig, piecewise
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer, lr_at, set_lr
 
@@ -112,6 +114,7 @@ class Trainer:
                 continue
             self.train_loader.load_state_dict(state["loader"])
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.bad_in_a_row = int(state.get("bad_in_a_row", 0))
             self.log(f"resumed from {ckpt.path} at step {self.step}")
             return
         self.log(f"no usable checkpoint in {self.out_dir}; starting from scratch")
@@ -179,37 +182,62 @@ class Trainer:
     def _log_step(self, metrics, progress, stats, loss, lr, grad_norm, tokens_per_s, flops_per_s, peak) -> None:
         row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                "tokens_seen": self.tokens_seen, "tflops": flops_per_s / 1e12}
-        row.update({k: float(v) / self.cfg.train.grad_accum for k, v in stats.parts.items()})
+        row.update({k: float(v) for k, v in stats.parts.items()})
+        if "mtp_loss" in stats.parts:
+            row["mtp_loss_weight"] = self.mtp_loss_weight()
         if peak:
             row["mfu"] = flops_per_s / peak
         metrics.write("train", self.step, row)
         progress.update(self.step, loss, tokens_per_s)
 
     def _accumulate(self, batches) -> StepStats:
+        """Forward and backward over the step's micro-batches. The losses are normalised once for the whole step:
+        each micro-batch's summed next-token (and per-depth MTP) loss is divided by the step's count of valid
+        targets, counted on the host copies of the batches before any of them runs (no device sync), so a
+        micro-batch with few targets weighs no more than its targets do."""
         t = self.cfg.train
         stats = StepStats()
-        for _ in range(t.grad_accum):
-            batch = next(batches)
-            ids = batch.input_ids.to(self.device, non_blocking=True)
-            targets = batch.targets.to(self.device, non_blocking=True)
-            cu = batch.cu_seqlens.to(self.device, non_blocking=True)
+        micro = [next(batches) for _ in range(t.grad_accum)]
+        depths = len(self.model.mtp)
+        per_batch = [count_targets(b.targets, b.cu_seqlens, depths) for b in micro]
+        step_counts = [sum(c[i] for c in per_batch) for i in range(depths + 1)]
+        num_targets = torch.tensor(step_counts, dtype=torch.float32).to(self.device, non_blocking=True)
+        mtp_weight = self.mtp_loss_weight()
+        alpha = self.model_cfg.aux_loss_alpha
+        for batch in micro:
+            dev = batch.to(self.device, non_blocking=True)
             with self._autocast():
-                out = self.forward(ids, cu_seqlens=cu, targets=targets, max_seqlen=batch.max_seqlen,
-                                   return_logits=False)
-            (out.loss / t.grad_accum).backward()
-            stats.loss = stats.loss + out.loss.detach()
-            for name in ("lm_loss", "mtp_loss", "balance_loss"):
-                value = getattr(out, name)
-                if value is not None:
-                    stats.parts[name] = stats.parts.get(name, 0.0) + value.detach().float()
+                out = self.forward(dev.input_ids, cu_seqlens=dev.cu_seqlens, targets=dev.targets,
+                                   max_seqlen=dev.max_seqlen, return_logits=False, num_targets=num_targets)
+            parts = {"lm_loss": out.lm_loss}
+            loss = out.lm_loss
+            if out.mtp_loss is not None:
+                parts["mtp_loss"] = out.mtp_loss
+                loss = loss + mtp_weight * out.mtp_loss
+            if out.balance_loss is not None:
+                parts["balance_loss"] = out.balance_loss / t.grad_accum  # a mean over the step's micro-batches
+                loss = loss + alpha * parts["balance_loss"]
+            loss.backward()
+            stats.loss = stats.loss + loss.detach()
+            for name, value in parts.items():
+                stats.parts[name] = stats.parts.get(name, 0.0) + value.detach().float()
             if out.expert_load is not None:
                 load = out.expert_load.detach()
                 stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
-            stats.tokens += int(ids.numel())
+            stats.tokens += batch.num_tokens
             lens = batch.cu_seqlens.diff().double()
             mean_context = float((lens * lens).sum() / lens.sum())  # per-token attention span of this packing
-            stats.flops += ids.numel() * (self._flops_a + self._flops_b * mean_context)
+            stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
         return stats
+
+    def mtp_loss_weight(self) -> float:
+        """lambda now: train.mtp_loss_weight_schedule at the tokens seen so far, else model.mtp_loss_weight."""
+        return piecewise(self.cfg.train.mtp_loss_weight_schedule, self.tokens_seen, self.model_cfg.mtp_loss_weight)
+
+    def bias_update_speed(self) -> float:
+        """gamma now: train.bias_update_speed_schedule at the tokens seen so far, else model.bias_update_speed."""
+        return piecewise(self.cfg.train.bias_update_speed_schedule, self.tokens_seen,
+                         self.model_cfg.bias_update_speed)
 
     def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
         """Clip and step, or skip a non-finite step. Returns (stepped, mean loss, grad norm)."""
@@ -217,7 +245,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        loss = float(stats.loss) / t.grad_accum  # the one host sync per step
+        loss = float(stats.loss)  # the one host sync per step
         norm = float(grad_norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -234,7 +262,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if stats.expert_load is not None:
-            self.model.update_routing_bias(stats.expert_load)
+            self.model.update_routing_bias(stats.expert_load, gamma=self.bias_update_speed())
         return True, loss, norm
 
     # ------------------------------------------------------------------------------------------ eval, save, end
@@ -246,13 +274,13 @@ class Trainer:
         total, count = 0.0, 0
         try:
             for batch in self._loader("val", loop=False):
-                targets = batch.targets.to(self.device)
-                n = int((targets != -100).sum())
+                n = int((batch.targets != IGNORE_INDEX).sum())  # on the host copy: no device sync
                 if n == 0:
                     continue
+                dev = batch.to(self.device)
                 with self._autocast():
-                    out = self.model(batch.input_ids.to(self.device), cu_seqlens=batch.cu_seqlens.to(self.device),
-                                     targets=targets, max_seqlen=batch.max_seqlen, return_logits=False)
+                    out = self.model(dev.input_ids, cu_seqlens=dev.cu_seqlens, targets=dev.targets,
+                                     max_seqlen=dev.max_seqlen, return_logits=False)
                 total += float(out.lm_loss) * n
                 count += n
                 if count >= self.cfg.train.eval_tokens:
