@@ -98,48 +98,69 @@ class TrainConfig:
 
 
 @dataclass
-class RunConfig:
-    """model: a flavor name plus ModelConfig overrides (resolved by `model_config()`); data; train."""
+class ModelSection:
+    """[model]: a flavor (tiny, small, 16B, 671B) plus overrides of ModelConfig fields, checked when the run config
+    is loaded: an unknown key, a value of the wrong type or an invalid combination is a ConfigError naming it."""
 
-    model: dict[str, Any] = field(default_factory=lambda: {"flavor": "tiny"})
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    flavor: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
 
-    def model_config(self, vocab_size: int | None = None):
-        """The ModelConfig: the flavor, then the [model] overrides; `vocab_size` (the tokenizer's) applies unless
-        the config sets model.vocab_size itself."""
+    def __post_init__(self) -> None:
+        from anyseek.model.config import ModelConfig
+        from anyseek.model.flavors import FLAVORS
+
+        if self.flavor not in FLAVORS:
+            raise ConfigError(f"model.flavor {self.flavor!r} is unknown; known flavors: {', '.join(FLAVORS)}")
+        hints = typing.get_type_hints(ModelConfig)
+        valid = sorted(f.name for f in dataclasses.fields(ModelConfig) if f.name != "extra")
+        for key, value in list(self.overrides.items()):
+            if key not in valid:
+                raise ConfigError(f"unknown key model.{key}; valid keys: flavor, {', '.join(valid)}")
+            self.overrides[key] = _coerce(value, hints[key], f"model.{key}")
+        self.resolve()  # up front: the combination must be a valid model
+
+    def resolve(self, vocab_size: int | None = None):
+        """The ModelConfig: the flavor, then the overrides; `vocab_size` (the tokenizer's) applies unless the
+        section sets vocab_size itself."""
         from anyseek.model.config import ModelConfig
 
-        overrides = {k: v for k, v in self.model.items() if k != "flavor"}
-        base = ModelConfig.from_name(self.model.get("flavor", "tiny"))
+        overrides = dict(self.overrides)
         if vocab_size is not None and "vocab_size" not in overrides:
             overrides["vocab_size"] = vocab_size
-        valid = {f.name for f in dataclasses.fields(ModelConfig)}
-        for key in overrides:
-            if key not in valid:
-                raise ConfigError(f"unknown key model.{key}; valid keys: flavor, {', '.join(sorted(valid))}")
         try:
-            return dataclasses.replace(base, **overrides)
+            return ModelConfig.from_name(self.flavor, **overrides)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"invalid [model] section: {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": dict(self.model), "data": dataclasses.asdict(self.data), "train": dataclasses.asdict(self.train)}
+        return {"flavor": self.flavor, **self.overrides}
 
 
-# Built-in configs: a model flavor plus the data/train settings that suit it.
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"model": {"flavor": "tiny"}},
-    "small": {
-        "model": {"flavor": "small"},
-        "data": {"tokens_per_batch": 8192, "max_seqlen": 2048},
-        "train": {"max_steps": 5000, "lr": 1e-3, "warmup_steps": 200, "eval_every": 500, "save_every": 1000},
-    },
-}
+@dataclass
+class RunConfig:
+    """model (a flavor plus ModelConfig overrides, resolved by `model_config()`), data, train."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def model_config(self, vocab_size: int | None = None):
+        return self.model.resolve(vocab_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "data": dataclasses.asdict(self.data),
+                "train": dataclasses.asdict(self.train)}
+
+
+def named_configs() -> dict[str, Path]:
+    """The run configs shipped with the package (`anyseek/configs/NAME.toml`), by name."""
+    folder = Path(__file__).resolve().parent.parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
 
 
 def load_run_config(config: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """`config`: a preset/flavor name (tiny, small, 16B, ...) or a .toml/.json file; `overrides`: `--section.key=value`."""
+    """`config`: a shipped config's name (`named_configs()`: tiny, small), a model flavor (16B, 671B: that flavor with
+    the default data and train sections), or a .toml/.json file; `overrides`: `--section.key=value`."""
     raw = _load_raw(config or "tiny")
     for item in overrides or []:
         section, key, value = _parse_override(item)
@@ -152,9 +173,11 @@ def from_dict(raw: dict[str, Any], origin: str = "<dict>") -> RunConfig:
     if unknown:
         raise ConfigError(f"{origin}: unknown section(s) {sorted(unknown)}; valid sections: model, data, train")
     model = dict(raw.get("model") or {})
-    model.setdefault("flavor", "tiny")
+    flavor = model.pop("flavor", "tiny")
+    if not isinstance(flavor, str):
+        raise ConfigError(f"model.flavor must be str, got {flavor!r}")
     return RunConfig(
-        model=model,
+        model=ModelSection(flavor, model),
         data=_build(DataConfig, raw.get("data") or {}, "data"),
         train=_build(TrainConfig, raw.get("train") or {}, "train"),
     )
@@ -171,16 +194,16 @@ def _load_raw(config: str) -> dict[str, Any]:
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: {e}") from e
         return raw
-    if config in PRESETS:
-        return json.loads(json.dumps(PRESETS[config]))  # a deep copy
-    from anyseek.model.config import ModelConfig
+    named = named_configs()
+    if config in named:
+        return _load_raw(str(named[config]))
+    from anyseek.model.flavors import FLAVORS
 
-    try:
-        ModelConfig.from_name(config)
-    except Exception as e:
+    if config not in FLAVORS:
         raise ConfigError(
-            f"--config {config!r} is neither a .toml/.json file nor a known flavor ({', '.join(PRESETS)}, ...): {e}"
-        ) from e
+            f"--config {config!r} is neither a .toml/.json file, a shipped config ({', '.join(named)}) nor a model "
+            f"flavor ({', '.join(FLAVORS)})"
+        )
     return {"model": {"flavor": config}}
 
 

@@ -315,7 +315,7 @@ class Trainer:
             self.out_dir / "loss.png",
             [(r["step"], r.get("lm_loss", r["loss"])) for r in rows if r["kind"] == "train"],
             [(r["step"], r["loss"]) for r in rows if r["kind"] == "val"],
-            title=f"{self.cfg.model.get('flavor', '')} on {self.cfg.data.path or self.cfg.data.source}",
+            title=f"{self.cfg.model.flavor} on {self.cfg.data.path or self.cfg.data.source}",
         )
         sample = self.sample()
         self.log(f"loss curve: {curve}")
@@ -340,7 +340,7 @@ class Trainer:
 
         m = self.model
         d = self.cfg.data
-        self.log(f"model: {self.cfg.model.get('flavor')} | {m.num_parameters() / 1e6:.2f}M parameters "
+        self.log(f"model: {self.cfg.model.flavor} | {m.num_parameters() / 1e6:.2f}M parameters "
                  f"({m.num_parameters(active_only=True) / 1e6:.2f}M active) | device {self.device} "
                  f"| autocast {self.autocast_dtype} | {torch.get_num_threads()} threads | {self.allocator}")
         self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "
