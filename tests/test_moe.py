@@ -175,7 +175,7 @@ def test_routing_bias_stays_fp32_under_dtype_casts():
 
 @pytest.mark.cuda
 def test_grouped_mm_backend_matches_reference_on_gpu():
-    from anyseek.kernels.reference.moe import grouped_mm_available, grouped_mm_routed_experts
+    from anyseek.kernels.torch_backends import grouped_mm_available, grouped_mm_routed_experts
 
     x, ids, w, gu, dn = (t.cuda() for t in random_problem(T=300, D=64, I=32, E=8, K=3))
     x, gu, dn = x.bfloat16(), gu.bfloat16(), dn.bfloat16()

@@ -3,6 +3,7 @@
 (a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
 (b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine).
 
+The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
 reference) and says why. `import anyseek.kernels` never imports Triton.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from anyseek.kernels import registry
+from anyseek.kernels import contract, registry
 from anyseek.kernels.registry import describe, set_backend
 
 
@@ -31,6 +32,7 @@ def mla_attention(
     v [T, H, v_dim], cu_seqlens int32 [B+1] (document starts; attention never crosses one), max_seqlen:
     the longest document. Returns out [T, H, v_dim]. softmax_scale defaults to 1/sqrt(nope+rope).
     """
+    contract.check_mla(q, k_nope, k_pe, v, cu_seqlens)
     fn = registry.get("mla_attention", q)
     return fn(q, k_nope, k_pe, v, cu_seqlens, max_seqlen, softmax_scale, causal)
 
@@ -48,6 +50,7 @@ def varlen_attention(
 
     q [T, H, d_qk], k [T, H, d_qk], v [T, H, d_v], cu_seqlens int32 [B+1] -> out [T, H, d_v].
     """
+    contract.check_varlen(q, k, v, cu_seqlens)
     fn = registry.get("varlen_attention", q)
     return fn(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
 

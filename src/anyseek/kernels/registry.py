@@ -195,8 +195,8 @@ def _register_defaults() -> None:
                              optional=True))  # bf16/fp16 or autocast: SDPA, by design, without a warning
         register(op, Backend("sdpa", _lazy(f"anyseek.kernels.torch_backends.sdpa_{op}"), _sdpa_ok))
         register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
-    register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.reference.moe.grouped_mm_routed_experts"),
-                                       _lazy_check("anyseek.kernels.reference.moe.grouped_mm_available"), ("cuda",)))
+    register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.torch_backends.grouped_mm_routed_experts"),
+                                       _lazy_check("anyseek.kernels.torch_backends.grouped_mm_available"), ("cuda",)))
     register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
 
 
