@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("anyseek.data.cli_prepare", "turn a text source into token shards and a tokenizer"),
     "data": ("anyseek.data.cli_data", "inspect prepared data (`anyseek data inspect DIR`)"),
     "doctor": ("anyseek.doctor", "report what this machine supports and which kernels will run"),
+    "export": ("anyseek.train.export", "write a LoRA run as a merged Hugging Face folder (--merge) or for PEFT (--peft)"),
 }
 
 

@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,14 +76,17 @@ def save_checkpoint(
     run_config: dict[str, Any],
     tokenizer_files: list[Path],
     keep_last: int,
+    write_model: Callable[[torch.nn.Module, Path], None] | None = None,
 ) -> Path:
-    """Write `out_dir/step-{step}` atomically, then delete all but the newest `keep_last` complete checkpoints."""
+    """Write `out_dir/step-{step}` atomically, then delete all but the newest `keep_last` complete checkpoints.
+    write_model(model, folder) writes the model's files (default: the full Hugging Face model; LoRA runs write
+    only their adapters, `anyseek.train.lora.write_adapters`)."""
     from anyseek.hf import write_model_files
     from anyseek.train.optim import save_optimizer
 
     final = out_dir / f"step-{step}"
     with atomic_folder(final) as tmp:
-        write_model_files(model, tmp)  # config.json, model.safetensors, generation_config.json
+        (write_model or write_model_files)(model, tmp)  # config.json, model.safetensors, generation_config.json
         for f in tokenizer_files:
             shutil.copy2(f, tmp / f.name)
         (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
@@ -109,18 +113,23 @@ def latest_checkpoint(out_dir: Path, log=print) -> Checkpoint | None:
 
 
 def load_training_state(
-    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    load_model: Callable[[Path, torch.nn.Module], None] | None = None,
 ) -> dict[str, Any]:
-    """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json."""
+    """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json.
+    load_model(ckpt, model) loads the model part (default: the full weights; LoRA runs: their adapters)."""
     from anyseek.hf import load_pretrained
     from anyseek.train.optim import load_optimizer
 
     verify(ckpt)
     try:
-        loaded = load_pretrained(ckpt, dtype=next(model.parameters()).dtype, device="cpu")
-        with torch.no_grad():
-            model.load_state_dict(loaded.state_dict(), strict=True)
-        del loaded
+        if load_model is not None:
+            load_model(ckpt, model)
+        else:
+            loaded = load_pretrained(ckpt, dtype=next(model.parameters()).dtype, device="cpu")
+            with torch.no_grad():
+                model.load_state_dict(loaded.state_dict(), strict=True)
+            del loaded
         load_optimizer(optimizer, model, ckpt)
         state = json.loads((ckpt / "train_state.json").read_text())
         _set_torch_rng_state(load_file(str(ckpt / "rng.safetensors")))

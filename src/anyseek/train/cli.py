@@ -1,4 +1,4 @@
-"""`anyseek train [--config FLAVOR_OR_TOML] [--out DIR] [--resume] [--section.key=value ...]`"""
+"""`anyseek train [--config FLAVOR_OR_TOML] [--init PATH] [--out DIR] [--resume] [--section.key=value ...]`"""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a built-in config (tiny, small) or model flavor (16B, 671B), or a .toml/.json file")
     parser.add_argument("--out", default=None, help="output folder for checkpoints and logs (default: runs/<config>)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    parser.add_argument("--init", default=None, metavar="PATH",
+                        help="start from a pretrained model: a Hugging Face DeepSeek-V2/V3 folder or a step-N folder "
+                             "(its config and tokenizer are used; add --train.lora_rank=16 for LoRA)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.epilog = ("Overrides: --section.key=value for any field of [model], [data] or [train], "
                      "e.g. --train.max_steps=200 --train.lr=3e-4 --data.tokens_per_batch=8192.")
@@ -24,20 +27,26 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     from anyseek.train.config import ConfigError, load_run_config
 
     try:
+        if args.init:
+            if any(e.startswith("--model.flavor") for e in extra):
+                raise ConfigError("--model.flavor cannot be combined with --init: the model comes from the folder")
+            extra = [*extra, f"--train.init={json.dumps(args.init)}"]
         cfg = load_run_config(args.config, extra)
         if args.print_config:
             print(json.dumps(cfg.to_dict(), indent=2))
             return 0
-        cfg.model_config()  # validate the model section before touching data
+        if not cfg.train.init:
+            cfg.model_config()  # validate the model section before touching data
     except ConfigError as e:
         print(f"anyseek train: config error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    from anyseek.storage import CheckpointError
     from anyseek.train.trainer import Trainer, TrainingDiverged
 
     try:
         summary = Trainer(cfg, out, resume=args.resume).run()
-    except (FileExistsError, FileNotFoundError) as e:
+    except (FileExistsError, FileNotFoundError, ConfigError, CheckpointError) as e:
         print(f"anyseek train: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged:

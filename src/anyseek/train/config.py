@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     """A bad configuration key or value; the message names it."""
 
 
+# What train.lora_targets may name: attention projections, dense-layer MLPs, shared experts, routed experts.
+LORA_TARGETS = ("attention", "dense_mlp", "shared_experts", "routed_experts")
+
+
 @dataclass
 class DataConfig:
     source: str = "wiki-sample"  # what `anyseek prepare --source` takes; prepared into the cache if `path` is unset
@@ -79,6 +83,14 @@ class TrainConfig:
     # (mtp_loss_weight_schedule = [[0, 0.3], [10e12, 0.1]]); bias update speed 0.001 until 14.3T tokens, then 0.
     mtp_loss_weight_schedule: list = field(default_factory=list)
     bias_update_speed_schedule: list = field(default_factory=list)
+    # Start from a pretrained model (`anyseek train --init PATH`; anyseek.train.init): a Hugging Face DeepSeek-V2/V3
+    # folder or a step-N checkpoint. LoRA (anyseek.train.lora) when lora_rank > 0: the base frozen, adapters trained.
+    init: str | None = None
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_alpha: float = 16.0  # adapter scale = lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # on the adapter input of the Linear layers the model calls (see lora.py)
+    lora_targets: list = field(default_factory=lambda: list(LORA_TARGETS))
+    lora_base_dtype: str = "auto"  # the frozen base: "auto" (bf16 when autocasting to bf16, else fp32), "bf16", "fp32"
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "grad_accum", "log_every", "eval_every", "save_every", "keep_last",
@@ -95,6 +107,7 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be positive, got {self.lr}")
         for name in ("mtp_loss_weight_schedule", "bias_update_speed_schedule"):
             _check_schedule(f"train.{name}", getattr(self, name))
+        _check_lora(self)
 
 
 @dataclass
@@ -281,6 +294,25 @@ def _check_schedule(name: str, schedule: Any) -> None:
         raise ConfigError(f"{name} must start at 0 tokens and increase, got starts {starts}")
     if any(p[1] < 0 for p in schedule):
         raise ConfigError(f"{name} values must be >= 0, got {schedule!r}")
+
+
+def _check_lora(t: TrainConfig) -> None:
+    if t.lora_rank < 0:
+        raise ConfigError(f"train.lora_rank must be >= 0 (0: full fine-tuning), got {t.lora_rank}")
+    if t.lora_alpha <= 0:
+        raise ConfigError(f"train.lora_alpha must be positive, got {t.lora_alpha}")
+    if not 0.0 <= t.lora_dropout < 1.0:
+        raise ConfigError(f"train.lora_dropout must be in [0, 1), got {t.lora_dropout}")
+    if t.lora_base_dtype not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.lora_base_dtype must be one of auto, bf16, fp32, got {t.lora_base_dtype!r}")
+    bad = [x for x in t.lora_targets if x not in LORA_TARGETS] if isinstance(t.lora_targets, list) else [t.lora_targets]
+    if bad or not t.lora_targets:
+        raise ConfigError(f"train.lora_targets must be a non-empty list of {', '.join(LORA_TARGETS)}; got {t.lora_targets!r}")
+    if t.lora_rank and not t.init:
+        raise ConfigError("train.lora_rank needs a base model to adapt: pass --init PATH (or set train.init)")
+    if t.lora_rank and t.bias_update_speed_schedule:
+        raise ConfigError("train.bias_update_speed_schedule is not used with LoRA: the routing biases belong to the "
+                          "frozen base")
 
 
 def _positive(obj: Any, *names: str) -> None:

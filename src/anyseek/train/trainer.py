@@ -27,6 +27,7 @@ from anyseek.train import checkpoint as ckpt_lib
 from anyseek.train.config import RunConfig, piecewise
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer, lr_at, set_lr
+from anyseek.train.start import Start
 
 
 class TrainingDiverged(RuntimeError):
@@ -65,6 +66,7 @@ class Trainer:
         registry.set_backend("attention", t.attention_backend)  # an unknown name raises here, naming it
         registry.set_backend("moe", t.moe_backend)
 
+        self.start = Start(cfg, self.device, self.autocast_dtype, self.log)  # --init and LoRA (train/start.py)
         self.data_dir = self._prepare_data()
         from anyseek.data.shards import read_manifest
         from anyseek.data.tokenizer import load_tokenizer, tokenizer_files
@@ -75,8 +77,12 @@ class Trainer:
 
         from anyseek.model.transformer import DeepSeekV3
 
-        self.model_cfg = cfg.model_config(vocab_size=int(self.manifest["vocab_size"]))
-        self.model = DeepSeekV3(self.model_cfg).to(self.device)
+        self.model_cfg = self.start.model_config(self.data_dir, self.manifest)
+        if self.model_cfg is None:
+            self.model_cfg = cfg.model_config(vocab_size=int(self.manifest["vocab_size"]))
+        self.start.report_memory(self.model_cfg)
+        self.model = self.start.build_model() or DeepSeekV3(self.model_cfg).to(self.device)
+        self.model_cfg = self.start.adapt(self.model)  # LoRA: wraps targets, freezes the base
         self.model.train()
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
@@ -94,6 +100,8 @@ class Trainer:
         d = self.cfg.data
         if d.path:
             return Path(d.path)  # read_manifest below says so if it is not a prepared folder
+        if self.start.init is not None:
+            return self.start.prepare_data(d)
         from anyseek.data.prepare import ensure_prepared
 
         return Path(ensure_prepared(source=d.source, vocab_size=d.vocab_size))
@@ -108,7 +116,7 @@ class Trainer:
     def _resume(self) -> None:
         for ckpt in reversed(ckpt_lib.list_checkpoints(self.out_dir)):
             try:
-                state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer)
+                state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer, self.start.load_model)
             except ckpt_lib.CheckpointError as e:
                 self.log(f"warning: checkpoint {ckpt.path} is unusable ({e}); trying the previous one")
                 continue
@@ -298,9 +306,10 @@ class Trainer:
 
     def _save(self) -> Path:
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
-                 "bad_in_a_row": self.bad_in_a_row}
+                 "bad_in_a_row": self.bad_in_a_row, **self.start.record()}
         path = ckpt_lib.save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state,
-                                        self.cfg.to_dict(), self.tokenizer_files, self.cfg.train.keep_last)
+                                        self.cfg.to_dict(), self.tokenizer_files, self.cfg.train.keep_last,
+                                        self.start.write_model)
         self.log(f"saved {path}")
         return path
 

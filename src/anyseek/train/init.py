@@ -1,0 +1,150 @@
+"""`anyseek train --init PATH`: start a run from a pretrained model instead of random weights.
+
+PATH is a Hugging Face DeepSeek-V2/V3 folder (ours, the official layouts, Moonlight-style; FP8 weights are
+dequantized on load) or a full-weight `step-N` checkpoint. From the folder come:
+
+- the model config. `[model]` overrides of the training knobs (aux_loss_alpha, bias_update_speed, mtp_loss_weight)
+  apply; any other key that would change the model is an error naming it. The config's flavor is not used (the
+  folder says what the model is); `--model.flavor` together with `--init` is an error (`train/cli.py`).
+- the tokenizer: a `data.source` is prepared with it (into its own cache folder); a `data.path` prepared with another
+  tokenizer is an error naming both.
+- the weights, streamed into a model built on the meta device (`anyseek.hf.load_pretrained`): one copy in memory.
+
+Optimizer, schedule and data order start fresh. `reference()` (path + content hash of config.json and the
+safetensors headers) goes into every checkpoint's train_state.json; LoRA checkpoints need it to find their base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anyseek.storage import CheckpointError
+from anyseek.train.config import ConfigError
+
+KNOBS = ("aux_loss_alpha", "bias_update_speed", "mtp_loss_weight", "init_std")  # overridable: not the model's shape
+
+
+@dataclass(frozen=True)
+class InitSource:
+    path: Path
+    config: Any  # ModelConfig as config.json gives it
+
+    @classmethod
+    def open(cls, path: str | Path) -> InitSource:
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise CheckpointError(f"--init {folder}: not a folder")
+        if (folder / "lora.json").is_file():
+            raise CheckpointError(
+                f"--init {folder}: a LoRA checkpoint (adapters only); write a full model first with "
+                f"`anyseek export --merge {folder} --out DIR` and start from DIR"
+            )
+        if not (folder / "config.json").is_file():
+            raise CheckpointError(f"--init {folder}: no config.json (a Hugging Face model folder or a step-N folder)")
+        from anyseek.hf.config import read_config_json
+
+        try:
+            config = read_config_json(folder / "config.json")
+        except ValueError as e:
+            raise CheckpointError(f"--init {folder}: {e}") from e
+        return cls(folder, config)
+
+    @property
+    def tokenizer_file(self) -> Path | None:
+        f = self.path / "tokenizer.json"
+        return f if f.is_file() else None
+
+    def reference(self) -> dict[str, str]:
+        return {"path": str(self.path.resolve()), "sha256": content_hash(self.path)}
+
+
+def content_hash(folder: Path) -> str:
+    """sha256 over config.json, the weights index and every safetensors file's header and size (names, shapes,
+    dtypes, offsets; not the tensor bytes, which would mean reading the whole model)."""
+    h = hashlib.sha256()
+    for f in [folder / "config.json", *sorted(folder.glob("*.safetensors.index.json"))]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            h.update(f.name.encode() + b"\0" + head + fh.read(min(n, 100 << 20)) + str(f.stat().st_size).encode())
+    return h.hexdigest()
+
+
+def model_config(init: InitSource, section) -> Any:
+    """The run's ModelConfig: the folder's, plus the [model] section's knob overrides. A shape override is an error."""
+    cfg = init.config
+    bad = sorted(k for k, v in section.overrides.items() if k not in KNOBS and getattr(cfg, k) != v)
+    if bad:
+        got = ", ".join(f"model.{k}={section.overrides[k]!r} (the folder has {getattr(cfg, k)!r})" for k in bad)
+        raise ConfigError(f"--init {init.path} fixes the model's shape; remove {got}. Only "
+                          f"{', '.join('model.' + k for k in KNOBS)} may be set with --init")
+    knobs = {k: v for k, v in section.overrides.items() if k in KNOBS}
+    return dataclasses.replace(cfg, **knobs) if knobs else cfg
+
+
+def load_model(init: InitSource, cfg, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The folder's weights in a DeepSeekV3 on `device` (built on meta, filled tensor by tensor), in train mode,
+    with `cfg`'s training knobs."""
+    from anyseek.hf import load_pretrained
+
+    model = load_pretrained(init.path, dtype=dtype, device=device)
+    knobs = {k: getattr(cfg, k) for k in KNOBS}
+    model.config = dataclasses.replace(model.config, **knobs)  # MTP depth as loaded (a folder may hold fewer)
+    return model.train()
+
+
+# ---------------------------------------------------------------- data and tokenizer
+
+
+def prepare_data(data, init: InitSource) -> Path:
+    """A data.source prepared with the folder's tokenizer, into a cache folder named by that tokenizer's hash."""
+    from anyseek.data.prepare import default_out, ensure_prepared
+    from anyseek.data.tokenizer import sha256_file
+
+    if init.tokenizer_file is None:
+        raise CheckpointError(f"--init {init.path}: no tokenizer.json, so data.source {data.source!r} cannot be "
+                              "tokenized to match it; prepare data with its tokenizer and pass --data.path")
+    plain = default_out(data.source, 0)
+    out = plain.with_name(plain.name.removesuffix("-v0") + "-tok" + sha256_file(init.tokenizer_file)[:12])
+    return Path(ensure_prepared(source=data.source, out=out, tokenizer=init.path))
+
+
+def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print) -> None:
+    """Prepared data must come from the folder's tokenizer (same file, or the same vocabulary), and its ids must fit
+    the model's embedding."""
+    from anyseek.data.tokenizer import sha256_file, tokenizer_files
+
+    vocab = int(manifest["vocab_size"])
+    if vocab > init.config.vocab_size:
+        raise ConfigError(f"data {data_dir} has {vocab} token ids but the model in {init.path} embeds "
+                          f"{init.config.vocab_size}: the data was tokenized with another tokenizer")
+    mine = init.tokenizer_file
+    if mine is None:
+        log(f"warning: --init {init.path} has no tokenizer.json; cannot check that {data_dir} uses its tokenizer")
+        return
+    theirs = tokenizer_files(data_dir)[0]
+    used = {manifest.get("tokenizer_sha256"), *((manifest.get("inputs") or {}).get("tokenizer", {})
+                                                 .get("files", {}).values())}
+    if sha256_file(mine) in used or _same_vocab(mine, theirs):
+        return
+    described = manifest.get("tokenizer", {}).get("path") or manifest.get("tokenizer", {}).get("kind", "its own")
+    raise ConfigError(
+        f"data {data_dir} was prepared with another tokenizer ({theirs}, from {described}) than the model's "
+        f"({mine}); prepare it again with `anyseek prepare --tokenizer {init.path} ...`, or use --data.source to "
+        "have it prepared automatically"
+    )
+
+
+def _same_vocab(a: Path, b: Path) -> bool:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(a)).get_vocab(True) == Tokenizer.from_file(str(b)).get_vocab(True)

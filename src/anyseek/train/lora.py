@@ -1,0 +1,256 @@
+"""LoRA, applied to a built DeepSeekV3 from outside: the base frozen (bf16 on GPU), low-rank adapters trained.
+
+    apply_lora(model, LoRASpec(rank=16, alpha=32, targets=("attention", "routed_experts")), base_dtype=torch.bfloat16)
+
+A target Linear W [out, in] becomes `LoRALinear`: y = x W^T + s * B A x with A [r, in], B [out, r], s = alpha / r,
+B = 0 at the start (the output equals the base's). The model reads some weights directly instead of calling the
+layer (the fused gate|up of an MLP, the fused q_a|kv_a of MLA), so `LoRALinear.weight` is the merged weight
+W + s * B A: every way the model uses a layer sees the adapter. Called as a layer it takes the unmerged path (no
+[out, in] weight gradient, dropout on the adapter input); read as `.weight` it is merged (no dropout there).
+
+Routed experts get per-expert adapters, stacked: `LoRAExperts` forms the effective weights W_e + s * B_e A_e with
+one batched matmul per projection (torch.baddbmm) and calls the unchanged `anyseek.kernels.routed_experts` seam,
+so every backend (reference, grouped_mm, any later Triton kernel) runs LoRA experts without knowing of them and no
+Python loop runs over experts. The price: the backward forms the full [E, F, D] gradient of the effective weights
+(then two batched matmuls reduce it to dA, dB), as full fine-tuning does; the adapters are a few MB.
+
+Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from anyseek.model.moe import MLP, Experts, MoE, Router
+from anyseek.model.norm import RMSNorm
+
+ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("attention", "dense_mlp", "shared_experts", "routed_experts")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_train(cls, t) -> LoRASpec:
+        return cls(t.lora_rank, t.lora_alpha, t.lora_dropout, tuple(t.lora_targets))
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear (`base`) plus a trained low-rank update: lora_A [r, in] (Kaiming-uniform as in PEFT),
+    lora_B [out, r] (zeros)."""
+
+    def __init__(self, base: nn.Linear, spec: LoRASpec):
+        super().__init__()
+        self.base, self.scale = base, spec.scale
+        self.in_features, self.out_features = base.in_features, base.out_features
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(spec.rank, base.in_features, device=dev, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, spec.rank, device=dev, dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The merged weight W + s * B A [out, in], for code that reads the weight instead of calling the layer."""
+        delta = self.lora_B @ self.lora_A
+        return self.base.weight + (self.scale * delta).to(self.base.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        return y + self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B).to(y.dtype)
+
+    def merged(self) -> nn.Linear:
+        """A plain nn.Linear holding W + s * B A, computed in fp32, in the base weight's dtype."""
+        with torch.no_grad():
+            w = self.base.weight.float() + self.scale * (self.lora_B.float() @ self.lora_A.float())
+        out = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        out.weight = nn.Parameter(w.to(self.base.weight.dtype), requires_grad=False)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
+
+
+class LoRAExperts(nn.Module):
+    """Frozen stacked routed experts (`base`: gate_up_proj [E, F, D], down_proj [E, D, I]) plus per-expert adapters
+    gate_up_lora_A [E, r, D], gate_up_lora_B [E, F, r], down_lora_A [E, r, I], down_lora_B [E, D, r]."""
+
+    def __init__(self, base: Experts, spec: LoRASpec):
+        super().__init__()
+        self.base, self.scale = base, spec.scale
+        E, F_, D = base.gate_up_proj.shape
+        I = base.down_proj.shape[-1]
+        dev, r = base.gate_up_proj.device, spec.rank
+        self.gate_up_lora_A = nn.Parameter(torch.empty(E, r, D, device=dev))
+        self.gate_up_lora_B = nn.Parameter(torch.zeros(E, F_, r, device=dev))
+        self.down_lora_A = nn.Parameter(torch.empty(E, r, I, device=dev))
+        self.down_lora_B = nn.Parameter(torch.zeros(E, D, r, device=dev))
+        for a in (self.gate_up_lora_A, self.down_lora_A):
+            for e in range(E):  # setup only: the same init per expert as a LoRALinear of that expert
+                nn.init.kaiming_uniform_(a.data[e], a=math.sqrt(5))
+
+    def effective(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, F, D], down [E, D, I]) = W + s * B A per expert: one batched matmul each."""
+        w_gu, w_d = self.base.gate_up_proj, self.base.down_proj
+        gate_up_EFD = torch.baddbmm(w_gu, self.gate_up_lora_B.to(w_gu.dtype), self.gate_up_lora_A.to(w_gu.dtype),
+                                    alpha=self.scale)
+        down_EDI = torch.baddbmm(w_d, self.down_lora_B.to(w_d.dtype), self.down_lora_A.to(w_d.dtype), alpha=self.scale)
+        return gate_up_EFD, down_EDI
+
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        from anyseek import kernels
+
+        gate_up_EFD, down_EDI = self.effective()
+        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI)
+
+    def merged(self) -> Experts:
+        with torch.no_grad():
+            w_gu, w_d = self.base.gate_up_proj, self.base.down_proj
+            gu = torch.baddbmm(w_gu.float(), self.gate_up_lora_B.float(), self.gate_up_lora_A.float(), alpha=self.scale)
+            d = torch.baddbmm(w_d.float(), self.down_lora_B.float(), self.down_lora_A.float(), alpha=self.scale)
+        out = self.base
+        out.gate_up_proj = nn.Parameter(gu.to(w_gu.dtype), requires_grad=False)
+        out.down_proj = nn.Parameter(d.to(w_d.dtype), requires_grad=False)
+        return out
+
+
+# ---------------------------------------------------------------- applying, listing, merging
+
+
+def target_modules(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module, str]]:
+    """(owner module name, owner, attribute) for every layer the targets cover, MTP modules' layers included."""
+    for name, mod in model.named_modules():
+        if "attention" in targets and name.endswith("self_attn"):
+            for attr in ATTENTION:
+                if isinstance(getattr(mod, attr, None), nn.Linear):
+                    yield name, mod, attr
+        elif isinstance(mod, MLP):
+            kind = "shared_experts" if name.endswith("shared_experts") else "dense_mlp"
+            if kind in targets:
+                for attr in MLP_PROJ:
+                    yield name, mod, attr
+        elif isinstance(mod, MoE) and "routed_experts" in targets:
+            yield name, mod, "experts"
+
+
+def apply_lora(model: nn.Module, spec: LoRASpec, base_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Freeze every base parameter, hold the matrices in `base_dtype` (the embedding, norms and 1-D tensors stay
+    fp32 so the residual stream is as in full fine-tuning; the router stays fp32 so that the experts chosen are the
+    base's), and wrap the targets.
+    Adapters are fp32 parameters (the optimizer's only ones). Returns `model`, changed in place."""
+    if spec.rank <= 0:
+        raise ValueError(f"LoRA rank must be positive, got {spec.rank}")
+    keep_fp32 = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, nn.Embedding, Router))}
+    for p in model.parameters():
+        p.requires_grad_(False)
+        want = torch.float32 if id(p) in keep_fp32 or p.dim() < 2 else base_dtype
+        if p.is_floating_point() and p.dtype != want:
+            p.data = p.data.to(want)
+    found = list(target_modules(model, spec.targets))
+    if not found:
+        raise ValueError(f"train.lora_targets {list(spec.targets)} match no layer of this model")
+    for _, owner, attr in found:
+        base = getattr(owner, attr)
+        setattr(owner, attr, LoRAExperts(base, spec) if isinstance(base, Experts) else LoRALinear(base, spec))
+    return model
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters by full parameter name (`...q_b_proj.lora_A`, `...experts.gate_up_lora_B`)."""
+    return {n: p.detach() for n, p in model.named_parameters() if _is_adapter(n)}
+
+
+def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy adapters into a model `apply_lora` prepared with the same spec; names and shapes must match exactly."""
+    params = {n: p for n, p in model.named_parameters() if _is_adapter(n)}
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    bad = [n for n in params if n in tensors and tensors[n].shape != params[n].shape]
+    if missing or unexpected or bad:
+        raise ValueError(f"adapters do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                         f"mis-shaped {bad[:5]} (same lora_rank and lora_targets as the run that saved them?)")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[n])
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Replace every adapter wrapper by a plain layer holding W + s * B A (fp32 maths, the base's dtype): the
+    result is an ordinary DeepSeekV3 that `save_pretrained` writes. In place; returns `model`."""
+    for name, mod in list(model.named_modules()):
+        for attr, child in list(mod.named_children()):
+            if isinstance(child, (LoRALinear, LoRAExperts)):
+                setattr(mod, attr, child.merged())
+    return model
+
+
+def count_adapters(model: nn.Module) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if _is_adapter(n))
+
+
+def _is_adapter(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf.startswith(("lora_", "gate_up_lora_", "down_lora_"))
+
+
+# ---------------------------------------------------------------- adapter checkpoints
+
+LORA_JSON = "lora.json"
+ADAPTERS = "adapters.safetensors"
+
+
+def write_adapters(model: nn.Module, folder: Path, spec: LoRASpec, base: dict) -> None:
+    """A LoRA checkpoint's model part: adapters.safetensors (fp32, our parameter names) and lora.json (the spec and
+    the base: {"path", "sha256"} from `anyseek.train.init`)."""
+    from safetensors.torch import save_file
+
+    tensors = {n: t.to("cpu").contiguous() for n, t in adapter_state(model).items()}
+    save_file(tensors, str(folder / ADAPTERS))
+    (folder / LORA_JSON).write_text(json.dumps({**spec.to_dict(), "base": base}, indent=1))
+
+
+def read_lora_json(folder: Path) -> tuple[LoRASpec, dict]:
+    from anyseek.storage import CheckpointError
+
+    f = Path(folder) / LORA_JSON
+    if not f.is_file():
+        raise CheckpointError(f"{folder}: no {LORA_JSON} (not a LoRA checkpoint)")
+    d = json.loads(f.read_text())
+    return LoRASpec(int(d["rank"]), float(d["alpha"]), float(d["dropout"]), tuple(d["targets"])), d["base"]
+
+
+def read_adapters(folder: Path, model: nn.Module, base: dict | None = None) -> None:
+    """Load a LoRA checkpoint's adapters into `model` (apply_lora'd with the same spec). `base` (the reference of
+    the base the model was built from) must match the one the checkpoint was trained on."""
+    from safetensors.torch import load_file
+
+    from anyseek.storage import CheckpointError
+
+    _, saved_base = read_lora_json(folder)
+    if base is not None and base["sha256"] != saved_base["sha256"]:
+        raise CheckpointError(f"{folder}: its adapters were trained on the base {saved_base['path']} "
+                              f"(sha256 {saved_base['sha256'][:12]}), not on {base['path']} "
+                              f"(sha256 {base['sha256'][:12]})")
+    try:
+        load_adapter_state(model, load_file(str(Path(folder) / ADAPTERS)))
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: {e}") from e

@@ -1,0 +1,139 @@
+"""The expected peak memory of a training run, printed before it starts, with the knob to turn when it won't fit.
+
+    est = estimate(model_cfg, run_cfg, lora_spec=None)
+    print(est.table())
+
+Parameters are counted exactly on a model built on the meta device (LoRA applied there too); activations come from
+a per-token, per-layer count of the tensors autograd keeps, calibrated against peaks measured on an H100 (see
+docs/benchmarks.md, "Fine-tuning memory"). Expect it within about 25% on a GPU; the CPU allocator adds more.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+GiB = 1 << 30
+
+
+@dataclass
+class Estimate:
+    weights: float  # bytes
+    grads: float
+    optimizer: float
+    weight_copies: float  # low-precision weight copies the backward keeps (autocast casts, merged LoRA weights)
+    activations: float
+    lora: bool
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.weight_copies + self.activations
+
+    def table(self) -> str:
+        parts = [("weights", self.weights), ("gradients", self.grads), ("optimizer state", self.optimizer),
+                 ("weight copies", self.weight_copies), ("activations", self.activations)]
+        body = ", ".join(f"{name} {b / GiB:.2f}" for name, b in parts)
+        return f"expected peak memory {self.total / GiB:.2f} GiB ({body} GiB)"
+
+
+def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch.float32,
+             autocast: bool = True) -> Estimate:
+    """Bytes for one optimizer step of `run_cfg` on `model_cfg`: fp32 AdamW (two moments) on what trains,
+    gradients of what trains, the frozen base in `base_dtype` under LoRA."""
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train import lora as lora_lib
+
+    model = DeepSeekV3(model_cfg, device="meta")
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    low = 2 if autocast else 4  # bytes of a weight copy / activation element
+    if lora_spec is None:
+        n = model.num_parameters()
+        weights, grads, optimizer = 4 * n, 4 * n, 8 * n
+        copies = low * matrices if autocast else 0
+    else:
+        lora_lib.apply_lora(model, lora_spec, base_dtype)
+        size = torch.finfo(base_dtype).bits // 8
+        base = sum(p.numel() * (size if p.dtype == base_dtype else 4) for n, p in model.named_parameters()
+                   if not lora_lib._is_adapter(n))
+        a = lora_lib.count_adapters(model)
+        weights, grads, optimizer = base + 4 * a, 4 * a, 8 * a
+        copies = size * _merged_elements(model)
+    t = run_cfg.data.tokens_per_batch
+    acts = t * _activation_bytes_per_token(model_cfg, low)
+    return Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None)
+
+
+def _merged_elements(model) -> int:
+    """Elements of the merged weights a LoRA forward forms and keeps for the backward (routed experts, fused reads)."""
+    from anyseek.train.lora import LoRAExperts, LoRALinear
+
+    n = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoRAExperts):
+            n += mod.base.gate_up_proj.numel() + mod.base.down_proj.numel()
+        elif isinstance(mod, LoRALinear) and name.endswith(("gate_proj", "up_proj", "q_a_proj", "kv_a_proj_with_mqa")):
+            n += mod.base.weight.numel()
+    return n
+
+
+def _activation_bytes_per_token(c, low: int) -> float:
+    """What autograd keeps per token: per layer the normed inputs (fp32 and a cast), MLA's projections, attention
+    output, the MoE's K routed rows (input, gate|up, activation) and shared experts, the fp32 residual; plus the
+    output head's chunked loss (small). The constant 1.3 covers transient buffers, measured on an H100."""
+    H, D = c.num_attention_heads, c.hidden_size
+    Q = c.q_lora_rank or 0
+    attn = (4 + low) * D + low * (2 * Q + 3 * H * c.qk_head_dim + 2 * H * (c.qk_nope_head_dim + c.v_head_dim)
+                                  + 2 * (c.kv_lora_rank + c.qk_rope_head_dim) + 3 * H * c.v_head_dim)
+    dense = (4 + low) * D + low * 5 * c.intermediate_size
+    moe = (4 + low) * D + 8 * c.n_routed_experts
+    if c.n_routed_experts:
+        K, I = c.num_experts_per_tok, c.moe_intermediate_size
+        moe += K * (low * (D + 5 * I) + 4 * D) + low * 5 * I * c.n_shared_experts
+    n_dense = min(c.first_k_dense_replace, c.num_hidden_layers) if c.n_routed_experts else c.num_hidden_layers
+    n_moe = c.num_hidden_layers - n_dense + c.num_nextn_predict_layers
+    per_layer = n_dense * (attn + dense + 8 * D) + n_moe * (attn + moe + 8 * D)
+    return 1.3 * (per_layer + 8 * D)
+
+
+def available(device: torch.device) -> float | None:
+    """Bytes the device has in all (GPU: its memory; CPU: physical RAM); None when unknown."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def advice(est: Estimate, run_cfg, have: float) -> list[str]:
+    """Which knobs bring `est` under `have` bytes, most effective first."""
+    tips = []
+    if not est.lora and (est.grads + est.optimizer) > 0:
+        tips.append(f"LoRA (--train.lora_rank=16 with --init) drops gradients and optimizer state of the base: "
+                    f"about {(est.grads + est.optimizer + est.weights / 2) / GiB:.1f} GiB less")
+    t = run_cfg.data.tokens_per_batch
+    if est.activations > 0.1 * have and t > run_cfg.data.max_seqlen:
+        half = max(t // 2, run_cfg.data.max_seqlen)
+        tips.append(f"a smaller micro-batch (--data.tokens_per_batch={half} --train.grad_accum="
+                    f"{run_cfg.train.grad_accum * 2}: same tokens per step) saves about "
+                    f"{est.activations * (1 - half / t) / GiB:.1f} GiB of activations")
+    if est.activations > 0.1 * have:
+        knob = "--train.activation_checkpointing=true" if hasattr(run_cfg.train, "activation_checkpointing") else (
+            "activation checkpointing (not in anyseek yet)")
+        tips.append(f"{knob} keeps only layer inputs: most of the {est.activations / GiB:.1f} GiB of activations")
+    return tips
+
+
+def report(model_cfg, run_cfg, device: torch.device, lora_spec, base_dtype: torch.dtype, log=print) -> Estimate:
+    autocast = device.type == "cuda" and run_cfg.train.dtype != "fp32"
+    est = estimate(model_cfg, run_cfg, lora_spec, base_dtype, autocast)
+    have = available(device)
+    where = f"of {have / GiB:.1f} GiB on {device}" if have else f"on {device}"
+    log(f"memory: {est.table()} {where}")
+    if have and est.total > 0.9 * have:
+        log(f"warning: this run will likely not fit in {device}'s {have / GiB:.1f} GiB. Try:")
+        for tip in advice(est, run_cfg, have):
+            log(f"  - {tip}")
+    return est

@@ -1,0 +1,92 @@
+"""How a run begins: random weights, a pretrained folder (`--init`, train/init.py), and optionally LoRA
+(train/lora.py). The trainer calls these hooks; with neither --init nor LoRA each one is a no-op.
+
+    start = Start(cfg, device, autocast_dtype, log)
+    data_dir = start.prepare_data(cfg.data)            # --init with data.source: tokenized with the folder's tokenizer
+    model_cfg = start.model_config(data_dir, manifest)  # the folder's config (None: from the [model] section)
+    model = start.build_model() or DeepSeekV3(model_cfg)
+    model_cfg = start.adapt(model)                      # LoRA: freeze the base, wrap the targets
+    save_checkpoint(..., write_model=start.write_model)  # LoRA: adapters + lora.json instead of the full model
+    load_training_state(..., load_model=start.load_model)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anyseek.train import init as init_lib
+from anyseek.train import lora as lora_lib
+from anyseek.train.config import RunConfig
+
+
+class Start:
+    def __init__(self, cfg: RunConfig, device: torch.device, autocast_dtype: torch.dtype | None,
+                 log: Callable[[str], None] = print):
+        t = cfg.train
+        self.cfg, self.device, self.log = cfg, device, log
+        self.init = init_lib.InitSource.open(t.init) if t.init else None
+        self.ref = self.init.reference() if self.init else None
+        self.spec = lora_lib.LoRASpec.from_train(t) if t.lora_rank else None
+        self.base_dtype = base_dtype(t.lora_base_dtype, autocast_dtype) if self.spec else torch.float32
+        self.model_cfg = None
+        self.write_model = self._write_adapters if self.spec else None
+        self.load_model = self._read_adapters if self.spec else None
+
+    def prepare_data(self, data) -> Path:
+        return init_lib.prepare_data(data, self.init)
+
+    def model_config(self, data_dir: Path, manifest: dict):
+        """The folder's ModelConfig (knob overrides applied, tokenizer checked); None without --init."""
+        if self.init is None:
+            return None
+        init_lib.check_tokenizer(self.init, data_dir, manifest, self.log)
+        self.model_cfg = init_lib.model_config(self.init, self.cfg.model)
+        return self.model_cfg
+
+    def report_memory(self, model_cfg) -> None:
+        from anyseek.train.memory import report
+
+        report(model_cfg, self.cfg, self.device, self.spec, self.base_dtype, self.log)
+
+    def build_model(self):
+        """The pretrained model on the device (LoRA: its matrices loaded straight into the base dtype); None
+        without --init."""
+        if self.init is None:
+            return None
+        model = init_lib.load_model(self.init, self.model_cfg, self.device, self.base_dtype)
+        self.log(f"init: weights from {self.init.path} (sha256 {self.ref['sha256'][:12]}); optimizer, schedule "
+                 "and data start fresh")
+        return model
+
+    def adapt(self, model):
+        """LoRA: freeze the base, wrap the targets; the routing biases belong to the base and stay as loaded."""
+        if self.spec is None:
+            return model.config
+        lora_lib.apply_lora(model, self.spec, self.base_dtype)
+        model.config = dataclasses.replace(model.config, bias_update_speed=0.0)
+        n = lora_lib.count_adapters(model)
+        self.log(f"lora: rank {self.spec.rank}, alpha {self.spec.alpha:g}, targets {', '.join(self.spec.targets)}: "
+                 f"{n / 1e6:.2f}M adapter parameters trained, base frozen in {self.base_dtype}")
+        return model.config
+
+    def record(self) -> dict[str, Any]:
+        """For train_state.json: where the run started from."""
+        return {"init": self.ref} if self.ref else {}
+
+    def _write_adapters(self, model, folder: Path) -> None:
+        lora_lib.write_adapters(model, folder, self.spec, self.ref)
+
+    def _read_adapters(self, folder: Path, model) -> None:
+        lora_lib.read_adapters(folder, model, self.ref)
+
+
+def base_dtype(name: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """train.lora_base_dtype: auto = bf16 when the run autocasts to bf16 (its matmuls read bf16 anyway), else fp32."""
+    if name == "auto":
+        return torch.bfloat16 if autocast_dtype == torch.bfloat16 else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
