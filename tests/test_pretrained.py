@@ -1,0 +1,347 @@
+"""Starting from a pretrained model (`--init`) and LoRA fine-tuning: the first step continues with the loaded model's
+loss, shape overrides and foreign tokenizers are errors, LoRA freezes the base bit for bit, trains only adapters,
+starts at the base's output, merges into a folder with the same logits, resumes exactly; routed-expert adapters
+match a per-expert reference."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from anyseek import hf
+from anyseek.constants import IGNORE_INDEX
+from anyseek.data.loader import PackedLoader
+from anyseek.model.config import ModelConfig
+from anyseek.model.transformer import DeepSeekV3
+from anyseek.train import lora as lora_lib
+from anyseek.train.config import ConfigError, load_run_config
+from anyseek.train.metrics import read_metrics
+from anyseek.train.trainer import Trainer
+
+WORDS = "the cat dog bird sat ran on over a mat tree roof and then it was red blue small big river stone".split()
+TOKENS, SEQ = 256, 64
+
+
+def _corpus(folder: Path, n: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    lines = [json.dumps({"text": f"Doc {i}. " + " ".join(
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "." for _ in range(6))})
+        for i in range(n)]
+    src = folder / "docs.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    return src
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from anyseek.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("corpus")
+    prepare(source=str(_corpus(root, 200, 0)), out=root / "prepared", vocab_size=400, val_fraction=0.05,
+            progress=False)
+    return root / "prepared"
+
+
+def _tiny_cfg(vocab: int, **kw) -> ModelConfig:
+    return ModelConfig.from_name("tiny", vocab_size=vocab, num_hidden_layers=2, init_std=0.05, **kw)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, data_dir) -> Path:
+    """A random tiny model (MTP included, routing biases non-zero) saved with the data's tokenizer."""
+    folder = tmp_path_factory.mktemp("base") / "model"
+    torch.manual_seed(3)
+    model = DeepSeekV3(_tiny_cfg(_vocab(data_dir)))
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            moe.gate.e_score_correction_bias.normal_(0, 0.05)
+    hf.save_pretrained(model, folder)
+    for f in (data_dir / "tokenizer").iterdir():
+        shutil.copy2(f, folder / f.name)
+    return folder
+
+
+def _vocab(data_dir: Path) -> int:
+    return json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+
+
+def cfg(data_dir: Path, *overrides: str):
+    base = [f"--data.path={data_dir}", f"--data.tokens_per_batch={TOKENS}", f"--data.max_seqlen={SEQ}",
+            "--train.warmup_steps=1", "--train.log_every=1", "--train.eval_every=1000", "--train.eval_tokens=256",
+            "--train.sample_tokens=2", "--train.threads=1", "--train.tensorboard=false", "--train.device=cpu"]
+    return load_run_config("tiny", base + list(overrides))
+
+
+def run(c, out: Path, resume: bool = False) -> dict:
+    return Trainer(c, out, resume=resume, log=lambda s: None).run()
+
+
+def first_batch(data_dir: Path):
+    return next(iter(PackedLoader(data_dir, split="train", tokens_per_batch=TOKENS, max_seqlen=SEQ, seed=0,
+                                  loop=True)))
+
+
+def train_rows(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+
+
+# ---------------------------------------------------------------- --init
+
+
+def test_init_from_transformers_folder_first_loss_is_that_models_loss(data_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    mc = _tiny_cfg(_vocab(data_dir), num_nextn_predict_layers=0)
+    hf_cfg = transformers.DeepseekV3Config(**hf.config_to_hf(mc))
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    ref.save_pretrained(tmp_path / "theirs")
+    for f in (data_dir / "tokenizer").iterdir():
+        shutil.copy2(f, tmp_path / "theirs" / f.name)
+    # transformers' loss on the trainer's first batch, one document at a time (fp32)
+    b = first_batch(data_dir)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s, e in zip(b.cu_seqlens[:-1].tolist(), b.cu_seqlens[1:].tolist()):
+            logits = ref(b.input_ids[s:e][None]).logits[0].float()
+            t = b.targets[s:e]
+            keep = t != IGNORE_INDEX
+            total += torch.nn.functional.cross_entropy(logits[keep], t[keep], reduction="sum").item()
+            count += int(keep.sum())
+    run(cfg(data_dir, f"--train.init={json.dumps(str(tmp_path / 'theirs'))}", "--train.max_steps=1"), tmp_path / "r")
+    assert train_rows(tmp_path / "r")[0]["lm_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_init_from_step_folder_continues_with_its_weights(data_dir, tmp_path):
+    run(cfg(data_dir, "--model.num_hidden_layers=2", "--train.max_steps=2"), tmp_path / "a")
+    step = tmp_path / "a" / "step-2"
+    model = hf.load_pretrained(step, dtype=torch.float32)
+    b = first_batch(data_dir)
+    with torch.no_grad():
+        want = model(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets, max_seqlen=b.max_seqlen).lm_loss.item()
+    run(cfg(data_dir, f"--train.init={json.dumps(str(step))}", "--train.max_steps=2", "--train.save_every=1"),
+        tmp_path / "b")
+    assert train_rows(tmp_path / "b")[0]["lm_loss"] == pytest.approx(want, rel=1e-5)
+    state = json.loads((tmp_path / "b" / "step-2" / "train_state.json").read_text())
+    assert state["init"]["path"] == str(step.resolve()) and len(state["init"]["sha256"]) == 64
+    assert json.loads((tmp_path / "b" / "step-2" / "run_config.json").read_text())["train"]["init"] == str(step)
+
+
+def test_shape_override_with_init_is_an_error_naming_it(data_dir, base_dir, tmp_path):
+    init = f"--train.init={json.dumps(str(base_dir))}"
+    with pytest.raises(ConfigError, match=r"model\.hidden_size=64 \(the folder has 128\)"):
+        Trainer(cfg(data_dir, init, "--model.hidden_size=64"), tmp_path, log=lambda s: None)
+    t = Trainer(cfg(data_dir, init, "--model.aux_loss_alpha=0.01", "--model.num_hidden_layers=2"), tmp_path,
+                log=lambda s: None)  # a knob, and a shape key equal to the folder's: fine
+    assert t.model_cfg.aux_loss_alpha == 0.01 and t.model_cfg.hidden_size == 128
+    from anyseek.cli import main
+
+    assert main(["train", "--init", str(base_dir), "--model.flavor=small", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_data_from_another_tokenizer_is_an_error_naming_both(data_dir, base_dir, tmp_path):
+    from anyseek.data.prepare import prepare
+
+    other = tmp_path / "other"
+    prepare(source=str(_corpus(tmp_path, 60, 1)), out=other, vocab_size=300, progress=False)
+    with pytest.raises(ConfigError, match="another tokenizer") as e:
+        Trainer(cfg(other, f"--train.init={json.dumps(str(base_dir))}"), tmp_path / "r", log=lambda s: None)
+    assert str(other) in str(e.value) and str(base_dir) in str(e.value)
+
+
+def test_data_source_is_prepared_with_the_models_tokenizer(data_dir, base_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("ANYSEEK_CACHE", str(tmp_path / "cache"))
+    src = _corpus(tmp_path, 40, 2)
+    c = load_run_config("tiny", [f"--data.source={json.dumps(str(src))}", f"--train.init={json.dumps(str(base_dir))}",
+                                 "--train.device=cpu", f"--data.tokens_per_batch={TOKENS}", f"--data.max_seqlen={SEQ}"])
+    t = Trainer(c, tmp_path / "r", log=lambda s: None)
+    assert t.data_dir.parent == tmp_path / "cache"
+    mine = (base_dir / "tokenizer.json").read_text()
+    assert (t.data_dir / "tokenizer" / "tokenizer.json").read_text() == mine
+
+
+# ---------------------------------------------------------------- LoRA: the maths
+
+
+def _random_adapters(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if lora_lib._is_adapter(name):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def test_lora_starts_at_the_base_and_trains_only_adapters(data_dir):
+    torch.manual_seed(0)
+    model = DeepSeekV3(_tiny_cfg(_vocab(data_dir))).train()
+    b = first_batch(data_dir)
+    kw = dict(cu_seqlens=b.cu_seqlens, targets=b.targets, max_seqlen=b.max_seqlen)
+    with torch.no_grad():
+        base = model(b.input_ids, **kw)
+    lora_lib.apply_lora(model, lora_lib.LoRASpec(rank=4, alpha=8))
+    out = model(b.input_ids, **kw)
+    assert torch.equal(out.logits, base.logits) and torch.equal(out.loss, base.loss)  # B = 0
+    out.loss.backward()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(lora_lib._is_adapter(n) for n in trained)
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trained)
+    kinds = {n.rsplit(".", 2)[-2] for n in trained}
+    assert {"q_a_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj", "experts"} <= kinds
+    from anyseek.train.optim import build_optimizer
+    from anyseek.train.config import TrainConfig
+
+    opt = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == lora_lib.count_adapters(model)
+
+
+def test_base_matrices_held_in_bf16_norms_router_embedding_fp32():
+    model = lora_lib.apply_lora(DeepSeekV3(_tiny_cfg(300)), lora_lib.LoRASpec(rank=2), torch.bfloat16)
+    layer = model.model.layers[1]
+    assert layer.self_attn.o_proj.base.weight.dtype == torch.bfloat16
+    assert layer.mlp.experts.base.gate_up_proj.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    for p in (model.model.embed_tokens.weight, layer.mlp.gate.weight, layer.input_layernorm.weight,
+              layer.self_attn.o_proj.lora_A):
+        assert p.dtype == torch.float32
+    assert layer.mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_lora_linear_called_equals_merged_weight():
+    torch.manual_seed(0)
+    lin = lora_lib.LoRALinear(torch.nn.Linear(24, 40, bias=False), lora_lib.LoRASpec(rank=3, alpha=6))
+    _random_adapters(lin)
+    x = torch.randn(7, 24)
+    torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lin.merged()(x), lin(x), rtol=1e-5, atol=1e-6)
+
+
+def test_routed_expert_adapters_match_per_expert_reference():
+    torch.manual_seed(0)
+    E, D, I, K, T, r, s = 5, 16, 8, 2, 23, 3, 1.5
+    experts = lora_lib.Experts(_tiny_cfg(300, n_routed_experts=E, moe_intermediate_size=I, hidden_size=D,
+                                         n_group=1, topk_group=1))
+    torch.nn.init.normal_(experts.gate_up_proj, 0, 0.3)
+    torch.nn.init.normal_(experts.down_proj, 0, 0.3)
+    lo = lora_lib.LoRAExperts(experts, lora_lib.LoRASpec(rank=r, alpha=r * s))
+    _random_adapters(lo)
+    x = torch.randn(T, D, dtype=torch.float64)
+    used = torch.tensor([0, 1, 2, 4])  # expert 3 gets no token: an empty group
+    ids = torch.stack([used[torch.randperm(4)[:K]] for _ in range(T)])
+    w = torch.rand(T, K, dtype=torch.float64)
+    got = lo.double()(x, ids, w)
+    want = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):  # unmerged, token by token: x W^T + s (x A^T) B^T per projection
+        for k in range(K):
+            e = ids[t, k]
+            h = x[t] @ lo.base.gate_up_proj[e].t() + s * (x[t] @ lo.gate_up_lora_A[e].t()) @ lo.gate_up_lora_B[e].t()
+            a = torch.nn.functional.silu(h[:I]) * h[I:]
+            y = a @ lo.base.down_proj[e].t() + s * (a @ lo.down_lora_A[e].t()) @ lo.down_lora_B[e].t()
+            want[t] += w[t, k] * y
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the seam combines in fp32
+
+
+# ---------------------------------------------------------------- LoRA: training, checkpoints, export
+
+
+def lora_cfg(data_dir, base_dir, *more):
+    return cfg(data_dir, f"--train.init={json.dumps(str(base_dir))}", "--train.lora_rank=4", "--train.lora_alpha=8",
+               "--train.lr=2e-2", *more)
+
+
+def test_lora_run_trains_adapters_keeps_base_and_exports(data_dir, base_dir, tmp_path):
+    out = tmp_path / "run"
+    run(lora_cfg(data_dir, base_dir, "--train.max_steps=12", "--train.save_every=6"), out)
+    rows = train_rows(out)
+    assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3]) - 0.3
+    step = out / "step-12"
+    assert {"adapters.safetensors", "lora.json", "tokenizer.json"} <= {p.name for p in step.iterdir()}
+    assert not (step / "model.safetensors").exists()
+    # the base the adapters sit on is bit for bit the folder's (it was never trained)
+    from anyseek.train.export import export_merged, export_peft, load_lora_model
+
+    model = load_lora_model(step)
+    folder = hf.load_pretrained(base_dir, dtype=torch.float32)
+    wrapped = {n.replace(".base.", "."): p for n, p in model.named_parameters() if not lora_lib._is_adapter(n)}
+    for n, p in folder.named_parameters():
+        assert torch.equal(wrapped[n], p), n
+    # merged export: same logits as base + adapters (fp32), and it loads in transformers
+    export_merged(out, tmp_path / "merged", dtype=torch.float32)
+    merged = hf.load_pretrained(tmp_path / "merged", dtype=torch.float32)
+    x = first_batch(data_dir)
+    with torch.no_grad():
+        a = model(x.input_ids, cu_seqlens=x.cu_seqlens).logits
+        m = merged(x.input_ids, cu_seqlens=x.cu_seqlens).logits
+        f = folder(x.input_ids, cu_seqlens=x.cu_seqlens).logits
+    assert (a - f).abs().max() > 1e-3  # the adapters changed the model
+    assert (a - m).abs().max() <= 1e-5 * a.abs().max()
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = x.input_ids[: x.cu_seqlens[1]][None]
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits[0], merged(ids[0]).logits, rtol=1e-4, atol=1e-4)
+    # PEFT folder: PEFT's key names; loads into transformers with peft when installed
+    export_peft(step, tmp_path / "peft")
+    cfg_json = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert cfg_json["r"] == 4 and cfg_json["lora_alpha"] == 8
+    from safetensors.torch import load_file
+
+    keys = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.q_a_proj.lora_A.weight" in keys
+    assert not any("experts.gate_up" in k or k.startswith("base_model.model.mtp") for k in keys)
+    peft = pytest.importorskip("peft")
+    base_t = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base_t, tmp_path / "peft").eval()
+    lin_only = load_lora_model(step)  # the same adapters without the routed-expert and MTP ones
+    with torch.no_grad():
+        for n, p in lin_only.named_parameters():
+            if n.endswith(("gate_up_lora_B", "down_lora_B")):
+                p.zero_()
+        torch.testing.assert_close(pm(ids).logits[0], lin_only(ids[0]).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_resume_is_bit_exact(data_dir, base_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    run(lora_cfg(data_dir, base_dir, "--train.max_steps=4", "--train.save_every=2", "--train.lora_dropout=0.1"),
+        tmp_path / "straight")
+    c = lora_cfg(data_dir, base_dir, "--train.max_steps=4", "--train.save_every=2", "--train.lora_dropout=0.1")
+    c.train.max_steps = 2
+    run(c, tmp_path / "split")
+    run(lora_cfg(data_dir, base_dir, "--train.max_steps=4", "--train.save_every=2", "--train.lora_dropout=0.1"),
+        tmp_path / "split", resume=True)
+    a = load_file(str(tmp_path / "straight" / "step-4" / "adapters.safetensors"))
+    b = load_file(str(tmp_path / "split" / "step-4" / "adapters.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_checkpoint_refuses_another_base(data_dir, base_dir, tmp_path):
+    run(lora_cfg(data_dir, base_dir, "--train.max_steps=1"), tmp_path / "r")
+    other = tmp_path / "other"
+    shutil.copytree(base_dir, other)
+    hf.save_pretrained(DeepSeekV3(_tiny_cfg(_vocab(data_dir), num_nextn_predict_layers=0)), other)
+    from anyseek.storage import CheckpointError
+    from anyseek.train.export import load_lora_model
+
+    with pytest.raises(CheckpointError, match="were trained on the base"):
+        load_lora_model(tmp_path / "r" / "step-1", base=other)
+
+
+def test_memory_estimate_and_advice(monkeypatch):
+    from anyseek.train import memory
+
+    c = load_run_config("small", ["--train.init=x", "--train.lora_rank=16"])
+    mc = ModelConfig.from_name("small")
+    full = memory.estimate(mc, c, None)
+    lo = memory.estimate(mc, c, lora_lib.LoRASpec(16), torch.bfloat16)
+    n = DeepSeekV3(mc, device="meta").num_parameters()
+    assert full.weights == 4 * n and full.optimizer == 8 * n and lo.optimizer < full.optimizer / 50
+    assert lo.total < 0.4 * full.total
+    lines = []
+    monkeypatch.setattr(memory, "available", lambda device: 2.0 * memory.GiB)
+    memory.report(mc, c, torch.device("cpu"), None, torch.float32, lines.append)
+    text = "\n".join(lines)
+    assert "expected peak memory" in text and "not fit" in text and "--train.lora_rank" in text
