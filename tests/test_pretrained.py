@@ -291,14 +291,14 @@ def test_lora_run_trains_adapters_keeps_base_and_exports(data_dir, base_dir, tmp
 
     keys = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.q_a_proj.lora_A.weight" in keys
-    assert not any("experts.gate_up" in k or k.startswith("base_model.model.mtp") for k in keys)
+    assert all(".self_attn." in k for k in keys) and not any(k.startswith("base_model.model.mtp") for k in keys)
     peft = pytest.importorskip("peft")
     base_t = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(base_t, tmp_path / "peft").eval()
-    lin_only = load_lora_model(step)  # the same adapters without the routed-expert and MTP ones
+    lin_only = load_lora_model(step)  # the same adapters, attention only (what the PEFT folder holds)
     with torch.no_grad():
         for n, p in lin_only.named_parameters():
-            if n.endswith(("gate_up_lora_B", "down_lora_B")):
+            if lora_lib._is_adapter(n) and "self_attn" not in n:
                 p.zero_()
         torch.testing.assert_close(pm(ids).logits[0], lin_only(ids[0]).logits, rtol=1e-4, atol=1e-4)
 
@@ -338,8 +338,8 @@ def test_memory_estimate_and_advice(monkeypatch):
     full = memory.estimate(mc, c, None)
     lo = memory.estimate(mc, c, lora_lib.LoRASpec(16), torch.bfloat16)
     n = DeepSeekV3(mc, device="meta").num_parameters()
-    assert full.weights == 4 * n and full.optimizer == 8 * n and lo.optimizer < full.optimizer / 50
-    assert lo.total < 0.4 * full.total
+    assert full.weights == 4 * n and full.optimizer == 8 * n and lo.optimizer < full.optimizer / 25
+    assert lo.weights < full.weights / 1.5 and lo.activations == full.activations and lo.total < full.total
     lines = []
     monkeypatch.setattr(memory, "available", lambda device: 2.0 * memory.GiB)
     memory.report(mc, c, torch.device("cpu"), None, torch.float32, lines.append)

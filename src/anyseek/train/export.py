@@ -3,10 +3,13 @@
 A LoRA checkpoint holds only adapters (adapters.safetensors) and a reference to its base (lora.json). --merge loads
 the base, adds s * B A to every adapted weight in fp32 and writes a full Hugging Face folder (with the tokenizer)
 that `anyseek.load_pretrained` and transformers load. --peft writes a PEFT adapter folder (adapter_config.json +
-adapter_model.safetensors, PEFT's key names) for `peft.PeftModel.from_pretrained(transformers_model, DIR)`: it
-holds the adapters of Linear layers (attention projections, dense MLPs, shared experts) of the main layers.
-Left out, with a warning: routed-expert adapters (transformers stacks experts in one parameter, which PEFT's LoRA
-layers do not wrap) and the MTP modules' adapters (transformers has no MTP modules); --merge keeps all of them.
+adapter_model.safetensors, PEFT's key names) for `peft.PeftModel.from_pretrained(transformers_model, DIR)` holding
+the attention projections' adapters of the main layers. Left out, with a warning (--merge keeps all of them):
+- dense-MLP and shared-expert adapters: PEFT (0.21) rewrites `gate_proj` / `up_proj` / `down_proj` targets of a
+  transformers-5 DeepseekV3 into leaf names and onto the fused routed experts, so it would not load them where they
+  were trained (checked: attention-only folders load and give our logits; with MLP targets they do not);
+- routed-expert adapters (transformers stacks the experts in one parameter; PEFT's per-parameter LoRA differs);
+- the MTP modules' adapters (transformers has no MTP modules).
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ def export_peft(run_or_step, out) -> Path:
     if not tensors:
         raise ValueError(f"{step}: none of its adapters can be written for PEFT (targets {list(spec.targets)})")
     if left_out:
-        print(f"anyseek export: left out of the PEFT folder (no PEFT LoRA layer for them in transformers): "
+        print(f"anyseek export: left out of the PEFT folder (PEFT cannot place them on transformers' DeepseekV3): "
               f"{len(left_out)} adapters, e.g. {left_out[0]}; `--merge` keeps them", file=sys.stderr)
     modules = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for k in tensors})
     config = {
@@ -125,11 +128,14 @@ def export_peft(run_or_step, out) -> Path:
 
 def peft_tensors(adapters: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Our adapter names -> PEFT's (`...q_b_proj.lora_A` -> `base_model.model....q_b_proj.lora_A.weight`), and the
-    names that have no PEFT equivalent."""
+    names left out (see the module docstring)."""
+    from anyseek.train.lora import ATTENTION
+
     out, left = {}, []
     for name, t in sorted(adapters.items()):
         leaf = name.rsplit(".", 1)[-1]
-        if name.startswith("mtp.") or leaf not in ("lora_A", "lora_B"):
+        module = name.rsplit(".", 2)[-2]
+        if name.startswith("mtp.") or leaf not in ("lora_A", "lora_B") or module not in ATTENTION:
             left.append(name)
             continue
         out[f"{PEFT_PREFIX}{name}.weight"] = t.contiguous()
