@@ -39,7 +39,8 @@ def batch(vocab: int, tokens: int, seqlen: int, device):
 
 
 def one_case(flavor: str, overrides: dict, tokens: int, seqlen: int, lora: bool, steps: int,
-             dev: torch.device = torch.device("cuda")) -> dict:
+             dev: torch.device | None = None) -> dict:
+    dev = dev or torch.device("cuda")
     if dev.type != "cuda":  # a dry run of the script's logic on the CPU (timings and memory meaningless)
         torch.cuda.synchronize = torch.cuda.reset_peak_memory_stats = torch.cuda.empty_cache = lambda *a: None
         torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a: 0
@@ -80,15 +81,12 @@ def one_case(flavor: str, overrides: dict, tokens: int, seqlen: int, lora: bool,
     last = float(last.detach())  # waits for the GPU
     ms = (time.perf_counter() - t0) / steps * 1e3
     est = estimate(mc, run_cfg, spec, torch.bfloat16, autocast=True)
-    row = {"model": flavor, "mode": f"LoRA r16 (bf16 base)" if lora else "full (fp32 + AdamW)",
+    row = {"model": flavor, "mode": "LoRA r16 (bf16 base)" if lora else "full (fp32 + AdamW)",
            "params_M": model.num_parameters() / 1e6, "trained_M": sum(p.numel() for p in params) / 1e6,
            "tokens": tokens, "resident_GiB": resident / GiB, "peak_GiB": peak / GiB, "estimate_GiB": est.total / GiB,
            "est_parts_GiB": {k: getattr(est, k) / GiB for k in ("weights", "grads", "optimizer", "weight_copies",
                                                                   "activations")},
            "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3, "first_loss": first, "last_loss": float(last)}
-    del model, opt, params
-    gc.collect()
-    torch.cuda.empty_cache()
     return row
 
 
@@ -102,6 +100,8 @@ def main() -> None:
         for lora in (False, True):
             t0 = time.perf_counter()
             rows.append(one_case(flavor, overrides, tokens, seqlen, lora, args.steps))
+            gc.collect()  # the case's model and optimizer went with its frame
+            torch.cuda.empty_cache()
             print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__}")
     print("| model | mode | params M | trained M | tokens/step | peak GiB | estimate GiB | ms/step | tokens/s |")

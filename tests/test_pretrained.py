@@ -23,7 +23,7 @@ from anyseek.train.config import ConfigError, load_run_config
 from anyseek.train.metrics import read_metrics
 from anyseek.train.trainer import Trainer
 
-WORDS = "the cat dog bird sat ran on over a mat tree roof and then it was red blue small big river stone".split()
+WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "on", "over", "a", "mat", "tree", "roof", "and", "then", "it", "was", "red", "blue", "small", "big", "river", "stone"]
 TOKENS, SEQ = 256, 64
 
 
@@ -179,7 +179,7 @@ def test_lora_starts_at_the_base_and_trains_only_adapters(data_dir):
     torch.manual_seed(0)
     model = DeepSeekV3(_tiny_cfg(_vocab(data_dir))).train()
     b = first_batch(data_dir)
-    kw = dict(cu_seqlens=b.cu_seqlens, targets=b.targets, max_seqlen=b.max_seqlen)
+    kw = {"cu_seqlens": b.cu_seqlens, "targets": b.targets, "max_seqlen": b.max_seqlen}
     with torch.no_grad():
         base = model(b.input_ids, **kw)
     lora_lib.apply_lora(model, lora_lib.LoRASpec(rank=4, alpha=8))
@@ -191,8 +191,8 @@ def test_lora_starts_at_the_base_and_trains_only_adapters(data_dir):
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trained)
     kinds = {n.rsplit(".", 2)[-2] for n in trained}
     assert {"q_a_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj", "experts"} <= kinds
-    from anyseek.train.optim import build_optimizer
     from anyseek.train.config import TrainConfig
+    from anyseek.train.optim import build_optimizer
 
     opt = build_optimizer(model, TrainConfig(), torch.device("cpu"))
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == lora_lib.count_adapters(model)
