@@ -349,7 +349,8 @@ class Trainer:
 
         m = self.model
         d = self.cfg.data
-        self.log(f"model: {self.cfg.model.flavor} | {m.num_parameters() / 1e6:.2f}M parameters "
+        name = self.cfg.train.init or self.cfg.model.flavor
+        self.log(f"model: {name} | {m.num_parameters() / 1e6:.2f}M parameters "
                  f"({m.num_parameters(active_only=True) / 1e6:.2f}M active) | device {self.device} "
                  f"| autocast {self.autocast_dtype} | {torch.get_num_threads()} threads | {self.allocator}")
         self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "
