@@ -4,8 +4,8 @@
     print(est.table())
 
 Parameters are counted exactly on a model built on the meta device (LoRA applied there too); activations come from
-a per-token, per-layer count of the tensors autograd keeps, calibrated against peaks measured on an H100 (see
-docs/benchmarks.md, "Fine-tuning memory"). Expect it within about 25% on a GPU; the CPU allocator adds more.
+a per-token, per-layer count of the tensors autograd keeps. Not yet checked against measured peaks:
+`benchmarks/finetune_memory.py` prints both side by side (docs/benchmarks.md, "Fine-tuning memory").
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def _merged_elements(model) -> int:
 def _activation_bytes_per_token(c, low: int) -> float:
     """What autograd keeps per token: per layer the normed inputs (fp32 and a cast), MLA's projections, attention
     output, the MoE's K routed rows (input, gate|up, activation) and shared experts, the fp32 residual; plus the
-    output head's chunked loss (small). The constant 1.3 covers transient buffers, measured on an H100."""
+    output head's chunked loss (small). The factor 1.3 is an allowance for transient buffers (a guess until
+    benchmarks/finetune_memory.py has been run)."""
     H, D = c.num_attention_heads, c.hidden_size
     Q = c.q_lora_rank or 0
     attn = (4 + low) * D + low * (2 * Q + 3 * H * c.qk_head_dim + 2 * H * (c.qk_nope_head_dim + c.v_head_dim)
