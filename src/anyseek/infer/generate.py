@@ -122,7 +122,7 @@ class Generator:
     def _prefill(self, reqs: list[Request], admit: list[int]) -> None:
         prompts = [reqs[i].prompt for i in admit]
         logits_BV, h_TD, step = self.engine.prefill(admit, prompts)
-        first = self.sampler(logits_BV, [reqs[i].slot for i in admit]).tolist()  # host sync: the sampled ids
+        first = self.sampler(logits_BV, [reqs[i].slot for i in admit], self._keys(reqs, admit)).tolist()  # host sync
         for i, t in zip(admit, first):
             self._accept(reqs, i, t)
         if self.speculative:
@@ -132,7 +132,7 @@ class Generator:
 
     def _step(self, reqs: list[Request], running: list[int]) -> None:
         logits_BV = self.engine.decode(running, [reqs[i].tokens[-1] for i in running])
-        ids = self.sampler(logits_BV, [reqs[i].slot for i in running]).tolist()  # host sync: the sampled ids
+        ids = self.sampler(logits_BV, [reqs[i].slot for i in running], self._keys(reqs, running)).tolist()  # host sync
         for i, t in zip(running, ids):
             self._accept(reqs, i, t)
 
@@ -140,7 +140,7 @@ class Generator:
         eng = self.engine
         starts = [eng.cache.seqs[i].length for i in running]
         logits_TV, h_TD = eng.extend(running, [[reqs[i].tokens[-1], reqs[i].draft] for i in running])
-        first = self.sampler(logits_TV[0::2], [reqs[i].slot for i in running]).tolist()
+        first = self.sampler(logits_TV[0::2], [reqs[i].slot for i in running], self._keys(reqs, running)).tolist()
         hit = [t == reqs[i].draft for i, t in zip(running, first)]
         stats.drafted += len(running)
         stats.accepted += sum(hit)
@@ -150,7 +150,8 @@ class Generator:
         keep = [b for b, i in enumerate(running) if hit[b] and reqs[i].finish_reason is None]
         if keep:
             rows = torch.tensor([2 * b + 1 for b in keep], device=logits_TV.device)
-            ids = self.sampler(logits_TV.index_select(0, rows), [reqs[running[b]].slot for b in keep]).tolist()
+            sel = [running[b] for b in keep]
+            ids = self.sampler(logits_TV.index_select(0, rows), [reqs[i].slot for i in sel], self._keys(reqs, sel)).tolist()
             second = dict(zip(keep, ids))
             for b, t in second.items():
                 self._accept(reqs, running[b], t)
@@ -168,6 +169,11 @@ class Generator:
             drafts = eng.mtp_extend(seqs, mtp_starts, h_sel, nxt).argmax(dim=-1).tolist()
             for i, d in zip(seqs, drafts):
                 reqs[i].draft = d
+
+    @staticmethod
+    def _keys(reqs: list[Request], idx: list[int]) -> list[tuple[int, int]]:
+        """(request number, index of the token about to be drawn): the sampler's noise depends on these only."""
+        return [(i, len(reqs[i].tokens)) for i in idx]
 
     def _accept(self, reqs: list[Request], i: int, token: int) -> None:
         r = reqs[i]

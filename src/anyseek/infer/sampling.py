@@ -1,7 +1,9 @@
 """Choosing the next token from logits, on the device, without waiting for it.
 
-Order (as transformers applies them): repetition penalty, temperature, top-k, top-p, then a draw from the
-seeded generator; temperature 0 is greedy (argmax, after the penalty). Shape legend: B rows, V vocab.
+Order (as transformers applies them): repetition penalty, temperature, top-k, top-p, then a draw; temperature 0 is
+greedy (argmax, after the penalty). The draw is Gumbel-max with noise from a counter-based hash of (seed, request,
+token index, vocabulary id): a request's tokens depend on its prompt and the seed only, never on which other
+requests share its batch, the batch order, or whether speculative decoding ran. Shape legend: B rows, V vocab.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, vocab: int, slots: int, device: torch.device):
         self.params = params
-        self.gen = torch.Generator(device=device).manual_seed(params.seed)
         self.seen = torch.zeros(slots, vocab, dtype=torch.bool, device=device) if params.repetition_penalty != 1 else None
 
     def reset(self, slot: int, tokens: list[int]) -> None:
@@ -52,8 +53,9 @@ class Sampler:
         if self.seen is not None:
             self.seen[torch.tensor(slots, device=ids_B.device), ids_B] = True
 
-    def __call__(self, logits_BV: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """fp32 logits [B, V] of the sequences in `slots` -> ids int64 [B] (on the device; marked as seen)."""
+    def __call__(self, logits_BV: torch.Tensor, slots: list[int], keys: list[tuple[int, int]]) -> torch.Tensor:
+        """fp32 logits [B, V] of the sequences in `slots`; keys[b] = (request number, index of the token drawn)
+        -> ids int64 [B] (on the device; marked as seen)."""
         p = self.params
         logits_BV = logits_BV.float()
         if self.seen is not None:
@@ -63,11 +65,11 @@ class Sampler:
         if p.greedy:
             ids_B = logits_BV.argmax(dim=-1)
         else:
-            ids_B = self._draw(logits_BV / p.temperature)
+            ids_B = self._draw(logits_BV / p.temperature, keys)
         self.mark(slots, ids_B)
         return ids_B
 
-    def _draw(self, logits_BV: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logits_BV: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
         p = self.params
         if 0 < p.top_k < logits_BV.shape[-1]:
             kth_B1 = torch.topk(logits_BV, p.top_k, dim=-1).values[:, -1:]
@@ -78,5 +80,37 @@ class Sampler:
             drop_BV = probs_BV.cumsum(dim=-1) - probs_BV > p.top_p  # keep the smallest prefix reaching top_p
             drop_BV[:, 0] = False
             logits_BV = logits_BV.scatter(1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
-        probs_BV = logits_BV.softmax(dim=-1)
-        return torch.multinomial(probs_BV, 1, generator=self.gen)[:, 0]
+        row_keys = [_mix(_mix(p.seed * 0x9E3779B9 + r) + i) for r, i in keys]
+        u_BV = uniform(torch.tensor(row_keys, dtype=torch.int64, device=logits_BV.device), logits_BV.shape[-1])
+        return (logits_BV - torch.log(-torch.log(u_BV))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(logits)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finalizer on Python ints (host side of the row keys)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    x = x ^ (x >> 31)
+    return x - (1 << 64) if x >= 1 << 63 else x  # as a signed int64
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def uniform(keys_B: torch.Tensor, V: int) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1), fp32 [B, V]: splitmix64 of key_b + (v + 1) * golden, on the device."""
+    x = keys_B[:, None] + torch.arange(1, V + 1, device=keys_B.device, dtype=torch.int64) * _signed(0x9E3779B97F4A7C15)
+    x = (x ^ _srl(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _srl(x, 27)) * _signed(0x94D049BB133111EB)
+    x = x ^ _srl(x, 31)
+    u = (_srl(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
+    return u
