@@ -137,8 +137,9 @@ class Engine:
         graph = self._graphs.get(bucket) or self._capture(bucket)
         if graph is None:
             return self.extend(seq_ids, [[t] for t in ids])[0]
-        g, static_in, logits = graph
-        static_in.copy_(torch.tensor([v for r in row for v in r], dtype=torch.int64).pin_memory(), non_blocking=True)
+        g, static_in, logits, host_in = graph
+        host_in.copy_(torch.tensor([v for r in row for v in r], dtype=torch.int64))  # the previous copy is done:
+        static_in.copy_(host_in, non_blocking=True)  # the caller read the last step's sampled ids
         g.replay()
         for sid, s in zip(seq_ids, starts):
             self.cache.seqs[sid].length = s + 1
@@ -169,7 +170,7 @@ class Engine:
                           stacklevel=3)  # fmt: skip
             self.use_graphs = False
             return None
-        self._graphs[bucket] = (g, static_in, logits)
+        self._graphs[bucket] = (g, static_in, logits, torch.empty_like(static_in, device="cpu").pin_memory())
         return self._graphs[bucket]
 
     # ---- MTP drafting -----------------------------------------------------------------------------------------

@@ -73,15 +73,24 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
     return m.o_proj(out_THV.reshape(T, H * m.v_dim))
 
 
+DENSE_MOE_TOKENS = 64  # decode batches up to this size run every expert on every token (below)
+
+
 def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
-    """The layer's MLP or MoE. With few tokens (T*K <= E/2: decoding at small batch) the routed experts read only the
-    chosen experts' weights (gathered) instead of going through the grouped kernel over all E."""
+    """The layer's MLP or MoE, for decoding: no host sync, so the step can be graph-captured.
+
+    Routed experts by batch size: T*K <= E/2 (small batches) reads only the chosen experts' weights (gathered);
+    T <= DENSE_MOE_TOKENS runs all E experts on all T tokens with zero weight for the unchosen ones (each weight read
+    once; the wasted FLOPs are cheap at decode sizes); larger T (prefill) goes through the routed_experts kernel seam.
+    """
     if not isinstance(mlp, MoE):
         return mlp(x_TD)
     scores_TE, ids_TK, w_TK = mlp.gate(x_TD)
     T, K = ids_TK.shape
-    if T * K * 2 > mlp.n_experts:
+    if T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS:
         y_TD = mlp.experts(x_TD, ids_TK, w_TK)
+    elif T * K * 2 > mlp.n_experts:
+        y_TD = _dense_experts(mlp, x_TD, ids_TK, w_TK)
     else:
         gate_up_MFD = mlp.experts.gate_up_proj.index_select(0, ids_TK.reshape(-1))
         down_MDI = mlp.experts.down_proj.index_select(0, ids_TK.reshape(-1))
@@ -95,6 +104,19 @@ def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
     if hasattr(mlp, "shared_experts"):
         y_TD = y_TD + mlp.shared_experts(x_TD)
     return y_TD
+
+
+def _dense_experts(mlp: MoE, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) as every expert on every token, weight 0 where not chosen."""
+    E = mlp.n_experts
+    w_ET = torch.zeros(x_TD.shape[0], E, device=x_TD.device, dtype=torch.float32).scatter_(1, ids_TK, w_TK.float()).T
+    gate_up_EFD, down_EDI = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    I = down_EDI.shape[-1]
+    h_ETF = torch.matmul(x_TD.to(gate_up_EFD.dtype), gate_up_EFD.transpose(1, 2))  # [E, T, 2I]
+    act_ETI = F.silu(h_ETF[..., :I]) * h_ETF[..., I:]
+    act_ETI = (act_ETI * w_ET[:, :, None]).to(act_ETI.dtype)
+    y_ETD = torch.bmm(act_ETI, down_EDI.transpose(1, 2))
+    return y_ETD.float().sum(dim=0).to(x_TD.dtype)
 
 
 def layer_forward(layer, h_TD: torch.Tensor, step: Step, cache: PagedLatentCache, index: int) -> torch.Tensor:

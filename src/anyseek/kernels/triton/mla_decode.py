@@ -25,7 +25,7 @@ from anyseek.kernels.triton import check
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pages_per_split"])
 def _decode_split_kernel(
     Q, C, BT, LENS, O_part, LSE_part, scale_log2,
     stride_qt, stride_qh, stride_cb, stride_cp, stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
@@ -94,25 +94,35 @@ def _decode_reduce_kernel(
     tl.store(Out + t * stride_t + h * stride_h + offs_l, out.to(Out.dtype.element_ty), mask=lmask)
 
 
-def _num_sms(device: torch.device) -> int:
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(SM count, shared memory per block in bytes) of `device` (small made-up numbers on the CPU interpreter)."""
     if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return 4, 100 * 1024
+    p = torch.cuda.get_device_properties(device)
+    return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 99 * 1024)
 
 
-def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dtype) -> dict:
+def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dtype, L: int = 512, R: int = 64) -> dict:
     """Head block, token tile, warps, stages and splits for T rows of H heads over tables of M pages.
 
-    Splits: enough programs for ~2 waves of the SMs, each split at least one page; fixed by (T, H, M), never by the
-    rows' actual lengths, so the launch has the same shape under CUDA-graph replay whatever the lengths are.
+    Measured on H100 (benchmarks/decode.py --sweep): 64-token tiles, 8 warps and 3 stages (as many as shared memory
+    holds) are best for 16 and 128 heads; splits: about one program per SM in all (H=16, B=64, 4k: 2 splits
+    2.06 TB/s, 5 splits 1.74 TB/s). Splits depend only on (T, H, M), never on the rows' actual lengths, so a
+    CUDA-graph replay keeps its launch shape whatever the lengths are.
     """
+    sms, smem = _device_limits(device)
     block_h = 16 if H <= 16 else (32 if H <= 32 else 64)
     head_blocks = triton.cdiv(H, block_h)
-    splits = max(1, min(M, triton.cdiv(2 * _num_sms(device), T * head_blocks), 64))
+    splits = max(1, min(M, 64, sms // (T * head_blocks)))
     if dtype == torch.float32 or device.type != "cuda":
         return {"BLOCK_H": block_h, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "splits": splits}
-    return {"BLOCK_H": block_h, "BLOCK_N": 64 if block_h <= 16 else 32, "num_warps": 4 if block_h <= 16 else 8,
-            "num_stages": 2, "splits": splits}  # fmt: skip
+    width = (triton.next_power_of_2(L) + triton.next_power_of_2(R)) * 2  # bytes of one cached row
+    block_n, stages = 64, 3
+    while stages > 1 and stages * block_n * width + 16 * 1024 > smem:
+        stages -= 1
+    while block_n > 16 and stages * block_n * width + 16 * 1024 > smem:
+        block_n //= 2
+    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8, "num_stages": stages, "splits": splits}
 
 
 def mla_decode(
@@ -131,7 +141,7 @@ def mla_decode(
     T, H, X = q_THX.shape
     P, L, R = cache_NPX.shape[1], kv_lora_rank, X - kv_lora_rank
     M = block_table_TM.shape[1]
-    cfg = {**launch_config(T, H, M, q_THX.device, q_THX.dtype), **(config or {})}
+    cfg = {**launch_config(T, H, M, q_THX.device, q_THX.dtype, L, R), **(config or {})}
     block_n = min(cfg["BLOCK_N"], P)
     if P % block_n or cache_NPX.stride(-1) != 1 or q_THX.stride(-1) != 1:
         raise ValueError(f"mla_decode: page size {P} must be a multiple of {block_n}; q and cache contiguous in X")
