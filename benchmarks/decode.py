@@ -162,7 +162,7 @@ def e2e(out_rows: list, batches=(1, 32), new_tokens=256, prompt_len=128, skip_hf
         print(json.dumps(row), flush=True)
 
 
-def profile(out_rows: list) -> None:
+def profile(out_rows: list, kernel_only: bool = False) -> None:
     """Where a decode step's time goes on the `small` flavor: graph replay alone (GPU time), eager kernels by CUDA
     time, and the kernel alone at small batch inside a graph (no launch overhead)."""
     from anyseek.infer.engine import Engine
@@ -172,16 +172,20 @@ def profile(out_rows: list) -> None:
     from anyseek.model.transformer import DeepSeekV3
 
     dev = torch.device("cuda")
-    for B, S in ((1, 512), (1, 4096), (32, 512)):
-        q, cache, table, lens = _case(B, S, 16, dev)
+    for H, B, S in ((16, 1, 512), (16, 1, 4096), (16, 32, 512), (16, 64, 4096), (16, 128, 4096), (128, 64, 4096)):
+        q, cache, table, lens = _case(B, S, H, dev)
         mla_decode(q, cache, table, lens, 512)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(20):
                 mla_decode(q, cache, table, lens, 512)
         t = _bench(g.replay) / 20
-        print(f"kernel in a graph H=16 B={B} S={S}: {t * 1e6:.1f} us, {B * S * 576 * 2 / t / 1e9:.0f} GB/s", flush=True)
-        out_rows.append({"graph_kernel": f"B={B} S={S}", "us": t * 1e6})
+        gbs, tfs = B * S * 576 * 2 / t / 1e9, 2 * B * H * S * 1088 / t / 1e12
+        print(f"kernel in a graph H={H} B={B} S={S}: {t * 1e6:.1f} us, {gbs:.0f} GB/s, {tfs:.0f} TFLOP/s", flush=True)
+        out_rows.append({"graph_kernel": f"H={H} B={B} S={S}", "us": t * 1e6, "GBps": gbs, "TFLOPs": tfs})
+        del q, cache, table, lens, g
+    if kernel_only:
+        return
     torch.manual_seed(0)
     model = DeepSeekV3(ModelConfig(**FLAVORS["small"]), device=dev, dtype=torch.bfloat16).eval()
     for B in (1, 32):
@@ -224,8 +228,8 @@ def main() -> int:
     print(json.dumps(meta))
     rows: list = []
     if args.profile:
-        profile(rows)
-    if args.kernel or both or args.sweep:
+        profile(rows, kernel_only=args.kernel)
+    if (args.kernel and not args.profile) or both or args.sweep:
         kernel_grid(rows, args.sweep)
     if args.e2e or both:
         e2e(rows, skip_hf=args.skip_hf)

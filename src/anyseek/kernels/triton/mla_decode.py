@@ -13,6 +13,7 @@ Inputs as in `anyseek.kernels.mla_decode`. Shape legend: T rows, H heads, L kv_l
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -94,6 +95,7 @@ def _decode_reduce_kernel(
     tl.store(Out + t * stride_t + h * stride_h + offs_l, out.to(Out.dtype.element_ty), mask=lmask)
 
 
+@functools.lru_cache(maxsize=None)
 def _device_limits(device: torch.device) -> tuple[int, int]:
     """(SM count, shared memory per block in bytes) of `device` (small made-up numbers on the CPU interpreter)."""
     if device.type != "cuda":
