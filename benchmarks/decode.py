@@ -39,7 +39,6 @@ def _case(B: int, S: int, H: int, dev, dtype=torch.bfloat16, L=512, R=64, page=6
 
 
 def kernel_grid(out_rows: list, sweep: bool) -> None:
-    from anyseek.kernels.reference.decode import mla_decode as ref_decode
     from anyseek.kernels.triton.mla_decode import launch_config, mla_decode
 
     dev = torch.device("cuda")
@@ -49,14 +48,14 @@ def kernel_grid(out_rows: list, sweep: bool) -> None:
             q, cache, table, lens = _case(B, S, H, dev)
             base = launch_config(B, H, table.shape[1], dev, q.dtype)
             res = []
-            for bh in ([16] if H == 16 else [32, 64]):
+            for bh in [16] if H == 16 else [32, 64]:
                 for bn in (16, 32, 64):
                     for w in (4, 8):
                         for st in (1, 2, 3):
                             for sp in sorted({base["splits"], max(1, base["splits"] // 2), base["splits"] * 2}):
                                 cfg = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "splits": sp}
                                 try:
-                                    t = _bench(lambda: mla_decode(q, cache, table, lens, L, config=cfg))
+                                    t = _bench(lambda cfg=cfg: mla_decode(q, cache, table, lens, L, config=cfg))  # noqa: B023
                                 except Exception as e:  # noqa: BLE001 - out of shared memory etc.
                                     res.append((float("inf"), cfg, type(e).__name__))
                                     continue
@@ -73,46 +72,44 @@ def kernel_grid(out_rows: list, sweep: bool) -> None:
             for S in (512, 4096, 32768):
                 if B * S > 128 * 8192 and H == 128 and B > 16:
                     continue  # keep the grid inside a few minutes
-                q, cache, table, lens = _case(B, S, H, dev)
-                t_tri = _bench(lambda: mla_decode(q, cache, table, lens, L))
-                # correctness on the fly (2x rule against the fp32 oracle), small rows only
-                if B * S <= 64 * 4096:
-                    ref = ref_decode(q.float(), cache.float(), table, lens, L)
-                    pt = ref_decode(q, cache, table, lens, L, compute_dtype=q.dtype).float()
-                    err = (mla_decode(q, cache, table, lens, L).float() - ref).abs().max().item()
-                    err_pt = (pt - ref).abs().max().item()
-                    del ref, pt
-                else:
-                    err = err_pt = float("nan")
-                # naive absorbed PyTorch over a contiguous latent cache [B, S, 576]
-                lat = torch.randn(B, S, L + R, device=dev, dtype=q.dtype)
-
-                def naive():
-                    s = torch.einsum("bhx,bsx->bhs", q, lat).float() * 0.0417
-                    return torch.einsum("bhs,bsl->bhl", s.softmax(-1).to(q.dtype), lat[..., :L])
-
-                t_naive = _bench(naive)
-                del lat
-                # SDPA over expanded per-head K/V: k [B, H, S, 192], v [B, H, S, 128]
-                kv_bytes = B * H * S * (192 + 128) * 2
-                t_sdpa = float("nan")
-                if kv_bytes < 24e9:
-                    k = torch.randn(B, H, S, 192, device=dev, dtype=q.dtype)
-                    v = torch.randn(B, H, S, 128, device=dev, dtype=q.dtype)
-                    qq = torch.randn(B, H, 1, 192, device=dev, dtype=q.dtype)
-                    t_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, k, v))
-                    del k, v
-                cache_bytes = B * S * (L + R) * 2
-                flops = 2 * B * H * S * (L + R + L)
-                row = {"H": H, "B": B, "S": S, "triton_us": t_tri * 1e6, "triton_GBps": cache_bytes / t_tri / 1e9,
-                       "triton_TFLOPs": flops / t_tri / 1e12, "naive_us": t_naive * 1e6, "sdpa_us": t_sdpa * 1e6,
-                       "sdpa_GBps": kv_bytes / t_sdpa / 1e9, "err": err, "err_pt": err_pt}  # fmt: skip
+                row = _kernel_case(H, B, S, dev)
                 out_rows.append(row)
-                print(f"H={H:3d} B={B:3d} S={S:5d}  triton {t_tri * 1e6:8.1f} us {row['triton_GBps']:6.0f} GB/s "
-                      f"{row['triton_TFLOPs']:6.1f} TFLOP/s | naive {t_naive * 1e6:8.1f} us | sdpa(expanded) "
-                      f"{t_sdpa * 1e6:8.1f} us | err {err:.1e} pt {err_pt:.1e}", flush=True)  # fmt: skip
-                del q, cache, table, lens
+                print(f"H={H:3d} B={B:3d} S={S:5d}  triton {row['triton_us']:8.1f} us {row['triton_GBps']:6.0f} GB/s "
+                      f"{row['triton_TFLOPs']:6.1f} TFLOP/s | naive {row['naive_us']:8.1f} us | sdpa(expanded) "
+                      f"{row['sdpa_us']:8.1f} us | err {row['err']:.1e} pt {row['err_pt']:.1e}", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
+
+
+def _kernel_case(H: int, B: int, S: int, dev: torch.device, L: int = 512, R: int = 64) -> dict:
+    from anyseek.kernels.reference.decode import mla_decode as ref_decode
+    from anyseek.kernels.triton.mla_decode import mla_decode
+
+    q, cache, table, lens = _case(B, S, H, dev)
+    t_tri = _bench(lambda: mla_decode(q, cache, table, lens, L))
+    err = err_pt = float("nan")
+    if B * S <= 64 * 4096:  # the 2x rule against the fp32 oracle, where the oracle fits
+        ref = ref_decode(q.float(), cache.float(), table, lens, L)
+        pt = ref_decode(q, cache, table, lens, L, compute_dtype=q.dtype).float()
+        err = (mla_decode(q, cache, table, lens, L).float() - ref).abs().max().item()
+        err_pt = (pt - ref).abs().max().item()
+    lat = torch.randn(B, S, L + R, device=dev, dtype=q.dtype)  # naive absorbed PyTorch over a contiguous cache
+
+    def naive():
+        s = torch.einsum("bhx,bsx->bhs", q, lat).float() * 0.0417
+        return torch.einsum("bhs,bsl->bhl", s.softmax(-1).to(q.dtype), lat[..., :L])
+
+    t_naive = _bench(naive)
+    kv_bytes = B * H * S * (192 + 128) * 2  # SDPA over expanded per-head K/V: k [B, H, S, 192], v [B, H, S, 128]
+    t_sdpa = float("nan")
+    if kv_bytes < 24e9:
+        k = torch.randn(B, H, S, 192, device=dev, dtype=q.dtype)
+        v = torch.randn(B, H, S, 128, device=dev, dtype=q.dtype)
+        qq = torch.randn(B, H, 1, 192, device=dev, dtype=q.dtype)
+        t_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, k, v))
+    cache_bytes, flops = B * S * (L + R) * 2, 2 * B * H * S * (L + R + L)
+    return {"H": H, "B": B, "S": S, "triton_us": t_tri * 1e6, "triton_GBps": cache_bytes / t_tri / 1e9,
+            "triton_TFLOPs": flops / t_tri / 1e12, "naive_us": t_naive * 1e6, "sdpa_us": t_sdpa * 1e6,
+            "sdpa_GBps": kv_bytes / t_sdpa / 1e9, "err": err, "err_pt": err_pt}  # fmt: skip
 
 
 def e2e(out_rows: list, batches=(1, 32), new_tokens=256, prompt_len=128, skip_hf=False) -> None:
@@ -192,7 +189,7 @@ def profile(out_rows: list, kernel_only: bool = False) -> None:
         eng = Engine(model, B, 512)
         eng.prefill(list(range(B)), [list(range(1, 129))] * B)
         eng.decode(list(range(B)), [5] * B)
-        g, static_in, logits, _ = eng._graphs[next(b for b in (1, 2, 4, 8, 16, 24, 32) if b >= B)]
+        g = eng._graphs[next(b for b in (1, 2, 4, 8, 16, 24, 32) if b >= B)][0]
         t = _bench(g.replay)
         print(f"small flavor decode step B={B}: graph replay {t * 1e3:.3f} ms", flush=True)
         t0 = time.perf_counter()
@@ -220,8 +217,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     both = not (args.kernel or args.e2e or args.profile)
-    import triton
     import transformers
+    import triton
 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip

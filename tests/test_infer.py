@@ -66,7 +66,7 @@ def test_cached_decode_equals_uncached_forward(case):
     rows = iter(logits_TV)
     with torch.no_grad():
         for s, e in zip(seqs, ext):
-            full = model(torch.tensor(s + e)).logits[-len(e):]
+            full = model(torch.tensor(s + e)).logits[-len(e) :]
             for k in range(len(e)):
                 worst = max(worst, rel(next(rows), full[k]))
     assert worst < 1e-5, worst
@@ -94,7 +94,7 @@ def test_greedy_equals_transformers_generate(case):
         with torch.no_grad():
             out = theirs.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)  # fmt: skip
-        assert got == out[0, len(prompt):].tolist()
+        assert got == out[0, len(prompt) :].tolist()
 
 
 def test_sequences_finishing_at_different_times_share_pages():
@@ -150,8 +150,9 @@ def test_speculative_equals_plain(drafter, monkeypatch):
         return real_run(*a, **kw)
 
     # the draft after prefill predicts plain[i][1]; later drafts predict the token after the newest
-    monkeypatch.setattr(gen.engine, "mtp_prefill", lambda h, step, prompts, first: oracle.logits(
-        list(range(len(prompts))), lambda i: 1))
+    monkeypatch.setattr(
+        gen.engine, "mtp_prefill", lambda h, step, prompts, first: oracle.logits(list(range(len(prompts))), lambda i: 1)
+    )
     orig_accept = gen._accept
 
     def accept(reqs, i, token):
@@ -159,8 +160,11 @@ def test_speculative_equals_plain(drafter, monkeypatch):
         orig_accept(reqs, i, token)
 
     monkeypatch.setattr(gen, "_accept", accept)
-    monkeypatch.setattr(gen.engine, "mtp_extend", lambda seqs, starts, h, nxt: oracle.logits(
-        seqs, lambda i: len(state["reqs"][i].tokens)))
+    monkeypatch.setattr(
+        gen.engine,
+        "mtp_extend",
+        lambda seqs, starts, h, nxt: oracle.logits(seqs, lambda i: len(state["reqs"][i].tokens)),
+    )
     reqs, stats = run(PROMPTS, 30, SamplingParams(temperature=0))
     assert [r.tokens for r in reqs] == plain
     assert 0.4 < stats.acceptance_rate < 0.9 and stats.steps < 30

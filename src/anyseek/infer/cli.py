@@ -16,7 +16,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                            "DeepseekV3 folder with tokenizer.json")  # fmt: skip
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text to continue")
-    src.add_argument("--prompts", help="JSONL file: one {\"prompt\": TEXT} (or {\"prompt_ids\": [...]}) per line")
+    src.add_argument("--prompts", help='JSONL file: one {"prompt": TEXT} (or {"prompt_ids": [...]}) per line')
     src.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line")
     parser.add_argument("--out", help="with --prompts: write one JSON result per line here (default: stdout)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -99,7 +99,7 @@ def _read_prompts(path: Path) -> list[dict]:
             raise CLIError(f"{path}:{n}: not JSON ({e})") from e
         row = {"prompt": row} if isinstance(row, str) else row
         if not isinstance(row, dict) or not ("prompt" in row or "prompt_ids" in row):
-            raise CLIError(f"{path}:{n}: expected {{\"prompt\": TEXT}} or {{\"prompt_ids\": [ids]}}")
+            raise CLIError(f'{path}:{n}: expected {{"prompt": TEXT}} or {{"prompt_ids": [ids]}}')
         jobs.append(row)
     if not jobs:
         raise CLIError(f"{path}: no prompts")
@@ -135,13 +135,13 @@ class _Context:
             out = self.tok.decode(tokens)
             stable = len(out) - hold if not out.endswith("\ufffd") else len(out.rstrip("\ufffd")) - hold
             if stable > printed[0]:
-                sys.stdout.write(out[printed[0]:stable])
+                sys.stdout.write(out[printed[0] : stable])
                 sys.stdout.flush()
                 printed[0] = stable
 
         reqs, stats = self.gen.run([ids], self.args.max_new_tokens, self.params, self.eos, self._stop(), on_token)
         final = cut_at_stop(self.tok.decode(reqs[0].tokens), self.args.stop)
-        sys.stdout.write(final[printed[0]:] + "\n")
+        sys.stdout.write(final[printed[0] :] + "\n")
         sys.stdout.flush()
         self._report(stats)
 

@@ -41,8 +41,16 @@ def _run_settings(folder: Path) -> dict:
     except (OSError, json.JSONDecodeError):
         return {}
     d, t = cfg.get("data", {}), cfg.get("train", {})
-    return {k: v for k, v in {"tokens_per_batch": d.get("tokens_per_batch"), "max_seqlen": d.get("max_seqlen"),
-                              "seed": t.get("seed"), "eval_tokens": t.get("eval_tokens")}.items() if v is not None}
+    return {
+        k: v
+        for k, v in {
+            "tokens_per_batch": d.get("tokens_per_batch"),
+            "max_seqlen": d.get("max_seqlen"),
+            "seed": t.get("seed"),
+            "eval_tokens": t.get("eval_tokens"),
+        }.items()
+        if v is not None
+    }
 
 
 def evaluate(args: argparse.Namespace) -> dict:

@@ -154,7 +154,7 @@ class Engine:
 
     def _capture(self, bucket: int):
         static_in = torch.zeros(bucket * (4 + self.width), dtype=torch.int64, device=self.device)
-        static_in[4 * bucket + bucket * self.width - bucket:] = 1  # kv_lens 1 on the scratch page
+        static_in[4 * bucket + bucket * self.width - bucket :] = 1  # kv_lens 1 on the scratch page
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -165,7 +165,7 @@ class Engine:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 logits = self._graph_body(static_in, bucket)
-        except Exception as e:  # a backend that syncs with the host cannot be captured: decode eagerly
+        except Exception as e:  # noqa: BLE001 - a backend that syncs with the host cannot be captured: decode eagerly
             warnings.warn(f"anyseek: decoding without CUDA graphs ({type(e).__name__}: {e})", RuntimeWarning,
                           stacklevel=3)  # fmt: skip
             self.use_graphs = False
@@ -192,7 +192,9 @@ class Engine:
         return logits_TV.index_select(0, step.cu_seqlens[1:].long() - 1)
 
     @torch.no_grad()
-    def mtp_extend(self, seq_ids: list[int], starts: list[int], h_TD: torch.Tensor, nxt: list[list[int]]) -> torch.Tensor:
+    def mtp_extend(
+        self, seq_ids: list[int], starts: list[int], h_TD: torch.Tensor, nxt: list[list[int]]
+    ) -> torch.Tensor:
         """MTP at positions starts[b].. of sequence b (h rows in order, next tokens nxt[b]) -> draft logits [B, V]
         at each sequence's last new position."""
         ids, step = self._cached_step(seq_ids, starts, [len(n) for n in nxt], [t for n in nxt for t in n])

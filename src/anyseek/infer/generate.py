@@ -151,7 +151,9 @@ class Generator:
         if keep:
             rows = torch.tensor([2 * b + 1 for b in keep], device=logits_TV.device)
             sel = [running[b] for b in keep]
-            ids = self.sampler(logits_TV.index_select(0, rows), [reqs[i].slot for i in sel], self._keys(reqs, sel)).tolist()
+            ids = self.sampler(
+                logits_TV.index_select(0, rows), [reqs[i].slot for i in sel], self._keys(reqs, sel)
+            ).tolist()
             second = dict(zip(keep, ids))
             for b, t in second.items():
                 self._accept(reqs, running[b], t)
@@ -210,7 +212,7 @@ def _stop_strings(tokenizer, stop: Sequence[str]) -> Callable[[int, list[int]], 
     longest = max(len(s) for s in stop)
 
     def hit(i: int, tokens: list[int]) -> bool:
-        tail = tokenizer.decode(tokens[-(longest + 8):])  # a token is at least one character (or part of one)
+        tail = tokenizer.decode(tokens[-(longest + 8) :])  # a token is at least one character (or part of one)
         return any(s in tail for s in stop)
 
     return hit

@@ -85,7 +85,7 @@ def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(mlp, MoE):
         return mlp(x_TD)
-    scores_TE, ids_TK, w_TK = mlp.gate(x_TD)
+    _, ids_TK, w_TK = mlp.gate(x_TD)
     T, K = ids_TK.shape
     if T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS:
         y_TD = mlp.experts(x_TD, ids_TK, w_TK)

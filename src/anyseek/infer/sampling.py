@@ -42,7 +42,9 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, vocab: int, slots: int, device: torch.device):
         self.params = params
-        self.seen = torch.zeros(slots, vocab, dtype=torch.bool, device=device) if params.repetition_penalty != 1 else None
+        self.seen = (
+            torch.zeros(slots, vocab, dtype=torch.bool, device=device) if params.repetition_penalty != 1 else None
+        )
 
     def reset(self, slot: int, tokens: list[int]) -> None:
         if self.seen is not None:

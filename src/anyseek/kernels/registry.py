@@ -4,8 +4,8 @@ Each op has backends in priority order. A backend is a name, a loader (imports l
 an availability check `available(example) -> (ok, reason)` and the device types it is meant for. Choice:
 
 - explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
-  for both attention ops, `ANYSEEK_MOE=name` for routed_experts. A backend requested explicitly that cannot run
-  raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
+  for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode.
+  A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
   device that cannot run is skipped with ONE warning per (op, backend, reason).
 

@@ -45,7 +45,7 @@ def mla_decode(
     -> out [T, H, L] in q's dtype. softmax_scale defaults to 1/sqrt(L+R). compute_dtype: fp32 (the oracle) or the
     inputs' low precision (the yardstick of the 2x rule)."""
     check_decode_shapes(q_THX, cache_NPX, block_table_TM, kv_lens_T, kv_lora_rank)
-    T, H, X = q_THX.shape
+    T, _, X = q_THX.shape
     P, L = cache_NPX.shape[1], kv_lora_rank
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(X)
     S = int(kv_lens_T.max()) if T else 0  # host sync: the oracle gathers only the pages some row needs

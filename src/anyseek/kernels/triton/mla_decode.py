@@ -95,7 +95,7 @@ def _decode_reduce_kernel(
     tl.store(Out + t * stride_t + h * stride_h + offs_l, out.to(Out.dtype.element_ty), mask=lmask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_limits(device: torch.device) -> tuple[int, int]:
     """(SM count, shared memory per block in bytes) of `device` (small made-up numbers on the CPU interpreter)."""
     if device.type != "cuda":
