@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("anyseek.train.cli", "train a model (default: tiny flavor on the built-in Wikipedia sample)"),
     "prepare": ("anyseek.data.cli_prepare", "turn a text source into token shards and a tokenizer"),
     "data": ("anyseek.data.cli_data", "inspect prepared data (`anyseek data inspect DIR`)"),
+    "generate": ("anyseek.infer.cli", "generate text from a checkpoint (streams; --prompts FILE.jsonl; --interactive)"),
+    "eval": ("anyseek.infer.cli_eval", "loss and perplexity of a checkpoint on prepared data"),
     "doctor": ("anyseek.doctor", "report what this machine supports and which kernels will run"),
 }
 
