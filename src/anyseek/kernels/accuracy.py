@@ -103,7 +103,7 @@ def check_all(device: str | torch.device | None = None) -> list[dict]:
                 ok, reason = b.available(torch.empty(1, H, sum(dims[:-1]) if op == "mla_attention" else dims[0],
                                                      device=device, dtype=dtype))  # fmt: skip
                 if not ok:
-                    rows.append(dict(what=what, detail=f"skipped: {reason}", **{"pass": True}))
+                    rows.append(dict(what=what, detail=f"skipped: {reason}", skipped=True, **{"pass": True}))
                     continue
                 try:
                     table = error_table(b.load(), op, lengths, H, dims, dtype, device, causal)
