@@ -330,3 +330,18 @@ def test_readme_names_a_checkpoint_the_default_run_writes():
     assert named and named <= written, named
     assert readme.index("CPU-only") < readme.index("pip install -e")  # the install note comes first
     assert "unexpected" in readme and "MTP" in readme
+
+
+def test_built_in_plot_has_title_axis_labels_and_legend():
+    from anyseek.train import plot
+
+    blank = plot._draw([], [], "")
+    img = plot._draw([], [], "tiny on wiki-sample")
+
+    def inked(rows, y0, y1, x0, x1):
+        return any(rows[y][3 * x] != 255 for y in range(y0, y1) for x in range(x0, x1))
+
+    assert inked(img, 5, 20, 10, 200) and not inked(blank, 5, 20, 10, 200)  # the title
+    assert inked(blank, plot.H - 22, plot.H - 2, plot.W // 2 - 30, plot.W // 2 + 30)  # "STEP" under the x axis
+    assert inked(blank, plot.MARGIN_T - 20, plot.MARGIN_T - 8, 4, 40)  # "LOSS" over the y axis
+    assert inked(blank, plot.MARGIN_T, plot.MARGIN_T + 32, plot.W - 200, plot.W - plot.MARGIN_R)  # the legend
