@@ -345,3 +345,15 @@ def test_built_in_plot_has_title_axis_labels_and_legend():
     assert inked(blank, plot.H - 22, plot.H - 2, plot.W // 2 - 30, plot.W // 2 + 30)  # "STEP" under the x axis
     assert inked(blank, plot.MARGIN_T - 20, plot.MARGIN_T - 8, 4, 40)  # "LOSS" over the y axis
     assert inked(blank, plot.MARGIN_T, plot.MARGIN_T + 32, plot.W - 200, plot.W - plot.MARGIN_R)  # the legend
+
+
+def test_second_ctrl_c_exits_quietly(monkeypatch, capsys):
+    from anyseek import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_main", interrupted)
+    assert cli.main(["train"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "interrupted" in err
