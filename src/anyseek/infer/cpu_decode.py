@@ -168,7 +168,7 @@ def packed_layers(model) -> _Packed:
 def supports(model) -> bool:
     """The CPU path covers fp32 models whose pair views line up (even L, R and q width)."""
     c = model.config
-    even = all(v % 2 == 0 for v in (c.kv_lora_rank, c.qk_rope_head_dim, c.q_lora_rank or c.hidden_size))
+    even = all(v % 2 == 0 for v in (c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.q_lora_rank or 0))
     return model.lm_head.weight.device.type == "cpu" and model.lm_head.weight.dtype == torch.float32 and even
 
 
@@ -182,6 +182,32 @@ def _rstd(x_BD: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 _EPS: dict[float, torch.Tensor] = {}
+
+
+class _Work:
+    """Output buffers of one batch size's matmuls, and their views (slices, RoPE's complex pairs) made once: on a
+    CPU every view is an op of its own."""
+
+    def __init__(self, B: int, packed: _Packed, H: int, L: int, R: int):
+        X, a = L + R, packed.layers[0][0]  # every layer has the same shapes
+        self.y = torch.empty(B, a.w_in.shape[1])  # [kv_a | q_a] or [kv_a | q]
+        self.kv, self.lat = self.y[:, :X], self.y[:, :L]
+        self.k_rot = torch.view_as_complex(self.y[:, L:X].unflatten(-1, (R // 2, 2)))  # [B, R/2]
+        self.q_a = self.y[:, X:]
+        self.q = torch.empty(B, a.w_q.shape[1]) if a.w_q is not None else self.q_a
+        C = self.q.shape[1] // H  # X (latent q) or N + R
+        self.q_BHC = self.q.view(B, H, C)
+        self.q_rot = torch.view_as_complex(self.q_BHC[..., C - R :].unflatten(-1, (R // 2, 2)))  # [B, H, R/2]
+        self.ffn: dict[int, tuple] = {}
+        for _, f in packed.layers:
+            if f.width not in self.ffn:
+                E, F_ = f.n_router, f.width
+                y = torch.empty(B, f.w_in.shape[1])  # [router logits E | gate F | up F]
+                act = torch.empty(B, F_)
+                I = f.group or F_  # a dense MLP: one group
+                shared = torch.zeros(B, F_ // I)  # 0: routed (the routing weights are scattered in), 1: shared
+                shared[:, E:] = 1.0
+                self.ffn[F_] = (y, y[:, :E], y[:, E : E + F_], y[:, E + F_ :], act, act.view(B, -1, I), shared)
 
 
 class CpuDecoder:
@@ -200,12 +226,13 @@ class CpuDecoder:
         self.per_seq = per_seq
         self.blocks = kv[:, 1:].view(kv.shape[0], -1, per_seq * cache.page, kv.shape[-1])  # [layers, blocks, rows, X]
         self.flat = [kv[i].view(-1, kv.shape[-1]) for i in range(kv.shape[0])]
+        self.mlps = [layer.mlp for layer in model.model.layers]
         self.refresh()
-        self._ones: dict[int, torch.Tensor] = {}
 
     def refresh(self) -> None:
         """Pick up the model's current weights (repacked only if they changed)."""
         self.packed = packed_layers(self.model)
+        self._work: dict[int, _Work] = {}
 
     def block_of(self, pages: list[int]) -> int | None:
         """The block a sequence's pages form, or None when they are not one whole block."""
@@ -215,22 +242,25 @@ class CpuDecoder:
             return None
         return (p0 - 1) // n
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, ids_B: torch.Tensor, pos_B: torch.Tensor, slots_B: torch.Tensor, rows: int | torch.Tensor,
              mask_B1S: torch.Tensor | None, S: int) -> torch.Tensor:  # fmt: skip
         """ids, positions, cache slots (flat rows) [B]; rows: the first of B consecutive blocks holding the batch's
-        sequences in order, or their block ids [B]; mask [B, 1, S] =
-        0 / -inf past each sequence's end (None: all S rows); S = tokens attended -> logits fp32 [B, V]."""
-        m, pk, L = self.model, self.packed, self.L
+        sequences in order, or their block ids [B]; mask [B, 1, S] = 0 / -inf past each sequence's end (None: all
+        S rows); S = tokens attended -> logits fp32 [B, V]."""
+        pk, L, B = self.packed, self.L, ids_B.shape[0]
+        ws = self._work.get(B) or self._work.setdefault(B, _Work(B, pk, self.H, L, self.R))
         rot_BR = self.rot_PR.index_select(0, pos_B)
+        rot_B1R = rot_BR[:, None]
         ctx = None
         if isinstance(rows, int):  # views of the cache: they see each layer's write of the new token
-            c_ABSX = self.blocks[:, rows : rows + ids_B.shape[0], :S]
+            c_ABSX = self.blocks[:, rows : rows + B, :S]
             ctx = list(zip(c_ABSX.unbind(0), c_ABSX.transpose(2, 3).unbind(0), c_ABSX[..., :L].unbind(0)))
-        h_BD = F.embedding(ids_B, m.model.embed_tokens.weight)
+        h_BD = F.embedding(ids_B, self.model.model.embed_tokens.weight)
         for i, (attn, ffn) in enumerate(pk.layers):
-            h_BD = self._attn(attn, h_BD, rot_BR, slots_B, i, ctx, rows, mask_B1S, S)
-            h_BD = self._ffn(m.model.layers[i].mlp, ffn, h_BD)
+            c = ctx[i] if ctx is not None else (rows, S)
+            h_BD = self._attn(ws, attn, h_BD, rot_BR, rot_B1R, slots_B, i, c, mask_B1S)
+            h_BD = self._ffn(ws, self.mlps[i], ffn, h_BD)
         return torch.mm(h_BD, pk.head).mul_(_rstd(h_BD, pk.eps))
 
     def _rows(self, layer: int, blocks_B: torch.Tensor, S: int) -> tuple:
@@ -238,25 +268,21 @@ class CpuDecoder:
         c_BSX = self.blocks[layer][:, :S].index_select(0, blocks_B)
         return c_BSX, c_BSX.transpose(1, 2), c_BSX[..., : self.L]
 
-    def _attn(self, a: _Attn, h_BD, rot_BR, slots_B, layer, ctx, rows, mask_B1S, S) -> torch.Tensor:
-        B, H, L, R, X = h_BD.shape[0], self.H, self.L, self.R, self.L + self.R
-        y_BW = torch.mm(h_BD, a.w_in).mul_(_rstd(h_BD, a.eps))  # [kv_a X | q_a Q] (or [kv_a | q])
+    def _attn(self, ws: _Work, a: _Attn, h_BD, rot_BR, rot_B1R, slots_B, layer, c, mask_B1S) -> torch.Tensor:
+        """c: the cache rows to attend (views), or (block ids [B], S) to gather them after this layer's write."""
+        B = h_BD.shape[0]
+        torch.mm(h_BD, a.w_in, out=ws.y).mul_(_rstd(h_BD, a.eps))  # [kv_a | q_a] (or [kv_a | q])
         if a.w_q is not None:
-            q_a_BQ = y_BW[:, X:]
-            q_BW = torch.mm(q_a_BQ, a.w_q).mul_(_rstd(q_a_BQ, a.q_eps))
-        else:
-            q_BW = y_BW[:, X:]
-        C = q_BW.shape[1] // H  # X (latent q) or N + R
-        torch.view_as_complex(q_BW.view(B, H, C // 2, 2))[..., (C - R) // 2 :].mul_(rot_BR[:, None])  # RoPE
-        torch.view_as_complex(y_BW.view(B, -1, 2))[:, L // 2 : X // 2].mul_(rot_BR)
-        lat_BL = y_BW[:, :L]
-        lat_BL.mul_(_rstd(lat_BL, a.kv_eps)).mul_(a.kv_norm)
-        self.flat[layer].index_copy_(0, slots_B, y_BW[:, :X])
-        q_BHC = q_BW.view(B, H, C)
+            torch.mm(ws.q_a, a.w_q, out=ws.q).mul_(_rstd(ws.q_a, a.q_eps))
+        ws.q_rot.mul_(rot_B1R)  # RoPE on q_pe and k_pe
+        ws.k_rot.mul_(rot_BR)
+        ws.lat.mul_(_rstd(ws.lat, a.kv_eps)).mul_(a.kv_norm)
+        self.flat[layer].index_copy_(0, slots_B, ws.kv)
+        c_BSX, c_BXS, c_BSL = c if len(c) == 3 else self._rows(layer, *c)
+        q_BHC = ws.q_BHC
         if a.w_uk is not None:  # q_nope -> latent space per head, then [q_lat | q_pe]
             q_lat_HBL = torch.bmm(q_BHC[..., : self.N].transpose(0, 1), a.w_uk)
             q_BHC = torch.cat([q_lat_HBL.transpose(0, 1), q_BHC[..., self.N :]], dim=-1)
-        c_BSX, c_BXS, c_BSL = ctx[layer] if ctx is not None else self._rows(layer, rows, S)
         if mask_B1S is None:
             s_BHS = torch.bmm(q_BHC, c_BXS)
         else:
@@ -266,33 +292,36 @@ class CpuDecoder:
             o_BHL = torch.bmm(o_BHL.transpose(0, 1), a.w_uv).transpose(0, 1)
         return torch.addmm(h_BD, o_BHL.reshape(B, -1), a.w_o)
 
-    def _ffn(self, mlp, f: _Ffn, h_BD) -> torch.Tensor:
+    def _ffn(self, ws: _Work, mlp, f: _Ffn, h_BD) -> torch.Tensor:
         B, D = h_BD.shape
         E = f.n_router
         if E and B * (E - self.K) * 3 * f.group * D > DENSE_MOE_WASTE:  # gather the chosen experts' weights
             return h_BD + ffn_forward(mlp, torch.rms_norm(h_BD, (D,), f.norm, f.eps))  # (the general decode path)
-        y_BW = torch.mm(h_BD, f.w_in).mul_(_rstd(h_BD, f.eps))
-        F_ = f.width
-        act_BF = F.silu(y_BW[:, E : E + F_]) * y_BW[:, E + F_ :]
+        y_BW, logits_BE, g_BF, u_BF, act_BF, act_BGI, shared_BG = ws.ffn[f.width]
+        torch.mm(h_BD, f.w_in, out=y_BW).mul_(_rstd(h_BD, f.eps))
+        torch.mul(F.silu(g_BF), u_BF, out=act_BF)
         if E:
-            gate = mlp.gate
-            logits_BE = y_BW[:, :E]
-            scores_BE = logits_BE.sigmoid() if gate.scoring_func == "sigmoid" else logits_BE.softmax(dim=-1)
-            choice_BE = scores_BE + gate.e_score_correction_bias
-            if gate.n_group > 1:
-                choice_BE = gate._limit_groups(choice_BE)
-            ids_BK = choice_BE.topk(gate.top_k, dim=-1, sorted=False)[1]
-            w_BK = scores_BE.gather(1, ids_BK)
-            if gate.norm_topk_prob:
-                w_BK = w_BK / (w_BK.sum(dim=-1, keepdim=True) + 1e-20)
-            w_BG = self._shared_ones(B, E, F_ // f.group).scatter(1, ids_BK, w_BK)  # G = E + shared groups
-            act_BF = (act_BF.view(B, -1, f.group) * w_BG[:, :, None]).view(B, F_)
+            act_BGI.mul_(_route(mlp.gate, logits_BE, shared_BG)[:, :, None])
         return torch.addmm(h_BD, act_BF, f.w_down)
 
-    def _shared_ones(self, B: int, E: int, G: int) -> torch.Tensor:
-        """[B, G]: 0 for the E routed experts (the routing weights are scattered in), 1 for the shared ones."""
-        key = B * 1_000_003 + G
-        if key not in self._ones:
-            self._ones[key] = torch.zeros(B, G)
-            self._ones[key][:, E:] = 1.0
-        return self._ones[key]
+
+def _route(gate, logits_BE: torch.Tensor, shared_BG: torch.Tensor) -> torch.Tensor:
+    """The Router's choice (same rules, ops trimmed) from its logits -> weights [B, G]: each token's routing weight
+    for its chosen experts, 0 for the others, then 1 for each shared-expert group."""
+    B, E = logits_BE.shape
+    scores_BE = logits_BE.sigmoid() if gate.scoring_func == "sigmoid" else logits_BE.softmax(dim=-1)
+    choice_BE = scores_BE + gate.e_score_correction_bias
+    if gate.n_group > 1:
+        choice_BGX = choice_BE.view(B, gate.n_group, -1)
+        if gate.scoring_func == "sigmoid":  # each group's best two (as `Router._limit_groups`)
+            group_BG = choice_BGX.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            group_BG = choice_BGX.amax(dim=-1)
+        keep_BG = group_BG.topk(gate.topk_group, dim=-1, sorted=False)[1]
+        drop_BG = torch.ones_like(group_BG, dtype=torch.bool).scatter_(1, keep_BG, False)
+        choice_BE = choice_BGX.masked_fill(drop_BG[:, :, None], float("-inf")).view(B, E)
+    ids_BK = choice_BE.topk(gate.top_k, dim=-1, sorted=False)[1]
+    w_BK = scores_BE.gather(1, ids_BK)
+    if gate.norm_topk_prob:
+        w_BK = w_BK.div_(w_BK.sum(dim=-1, keepdim=True).add_(1e-20))
+    return shared_BG.scatter(1, ids_BK, w_BK)
