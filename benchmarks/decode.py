@@ -166,8 +166,11 @@ def e2e(out_rows: list, batches=(1, 32), new_tokens=256, prompt_len=128, skip_hf
         print(json.dumps(row), flush=True)
 
 
-def e2e_cpu(out_rows: list, batches=(1, 8), new_tokens=128, prompt_len=128, threads=2) -> None:
-    """(c): `tiny` flavor, fp32, on the CPU; anyseek.generate vs transformers' generate (sdpa), same weights."""
+def e2e_cpu(out_rows: list, batches=(1, 8), new_tokens=128, prompt_len=128, threads=2, reps=3) -> None:
+    """(c): `tiny` flavor, fp32, on the CPU; anyseek.generate vs transformers' generate (sdpa), same weights. Each
+    peer runs `reps` times, interleaved (a shared machine's load hits both alike); medians per peer."""
+    import statistics
+
     import transformers
 
     import anyseek
@@ -188,21 +191,33 @@ def e2e_cpu(out_rows: list, batches=(1, 8), new_tokens=128, prompt_len=128, thre
         g = torch.Generator().manual_seed(B)
         prompts = torch.randint(0, cfg.vocab_size, (B, prompt_len), generator=g).tolist()
         ids = torch.tensor(prompts)
+
+        def ours():
+            return anyseek.generate(model, prompts, max_new_tokens=new_tokens, temperature=0)
+
+        def theirs():
+            with torch.no_grad():
+                return hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)  # fmt: skip
+
         anyseek.generate(model, prompts, max_new_tokens=8, temperature=0)  # warm up both
         with torch.no_grad():
             hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-        t0 = time.perf_counter()
-        outs = anyseek.generate(model, prompts, max_new_tokens=new_tokens, temperature=0)
-        t_ours = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            ho = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)  # fmt: skip
-        t_hf = time.perf_counter() - t0
+        times: dict[str, list[float]] = {"ours": [], "hf": []}
+        for r in range(reps):
+            for name, fn in (("ours", ours), ("hf", theirs)) if r % 2 == 0 else (("hf", theirs), ("ours", ours)):
+                t0 = time.perf_counter()
+                out = fn()
+                times[name].append(time.perf_counter() - t0)
+                if name == "ours":
+                    outs = out
+                else:
+                    ho = out
         n_ours, n_hf = sum(len(o) for o in outs), (ho.shape[1] - prompt_len) * B
         same = sum(o == h for o, h in zip(outs, ho[:, prompt_len:].tolist()))
-        row = {"B": B, "ours_tok_s": n_ours / t_ours, "hf_tok_s": n_hf / t_hf,
-               "speedup": (n_ours / t_ours) / (n_hf / t_hf), "identical_rows": f"{same}/{B}"}  # fmt: skip
+        t_ours, t_hf = statistics.median(times["ours"]), statistics.median(times["hf"])
+        row = {"B": B, "ours_tok_s": n_ours / t_ours, "hf_tok_s": n_hf / t_hf, "speedup": t_hf / t_ours * n_ours / n_hf,
+               "identical_rows": f"{same}/{B}", "reps": reps}  # fmt: skip
         out_rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -264,6 +279,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="(c): tiny flavor on the CPU, fp32")
     ap.add_argument("--batches", default="1,8", help="batch sizes for --cpu")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per peer for --cpu (interleaved; medians)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     both = not (args.kernel or args.e2e or args.profile)
@@ -274,7 +290,7 @@ def main() -> int:
                 "date": time.strftime("%Y-%m-%d")}  # fmt: skip
         print(json.dumps(meta))
         rows: list = []
-        e2e_cpu(rows, batches=tuple(int(b) for b in args.batches.split(",")))
+        e2e_cpu(rows, batches=tuple(int(b) for b in args.batches.split(",")), reps=args.reps)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "decode_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
