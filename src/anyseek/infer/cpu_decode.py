@@ -171,11 +171,17 @@ def packed_layers(model) -> _Packed:
     return hit[1]
 
 
+# Repacking copies the trunk's weights. Above this size a step's matmuls take far longer than its ops' overhead
+# (tens of ms per token against ~1 ms), so the copy would buy nothing and cost memory: the general path runs.
+REPACK_MAX_BYTES = 1 << 30
+
+
 def supports(model) -> bool:
-    """The CPU path covers fp32 models whose pair views line up (even L, R and q width)."""
-    c = model.config
+    """The CPU path covers fp32 models up to REPACK_MAX_BYTES whose RoPE pair views line up (even L, R, N, Q)."""
+    c, w = model.config, model.lm_head.weight
     even = all(v % 2 == 0 for v in (c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.q_lora_rank or 0))
-    return model.lm_head.weight.device.type == "cpu" and model.lm_head.weight.dtype == torch.float32 and even
+    size = sum(p.numel() * p.element_size() for p in model.model.parameters())
+    return w.device.type == "cpu" and w.dtype == torch.float32 and even and size <= REPACK_MAX_BYTES
 
 
 def _rstd(x_BD: torch.Tensor, eps: float) -> torch.Tensor:
