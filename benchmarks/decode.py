@@ -192,10 +192,10 @@ def e2e_cpu(out_rows: list, batches=(1, 8), new_tokens=128, prompt_len=128, thre
         prompts = torch.randint(0, cfg.vocab_size, (B, prompt_len), generator=g).tolist()
         ids = torch.tensor(prompts)
 
-        def ours():
+        def ours(prompts=prompts):
             return anyseek.generate(model, prompts, max_new_tokens=new_tokens, temperature=0)
 
-        def theirs():
+        def theirs(ids=ids):
             with torch.no_grad():
                 return hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                    eos_token_id=None, pad_token_id=0)  # fmt: skip

@@ -267,7 +267,7 @@ class CpuDecoder:
         ctx = None
         if isinstance(rows, int):  # views of the cache: they see each layer's write of the new token
             c_ABSX = self.blocks[:, rows : rows + B, :S]
-            ctx = list(zip(c_ABSX.unbind(0), c_ABSX.transpose(2, 3).unbind(0), c_ABSX[..., :L].unbind(0)))
+            ctx = list(zip(c_ABSX.transpose(2, 3).unbind(0), c_ABSX[..., :L].unbind(0)))
         h_BD = F.embedding(ids_B, self.model.model.embed_tokens.weight)
         for i, (attn, ffn) in enumerate(pk.layers):
             c = ctx[i] if ctx is not None else (rows, S)
@@ -279,10 +279,11 @@ class CpuDecoder:
     def _rows(self, layer: int, blocks_B: torch.Tensor, S: int) -> tuple:
         """The first S rows of blocks [B] of one layer, gathered (after the layer wrote its new rows)."""
         c_BSX = self.blocks[layer][:, :S].index_select(0, blocks_B)
-        return c_BSX, c_BSX.transpose(1, 2), c_BSX[..., : self.L]
+        return c_BSX.transpose(1, 2), c_BSX[..., : self.L]
 
     def _attn(self, ws: _Work, a: _Attn, h_BD, rot_BR, rot_B1R, slots_B, layer, c, mask_B1S) -> torch.Tensor:
-        """c: the cache rows to attend (views), or (block ids [B], S) to gather them after this layer's write."""
+        """c: the cache rows to attend as views ([B, X, S], [B, S, L]), or (block ids [B], S) to gather them after
+        this layer's write."""
         B = h_BD.shape[0]
         torch.mm(h_BD, a.w_in, out=ws.y).mul_(_rstd(h_BD, a.eps))  # [kv_a | q_a] (or [kv_a | q])
         if a.w_q is not None:
@@ -291,7 +292,7 @@ class CpuDecoder:
         ws.k_rot.mul_(rot_BR)
         ws.lat.mul_(_rstd(ws.lat, a.kv_eps)).mul_(a.kv_norm)
         self.flat[layer].index_copy_(0, slots_B, ws.kv)
-        c_BSX, c_BXS, c_BSL = c if len(c) == 3 else self._rows(layer, *c)
+        c_BXS, c_BSL = c if isinstance(c[0], torch.Tensor) and c[0].dim() == 3 else self._rows(layer, *c)
         q_BHC = ws.q_BHC
         if a.w_uk is not None:  # q_nope -> latent space per head, then [q_lat | q_pe]
             q_lat_HBL = torch.bmm(q_BHC[..., : self.N].transpose(0, 1), a.w_uk)
