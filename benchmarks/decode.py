@@ -7,7 +7,12 @@
 (b) the `small` flavor, random weights, bf16, 128-token prompts, 256 new tokens, greedy, batch 1 and 32:
     anyseek.generate (paged latent cache, CUDA graphs) against transformers' generate (sdpa, its default cache).
 
+(c) `--cpu`: (b) on the CPU with the `tiny` flavor, fp32, 2 threads, 128-token prompts, 128 new tokens, batch 1
+    and 8. One process measures each peer once after a warm-up call; the CPU is noisy: run it several times in fresh
+    processes and take medians.
+
     python3 benchmarks/decode.py [--kernel] [--e2e] [--sweep] [--out DIR]    (default: all; needs a GPU for (a))
+    python3 benchmarks/decode.py --cpu [--batches 1,8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -161,6 +166,62 @@ def e2e(out_rows: list, batches=(1, 32), new_tokens=256, prompt_len=128, skip_hf
         print(json.dumps(row), flush=True)
 
 
+def e2e_cpu(out_rows: list, batches=(1, 8), new_tokens=128, prompt_len=128, threads=2, reps=3) -> None:
+    """(c): `tiny` flavor, fp32, on the CPU; anyseek.generate vs transformers' generate (sdpa), same weights. Each
+    peer runs `reps` times, interleaved (a shared machine's load hits both alike); medians per peer."""
+    import statistics
+
+    import transformers
+
+    import anyseek
+    from anyseek.hf import config_to_hf
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.flavors import FLAVORS
+    from anyseek.model.transformer import DeepSeekV3
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = ModelConfig(**FLAVORS["tiny"])
+    model = DeepSeekV3(cfg).eval()
+    hf_cfg = transformers.DeepseekV3Config(**config_to_hf(cfg))
+    hf_cfg._attn_implementation = "sdpa"
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    hf.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}, strict=False)
+    for B in batches:
+        g = torch.Generator().manual_seed(B)
+        prompts = torch.randint(0, cfg.vocab_size, (B, prompt_len), generator=g).tolist()
+        ids = torch.tensor(prompts)
+
+        def ours(prompts=prompts):
+            return anyseek.generate(model, prompts, max_new_tokens=new_tokens, temperature=0)
+
+        def theirs(ids=ids):
+            with torch.no_grad():
+                return hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)  # fmt: skip
+
+        anyseek.generate(model, prompts, max_new_tokens=8, temperature=0)  # warm up both
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        times: dict[str, list[float]] = {"ours": [], "hf": []}
+        for r in range(reps):
+            for name, fn in (("ours", ours), ("hf", theirs)) if r % 2 == 0 else (("hf", theirs), ("ours", ours)):
+                t0 = time.perf_counter()
+                out = fn()
+                times[name].append(time.perf_counter() - t0)
+                if name == "ours":
+                    outs = out
+                else:
+                    ho = out
+        n_ours, n_hf = sum(len(o) for o in outs), (ho.shape[1] - prompt_len) * B
+        same = sum(o == h for o, h in zip(outs, ho[:, prompt_len:].tolist()))
+        t_ours, t_hf = statistics.median(times["ours"]), statistics.median(times["hf"])
+        row = {"B": B, "ours_tok_s": n_ours / t_ours, "hf_tok_s": n_hf / t_hf, "speedup": t_hf / t_ours * n_ours / n_hf,
+               "identical_rows": f"{same}/{B}", "reps": reps}  # fmt: skip
+        out_rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
 def profile(out_rows: list, kernel_only: bool = False) -> None:
     """Where a decode step's time goes on the `small` flavor: graph replay alone (GPU time), eager kernels by CUDA
     time, and the kernel alone at small batch inside a graph (no launch overhead)."""
@@ -216,10 +277,24 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="(c): tiny flavor on the CPU, fp32")
+    ap.add_argument("--batches", default="1,8", help="batch sizes for --cpu")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per peer for --cpu (interleaved; medians)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     both = not (args.kernel or args.e2e or args.profile)
     import transformers
+
+    if args.cpu:
+        meta = {"device": "cpu", "threads": 2, "torch": torch.__version__, "transformers": transformers.__version__,
+                "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+        print(json.dumps(meta))
+        rows: list = []
+        e2e_cpu(rows, batches=tuple(int(b) for b in args.batches.split(",")), reps=args.reps)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "decode_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        return 0
     import triton
 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from anyseek.infer.cache import PAGE, PagedLatentCache
+from anyseek.infer.cpu_decode import CpuDecoder, supports
 from anyseek.infer.layers import Step, layer_forward
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -39,6 +40,7 @@ class Engine:
         self.width = per_seq
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
+        self.cpu = CpuDecoder(model, self.cache, max_len, per_seq) if supports(model) else None  # few-op CPU steps
 
     # ---- inputs -------------------------------------------------------------------------------------------------
     def _upload(self, *rows: list[int]) -> list[torch.Tensor]:
@@ -83,10 +85,12 @@ class Engine:
         pos, slots, cu = [], [], [0]
         for sid, n in zip(seq_ids, lens):
             self.cache.add(sid)
-            self.cache.reserve(sid, n)
+            self.cache.reserve(sid, self.max_len if self.cpu is not None else n)  # CPU: a whole block at once
             pos += range(n)
             slots += self.cache.slots(sid, 0, n)
             cu.append(cu[-1] + n)
+        if self.cpu is not None:
+            self.cpu.refresh()  # the weights may have changed since the last request (training in between)
         ids, pos_t, slots_t, cu_t = self._upload([t for p in prompts for t in p], pos, slots, cu)
         cos, sin = self._rope(pos_t)
         step = Step(pos_t, cos, sin, slots_t, cu_seqlens=cu_t.to(torch.int32), max_seqlen=max(lens))
@@ -120,6 +124,8 @@ class Engine:
         """One new token per sequence -> logits fp32 [B, V] (a view into a static buffer when graph-replayed: read it
         before the next call)."""
         B = len(seq_ids)
+        if self.cpu is not None:
+            return self._cpu_decode(seq_ids, ids)
         if not self.use_graphs:
             return self.extend(seq_ids, [[t] for t in ids])[0]
         bucket = next((b for b in GRAPH_BUCKETS if b >= B), B)
@@ -144,6 +150,32 @@ class Engine:
         for sid, s in zip(seq_ids, starts):
             self.cache.seqs[sid].length = s + 1
         return logits[:B]
+
+    def _cpu_decode(self, seq_ids: list[int], ids: list[int]) -> torch.Tensor:
+        """`decode` on the CPU (`cpu_decode.CpuDecoder`): each sequence's cached rows are one block of the cache
+        (a batch on consecutive blocks: one view; else the blocks are gathered), masked past each sequence's end."""
+        c, P, B = self.cache, self.cache.page, len(seq_ids)
+        starts = [c.seqs[s].length for s in seq_ids]
+        slots, blocks = [], []
+        for sid, s in zip(seq_ids, starts):
+            c.reserve(sid, s + 1)
+            pages = c.seqs[sid].pages
+            slots.append(pages[s // P] * P + s % P)
+            blocks.append(self.cpu.block_of(pages))
+        if None in blocks:  # pages not taken by `prefill` (cannot happen with its whole-block reservation)
+            return self.extend(seq_ids, [[t] for t in ids])[0]
+        S = max(starts) + 1
+        extra = [] if blocks == list(range(blocks[0], blocks[0] + B)) else blocks
+        flat = torch.tensor(ids + starts + slots + extra, dtype=torch.int64)
+        ids_t, pos_t, slots_t = flat[:B], flat[B : 2 * B], flat[2 * B : 3 * B]
+        rows = flat[3 * B :] if extra else blocks[0]
+        mask = None
+        if min(starts) + 1 < S:
+            mask = torch.zeros(B, 1, S).masked_fill_(torch.arange(S) > pos_t[:, None, None], float("-inf"))
+        logits = self.cpu.step(ids_t, pos_t, slots_t, rows, mask, S)
+        for sid, s in zip(seq_ids, starts):
+            c.seqs[sid].length = s + 1
+        return logits
 
     def _graph_body(self, static_in: torch.Tensor, bucket: int) -> torch.Tensor:
         ids, pos, slots, table, lens = static_in.split([bucket, bucket, bucket, bucket * self.width, bucket])
