@@ -1,7 +1,8 @@
-"""The two seams through which the model reaches kernels, and nothing else.
+"""The seams through which the model reaches kernels, and nothing else.
 
 (a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
-(b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine).
+(b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine);
+(c) fused elementwise chains: `rms_norm`.
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -72,4 +73,11 @@ def routed_experts(
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI)
 
 
-__all__ = ["describe", "mla_attention", "registry", "routed_experts", "set_backend", "varlen_attention"]
+def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V3's RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before
+    the scale. x [..., D], weight [D] -> same shape as x, dtype the promotion of x's and weight's."""
+    fn = registry.get("rms_norm", x)
+    return fn(x, weight_D, eps)
+
+
+__all__ = ["describe", "mla_attention", "registry", "rms_norm", "routed_experts", "set_backend", "varlen_attention"]
