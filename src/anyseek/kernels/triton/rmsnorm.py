@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, D, eps, BD: tl.constexpr):
+def _rmsnorm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, D, eps, BD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     mask = cols < D
@@ -32,7 +32,7 @@ def _fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, D, eps, BD: tl.constexpr):
 
 
 @triton.jit
-def _bwd_kernel(DOUT, X, W, RSTD, DX, DW_PART, stride_do, stride_x, stride_dx, N, D, rows_per_program,
+def _rmsnorm_bwd_kernel(DOUT, X, W, RSTD, DX, DW_PART, stride_do, stride_x, stride_dx, N, D, rows_per_program,
                 BD: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
@@ -77,7 +77,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(N, dtype=torch.float32, device=x.device)
         BD = triton.next_power_of_2(D)
         if N:
-            _fwd_kernel[(N,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), D, eps, BD=BD,
+            _rmsnorm_fwd_kernel[(N,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), D, eps, BD=BD,
                               num_warps=min(16, max(1, BD // 256)))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
@@ -94,7 +94,7 @@ class _RMSNorm(torch.autograd.Function):
         dw_part = torch.zeros((P, D), dtype=torch.float32, device=x2.device)
         BD = triton.next_power_of_2(D)
         if N:
-            _bwd_kernel[(P,)](do2, x2, weight, rstd, dx, dw_part, do2.stride(0), x2.stride(0), dx.stride(0), N, D,
+            _rmsnorm_bwd_kernel[(P,)](do2, x2, weight, rstd, dx, dw_part, do2.stride(0), x2.stride(0), dx.stride(0), N, D,
                               rows_per_program, BD=BD, num_warps=min(16, max(1, BD // 256)))
         dw = dw_part.sum(0).to(weight.dtype)
         return dx.view(ctx.x_shape), dw, None
