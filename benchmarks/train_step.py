@@ -376,7 +376,7 @@ def main() -> None:
     print(f"Training step, {args.flavor} flavor ({base.num_parameters() / 1e6:.2f}M parameters), {args.tokens} "
           f"tokens/step, {args.dtype} parameters, {where}")
     method = (f"each case in a fresh process per round, {args.rounds} rounds, allocator {args.allocator}"
-              if device.type == "cpu" else "cases one after another in one process")
+              if device.type == "cpu" else "each case in a fresh process, profiled after its timed steps")
     print(f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{time.strftime('%Y-%m-%d')}, median of {args.steps} steps after {args.warmup} warm-up, {method}")
     print()
