@@ -1,8 +1,9 @@
-"""The two seams through which the model reaches kernels, and nothing else.
+"""The seams through which the model reaches kernels, and nothing else.
 
 (a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
 (b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine);
-(c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`).
+(c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`);
+(d) fused elementwise chains: `rms_norm`.
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -92,4 +93,12 @@ def mla_decode(
     return fn(q, cache, block_table, kv_lens, kv_lora_rank, softmax_scale)
 
 
-__all__ = ["describe", "mla_attention", "mla_decode", "registry", "routed_experts", "set_backend", "varlen_attention"]
+def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V3's RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before
+    the scale. x [..., D], weight [D] -> same shape as x, dtype the promotion of x's and weight's."""
+    fn = registry.get("rms_norm", x)
+    return fn(x, weight_D, eps)
+
+
+__all__ = ["describe", "mla_attention", "mla_decode", "registry", "rms_norm", "routed_experts", "set_backend",
+           "varlen_attention"]
