@@ -278,6 +278,9 @@ def test_lora_run_trains_adapters_keeps_base_and_exports(data_dir, base_dir, tmp
         f = folder(x.input_ids, cu_seqlens=x.cu_seqlens).logits
     assert (a - f).abs().max() > 1e-3  # the adapters changed the model
     assert (a - m).abs().max() <= 1e-5 * a.abs().max()
+    # the decode paths read the stacked expert weights themselves: they get base + adapters too
+    prompt = x.input_ids[:8].tolist()
+    assert hf_generate(model, prompt) == hf_generate(merged, prompt) != hf_generate(folder, prompt)
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = x.input_ids[: x.cu_seqlens[1]][None]
@@ -316,6 +319,72 @@ def test_lora_resume_is_bit_exact(data_dir, base_dir, tmp_path):
     a = load_file(str(tmp_path / "straight" / "step-4" / "adapters.safetensors"))
     b = load_file(str(tmp_path / "split" / "step-4" / "adapters.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def hf_generate(model, prompt: list[int]) -> list[int]:
+    from anyseek.infer.generate import generate
+
+    return generate(model, prompt, 12, temperature=0.0)
+
+
+def test_resume_compares_init_and_lora_settings(data_dir, base_dir, tmp_path):
+    from anyseek.train.resume import ResumeMismatch
+
+    out = tmp_path / "run"
+    run(lora_cfg(data_dir, base_dir, "--train.max_steps=1"), out)
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ResumeMismatch, match=r"train\.lora_alpha: checkpoint 8\.0, this run 4\.0"):
+        run(lora_cfg(data_dir, base_dir, "--train.max_steps=2", "--train.lora_alpha=4"), out, resume=True)
+    moved = tmp_path / "moved"
+    shutil.copytree(base_dir, moved)
+    c = lora_cfg(data_dir, moved, "--train.max_steps=2")
+    with pytest.raises(ResumeMismatch, match=r"train\.init: checkpoint"):
+        run(c, out, resume=True)
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing loaded or written
+    # the same model in another folder: allowed with --resume-override train.init (the content hash still matches)
+    messages: list[str] = []
+    Trainer(c, out, resume=True, log=messages.append, resume_overrides=("train.init",)).run()
+    assert any("resumed from" in m and "train.init" in m for m in messages)
+    # another model there: the adapters refuse it even when the path change is allowed
+    hf.save_pretrained(DeepSeekV3(_tiny_cfg(_vocab(data_dir), num_nextn_predict_layers=0)), moved)
+    from anyseek.storage import CheckpointError
+
+    c = lora_cfg(data_dir, moved, "--train.max_steps=3")
+    with pytest.raises(ResumeMismatch, match=r"init content \(sha256\)"):
+        run(c, out, resume=True)
+    with pytest.raises(CheckpointError, match="were trained on the base"):
+        Trainer(c, out, resume=True, log=lambda s: None, resume_overrides=("train.init",)).run()
+
+
+def test_init_hash_tells_two_checkpoints_of_one_model_apart(data_dir, base_dir, tmp_path):
+    from anyseek.train.init import content_hash
+
+    other = tmp_path / "other"
+    model = hf.load_pretrained(base_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.add_(1e-3)  # same shapes, same header: other weights
+    hf.save_pretrained(model, other)
+    assert content_hash(other) != content_hash(base_dir)
+    shutil.copytree(base_dir, tmp_path / "copy")
+    assert content_hash(tmp_path / "copy") == content_hash(base_dir)
+
+
+def test_generate_and_eval_name_export_for_a_lora_checkpoint(data_dir, base_dir, tmp_path):
+    from anyseek.infer.checkpoint import CLIError, resolve
+
+    run(lora_cfg(data_dir, base_dir, "--train.max_steps=1"), tmp_path / "r")
+    for folder in (tmp_path / "r", tmp_path / "r" / "step-1"):
+        with pytest.raises(CLIError, match="anyseek export --merge"):
+            resolve(folder)
+
+
+def test_export_errors_are_one_line(tmp_path, capsys):
+    from anyseek.cli import main
+
+    assert main(["export", "--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "neither a LoRA step-N folder nor a run folder" in err
+    assert err.count("\n") == 1 and not (tmp_path / "x").exists()
 
 
 def test_lora_checkpoint_refuses_another_base(data_dir, base_dir, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -103,6 +104,10 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"train.{f.name} must be a finite number, got {value}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be positive, got {self.lr}")
         for name in ("mtp_loss_weight_schedule", "bias_update_speed_schedule"):
@@ -307,7 +312,8 @@ def _check_lora(t: TrainConfig) -> None:
         raise ConfigError(f"train.lora_base_dtype must be one of auto, bf16, fp32, got {t.lora_base_dtype!r}")
     bad = [x for x in t.lora_targets if x not in LORA_TARGETS] if isinstance(t.lora_targets, list) else [t.lora_targets]
     if bad or not t.lora_targets:
-        raise ConfigError(f"train.lora_targets must be a non-empty list of {', '.join(LORA_TARGETS)}; got {t.lora_targets!r}")
+        raise ConfigError(f"train.lora_targets must be a non-empty list of {', '.join(LORA_TARGETS)}; "
+                          f"got {t.lora_targets!r}")
     if t.lora_rank and not t.init:
         raise ConfigError("train.lora_rank needs a base model to adapt: pass --init PATH (or set train.init)")
     if t.lora_rank and t.bias_update_speed_schedule:

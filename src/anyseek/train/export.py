@@ -38,14 +38,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
-    try:
-        if args.merge:
-            out = export_merged(args.merge, args.out, args.base, getattr(torch, args.dtype) if args.dtype else None)
-        else:
-            out = export_peft(args.peft, args.out)
-    except (CheckpointError, ValueError) as e:
-        print(f"anyseek export: {e}", file=sys.stderr)
-        return 2
+    """A bad folder or a base that does not match raises CheckpointError (a ValueError): `anyseek.cli` prints it as
+    one `error:` line and exits 2."""
+    if args.merge:
+        out = export_merged(args.merge, args.out, args.base, getattr(torch, args.dtype) if args.dtype else None)
+    else:
+        out = export_peft(args.peft, args.out)
     print(f"wrote {out}")
     return 0
 
@@ -81,8 +79,11 @@ def load_lora_model(step: Path, base: str | Path | None = None, dtype: torch.dty
 
 
 def export_merged(run_or_step, out, base=None, dtype: torch.dtype | None = None) -> Path:
-    from anyseek.hf import save_pretrained
+    """The base with the adapters merged, as a Hugging Face folder with the run's tokenizer, written atomically
+    (`anyseek.storage.atomic_folder`: an existing `out` is replaced only once the new folder is complete)."""
+    from anyseek.hf import write_model_files
     from anyseek.hf.pretrained import _config_dtype
+    from anyseek.storage import atomic_folder
     from anyseek.train.lora import merge_lora, read_lora_json
 
     step = find_lora_checkpoint(run_or_step)
@@ -92,10 +93,11 @@ def export_merged(run_or_step, out, base=None, dtype: torch.dtype | None = None)
     if dtype is None:
         dtype = _config_dtype(json.loads((base_folder / "config.json").read_text()))
     out = Path(out)
-    save_pretrained(model, out, dtype=dtype)
-    for f in sorted(step.iterdir()):  # the run's tokenizer (the base's, by construction)
-        if f.name.startswith(("tokenizer", "special_tokens_map")):
-            shutil.copy2(f, out / f.name)
+    with atomic_folder(out) as tmp:
+        write_model_files(model, tmp, dtype)  # config.json, generation_config.json, safetensors
+        for f in sorted(step.iterdir()):  # the run's tokenizer (the base's, by construction)
+            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens_map")):
+                shutil.copy2(f, tmp / f.name)
     return out
 
 
@@ -111,8 +113,8 @@ def export_peft(run_or_step, out) -> Path:
     if not tensors:
         raise ValueError(f"{step}: none of its adapters can be written for PEFT (targets {list(spec.targets)})")
     if left_out:
-        print(f"anyseek export: left out of the PEFT folder (PEFT cannot place them on transformers' DeepseekV3): "
-              f"{len(left_out)} adapters, e.g. {left_out[0]}; `--merge` keeps them", file=sys.stderr)
+        print("anyseek export: warning: left out of the PEFT folder (PEFT cannot place them on transformers' "
+              f"DeepseekV3): {len(left_out)} adapters, e.g. {left_out[0]}; `--merge` keeps them", file=sys.stderr)
     modules = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for k in tensors})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": ref["path"],

@@ -10,14 +10,16 @@ dequantized on load) or a full-weight `step-N` checkpoint. From the folder come:
   tokenizer is an error naming both.
 - the weights, streamed into a model built on the meta device (`anyseek.hf.load_pretrained`): one copy in memory.
 
-Optimizer, schedule and data order start fresh. `reference()` (path + content hash of config.json and the
-safetensors headers) goes into every checkpoint's train_state.json; LoRA checkpoints need it to find their base.
+Optimizer, schedule and data order start fresh. `reference()` (path + content hash of config.json, the safetensors
+headers and a sample of every tensor's bytes) goes into every checkpoint's train_state.json; LoRA checkpoints need
+it to find their base, and `--resume` compares it (anyseek.train.resume).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +67,13 @@ class InitSource:
         return {"path": str(self.path.resolve()), "sha256": content_hash(self.path)}
 
 
+SAMPLE_BYTES = 64  # of every tensor's data, from its middle, hashed with the headers
+
+
 def content_hash(folder: Path) -> str:
     """sha256 over config.json, the weights index and every safetensors file's header and size (names, shapes,
-    dtypes, offsets; not the tensor bytes, which would mean reading the whole model)."""
+    dtypes, offsets) plus SAMPLE_BYTES from the middle of every tensor: two checkpoints of one architecture (another
+    step, another fine-tune, a merged LoRA) differ, without reading the whole model (one small read per tensor)."""
     h = hashlib.sha256()
     for f in [folder / "config.json", *sorted(folder.glob("*.safetensors.index.json"))]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -75,7 +81,15 @@ def content_hash(folder: Path) -> str:
         with open(f, "rb") as fh:
             head = fh.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            h.update(f.name.encode() + b"\0" + head + fh.read(min(n, 100 << 20)) + str(f.stat().st_size).encode())
+            header = fh.read(min(n, 100 << 20))
+            h.update(f.name.encode() + b"\0" + head + header + str(f.stat().st_size).encode())
+            try:
+                spans = sorted(tuple(v["data_offsets"]) for k, v in json.loads(header).items() if k != "__metadata__")
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue  # not a readable header: hashed as bytes above, the loader will say what is wrong
+            for begin, end in spans:
+                fh.seek(8 + n + (begin + end - SAMPLE_BYTES) // 2 if end - begin > SAMPLE_BYTES else 8 + n + begin)
+                h.update(fh.read(min(SAMPLE_BYTES, end - begin)))
     return h.hexdigest()
 
 

@@ -12,7 +12,9 @@ Routed experts get per-expert adapters, stacked: `LoRAExperts` forms the effecti
 one batched matmul per projection (torch.baddbmm) and calls the unchanged `anyseek.kernels.routed_experts` seam,
 so every backend (reference, grouped_mm, any later Triton kernel) runs LoRA experts without knowing of them and no
 Python loop runs over experts. The price: the backward forms the full [E, F, D] gradient of the effective weights
-(then two batched matmuls reduce it to dA, dB), as full fine-tuning does; the adapters are a few MB.
+(then two batched matmuls reduce it to dA, dB), as full fine-tuning does; the adapters are a few MB. Code that reads
+the stacked weights itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer prints) gets the
+effective weights from `LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
 
 Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 """
@@ -109,13 +111,22 @@ class LoRAExperts(nn.Module):
             for e in range(E):  # setup only: the same init per expert as a LoRALinear of that expert
                 nn.init.kaiming_uniform_(a.data[e], a=math.sqrt(5))
 
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        """The effective gate|up weights W + s * B A [E, F, D] (one batched matmul), for code that reads the stacked
+        weights instead of calling the module (the decode paths in anyseek.infer), as `LoRALinear.weight` is."""
+        w = self.base.gate_up_proj
+        return torch.baddbmm(w, self.gate_up_lora_B.to(w.dtype), self.gate_up_lora_A.to(w.dtype), alpha=self.scale)
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        """The effective down weights W + s * B A [E, D, I]."""
+        w = self.base.down_proj
+        return torch.baddbmm(w, self.down_lora_B.to(w.dtype), self.down_lora_A.to(w.dtype), alpha=self.scale)
+
     def effective(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, F, D], down [E, D, I]) = W + s * B A per expert: one batched matmul each."""
-        w_gu, w_d = self.base.gate_up_proj, self.base.down_proj
-        gate_up_EFD = torch.baddbmm(w_gu, self.gate_up_lora_B.to(w_gu.dtype), self.gate_up_lora_A.to(w_gu.dtype),
-                                    alpha=self.scale)
-        down_EDI = torch.baddbmm(w_d, self.down_lora_B.to(w_d.dtype), self.down_lora_A.to(w_d.dtype), alpha=self.scale)
-        return gate_up_EFD, down_EDI
+        return self.gate_up_proj, self.down_proj
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         from anyseek import kernels
