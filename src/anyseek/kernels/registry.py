@@ -197,6 +197,9 @@ def _register_defaults() -> None:
         register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
     register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.reference.moe.grouped_mm_routed_experts"),
                                        _lazy_check("anyseek.kernels.reference.moe.grouped_mm_available"), ("cuda",)))
+    register("routed_experts", Backend("triton", _lazy("anyseek.kernels.triton.moe.routed_experts"),
+                                       _lazy_check("anyseek.kernels.triton.check.moe_available"), ("cuda",)),
+             before="grouped_mm")  # fmt: skip
     register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
 
 

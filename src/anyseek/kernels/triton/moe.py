@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from anyseek.kernels.triton import moe_family
 from anyseek.kernels.triton.attention import _launch
 from anyseek.kernels.triton.moe_gemm import EPI_DSWIGLU, EPI_PLAIN, EPI_SWIGLU, _grouped_gemm_kernel
 from anyseek.kernels.triton.moe_gemm import _grouped_wgrad_kernel
@@ -44,14 +45,10 @@ GROUP_M = 8  # row tiles side by side in the launch order, so that they share ea
 
 
 def family(device: torch.device) -> str:
+    """The row of _TABLE for a device (see moe_family.FAMILIES)."""
     if device.type != "cuda":
         return "interpreter"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major in (9, 10):
-        return "hopper"
-    if (major, minor) == (8, 0):
-        return "ampere_dc"
-    return "consumer"
+    return moe_family.family(torch.cuda.get_device_capability(device))
 
 
 def _config(device: torch.device, kind: str) -> dict:
