@@ -23,8 +23,13 @@ import triton
 
 from anyseek.kernels.triton import moe_family
 from anyseek.kernels.triton.attention import _launch
-from anyseek.kernels.triton.moe_gemm import EPI_DSWIGLU, EPI_PLAIN, EPI_SWIGLU, _grouped_gemm_kernel
-from anyseek.kernels.triton.moe_gemm import _grouped_wgrad_kernel
+from anyseek.kernels.triton.moe_gemm import (
+    EPI_DSWIGLU,
+    EPI_PLAIN,
+    EPI_SWIGLU,
+    _grouped_gemm_kernel,
+    _grouped_wgrad_kernel,
+)
 
 # Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
 # the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up: half the column tile, the
@@ -144,7 +149,7 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool):
 def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan):
     """-> dx [T, D], dw [M] (slot order, fp32), d gate_up [E, F, D], d down [E, D, I]."""
     T, D = x_TD.shape
-    E, F, _ = gate_up_EFD.shape
+    _E, F, _ = gate_up_EFD.shape
     I = F // 2
     M = plan[0].numel()
     slot, tok, offs = plan[0], plan[1], plan[2]
