@@ -15,6 +15,10 @@ FAMILIES = [
 ]  # fmt: skip
 
 
+# why triton sits ahead of grouped_mm in the registry (benchmarks/moe.py; docs/benchmarks.md)
+MEASURED = "faster forward+backward at every benchmarked shape on an H100"
+
+
 def family(cc: tuple[int, int]) -> str:
     """The launch-settings row for a compute capability (unknown newer GPUs: the consumer row, the smallest)."""
     for _, ccs, row, _ in FAMILIES:
@@ -32,12 +36,18 @@ def why(cc: tuple[int, int]) -> str:
 
 
 def doctor_lines(chain: list[str]) -> list[str]:
-    """`anyseek doctor`: the routed_experts backend per GPU family for the registry's priority order `chain`."""
+    """`anyseek doctor`: the routed_experts backend per GPU family, bf16, for the registry's priority order `chain`
+    (an fp16 model never gets grouped_mm: it is bf16 only)."""
     lines = ["routed_experts by GPU family (bf16; ANYSEEK_MOE=name overrides):"]
     for name, ccs, _, grouped in FAMILIES:
         fused = "fused" in grouped
-        pick = next((b for b in chain if b == "triton" or (b == "grouped_mm" and fused) or b == "reference"), "-")
-        reason = "first in priority order" if pick == chain[0] else "torch._grouped_mm " + grouped
+        pick = next((b for b in chain if b in ("triton", "reference") or (b == "grouped_mm" and fused)), "-")
+        if pick == "triton" and fused:
+            reason = f"ahead of torch._grouped_mm ({grouped}): {MEASURED}"
+        elif pick == "triton":
+            reason = f"torch._grouped_mm here {grouped}"
+        else:
+            reason = f"torch._grouped_mm: {grouped}"
         sm = "/".join(f"sm_{a}{b}" for a, b in ccs)
         lines.append(f"  {name} [{sm}]: {pick} ({reason})")
     return lines
