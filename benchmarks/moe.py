@@ -217,8 +217,8 @@ def tune(out_dir: str | None) -> None:
     row = moe.family(torch.device("cuda"))
     base = dict(moe._TABLE[row])
     lines = [f"Launch settings (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), fwd+bwd ms, {env_line()}", "",
-             "| kernel | setting | 16B 16k balanced | 671B 16k balanced | small 16k skewed |", "|---|---|---|---|---|"]
-    cases = [("16B", 16384, "balanced"), ("671B", 16384, "balanced"), ("small", 16384, "skewed")]
+             "| kernel | setting | 16B 16k balanced | 671B 16k balanced |", "|---|---|---|---|"]
+    cases = [("16B", 16384, "balanced"), ("671B", 16384, "balanced")]
     inputs = {c: make(*c) for c in cases}
     for kind, settings in TUNE.items():
         for s in settings:
