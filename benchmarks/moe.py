@@ -70,8 +70,10 @@ def emit(lines: list[str], out_dir: str | None, name: str) -> None:
 def _loop_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm as PyTorch computes it without the fused kernel: offsets to the host, a matmul per group."""
     bounds = [0] + offs_E.tolist()  # host sync
-    b_KN = b_EKN.unbind(0)  # not b_EKN[g]: each select's backward would build a full-size [E, K, N] gradient
-    outs = [a_MK[s:e] @ b_KN[g] for g, (s, e) in enumerate(itertools.pairwise(bounds))]
+    # split/unbind, not a[s:e] / b[g]: each slice's backward would build a full-size gradient (E of them), which
+    # PyTorch's fallback (its backward is _grouped_mm again, looping into one output) does not do
+    a_parts, b_KN = a_MK.split([e - s for s, e in itertools.pairwise(bounds)]), b_EKN.unbind(0)
+    outs = [a @ b for a, b in zip(a_parts, b_KN)]
     return torch.cat(outs)
 
 

@@ -32,16 +32,17 @@ from anyseek.kernels.triton.moe_gemm import (
 )
 
 # Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
-# the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up: half the column tile, the
-# same shared memory per stage), "wgrad" the weight gradients. BLOCK_M must be equal in "gemm" and "swiglu": the
+# the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight gradients. BLOCK_M must be equal in "gemm" and "swiglu": the
 # routing plan's row tiles serve both.
-# - hopper (sm_90) and blackwell_dc (sm_100/103, 228 KB shared memory per SM): measured on an H100 (see
-#   docs/benchmarks.md). 32 KB of operands per stage, 4 stages.
+# - hopper (sm_90) and blackwell_dc (sm_100/103, 228 KB shared memory per SM): swept on an H100 (benchmarks/moe.py
+#   --tune, docs/benchmarks.md): 128x128x64 tiles, 8 warps, 4 stages (32 KB per stage) for gemm and wgrad
+#   (128x256, 256x128, 4 warps, 3 stages, BLOCK_K 32 all 1-9% slower); the SwiGLU GEMM with two 128-wide
+#   accumulators and 3 stages (48 KB per stage) was 3% faster than 64-wide ones with 4.
 # - ampere_dc (sm_80, A100: 164 KB): the same tiles with BLOCK_K 32, 16 KB per stage, 4 stages (not measured here).
 # - consumer (sm_86/89/120: ~100 KB, RTX 30xx/40xx/50xx, RTX PRO): 128x64 tiles, BLOCK_K 32, 3 stages, ~36 KB
 #   (not measured here). On any GPU `_launch` lowers num_stages when shared memory runs out.
 _TABLE = {
-    "hopper": {"gemm": (128, 128, 64, 8, 4), "swiglu": (128, 64, 64, 8, 4), "wgrad": (128, 128, 64, 8, 4)},
+    "hopper": {"gemm": (128, 128, 64, 8, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 4)},
     "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4)},
     "consumer": {"gemm": (128, 64, 32, 4, 3), "swiglu": (128, 32, 32, 4, 3), "wgrad": (64, 128, 32, 4, 3)},
     "interpreter": {"gemm": (16, 16, 16, 1, 1), "swiglu": (16, 16, 16, 1, 1), "wgrad": (16, 16, 16, 1, 1)},
