@@ -66,7 +66,7 @@ def emit(lines: list[str], out_dir: str | None, name: str) -> None:
 
 
 def check(out_dir: str | None) -> bool:
-    from anyseek.kernels import checks, ops
+    from anyseek.kernels import accuracy, ops
 
     g = torch.Generator().manual_seed(0)
     rand = [1] + torch.randint(1, 700, (12,), generator=g).tolist() + [1, 129]
@@ -88,10 +88,10 @@ def check(out_dir: str | None) -> bool:
     ok_all, worst = True, 0.0
     for kind, what, lengths, H, dims, dt, causal in cases:
         op = "mla_attention" if kind == "mla" else "varlen_attention"
-        table = checks.error_table(getattr(ops, op), op, lengths, H, dims, dt, "cuda", causal)
+        table = accuracy.error_table(getattr(ops, op), op, lengths, H, dims, dt, "cuda", causal)
         ratios = {n: e / max(p, 1e-12) for n, e, p in table}
         name = max(ratios, key=ratios.get)
-        ok = checks.passes(table, dt)
+        ok = accuracy.passes(table, dt)
         ok_all &= ok
         worst = max(worst, ratios[name])
         lines.append(
@@ -99,10 +99,10 @@ def check(out_dir: str | None) -> bool:
         )
         torch.cuda.empty_cache()
     # 64-bit offsets: the last document starts past 2**31 elements of q (T * H * 192 > 2**31)
-    table = checks.tail_document_table(ops.mla_attention, 90_000, 128, 1000, torch.bfloat16, "cuda")
+    table = accuracy.tail_document_table(ops.mla_attention, 90_000, 128, 1000, torch.bfloat16, "cuda")
     ratios = {n: e / max(p, 1e-12) for n, e, p in table}
     name = max(ratios, key=ratios.get)
-    ok = checks.passes(table, torch.bfloat16)
+    ok = accuracy.passes(table, torch.bfloat16)
     ok_all &= ok
     worst = max(worst, ratios[name])
     lines.append(f"| mla_attention | T=90000, last doc of 1000 past 2^31 elements | 128 | bfloat16 | True | "

@@ -7,9 +7,9 @@
 
 Shapes (E experts, I expert width, K experts per token, D hidden): small 32/512/4/1024, 16B (Moonlight)
 64/1408/6/2048, 671B (DeepSeek-V3, one layer) 256/2048/8/7168; balanced routing (K distinct experts drawn
-uniformly per token) and skewed routing (expert popularity ~ 1/rank, `checks.moe_routing`). Peers, each given the
-same bf16 inputs and fp32 routing weights:
-  grouped_mm  anyseek's current backend: torch._grouped_mm (CUTLASS grouped GEMM on sm_90/sm_100, bf16 only);
+uniformly per token) and skewed routing (expert popularity ~ 1/rank, `accuracy.moe_routing`). Peers, each given
+the same bf16 inputs and fp32 routing weights:
+  grouped_mm  anyseek's torch._grouped_mm backend (CUTLASS grouped GEMM on sm_90/sm_100, bf16 only);
   loop        what torch._grouped_mm does on every other GPU (sm_80/86/89/120): offsets copied to the host, one
               matmul per expert (written as PyTorch's fallback does), autograd through it;
   reference   anyseek's pure-PyTorch reference (also a per-expert loop, routing weight on the activation).
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 import itertools
 
-from anyseek.kernels import checks
+from anyseek.kernels import accuracy, torch_backends
 from anyseek.kernels.reference import moe as ref_moe
 
 SHAPES = {  # name: (E, I, K, D)
@@ -92,9 +92,9 @@ def backends() -> dict:
     from anyseek.kernels.triton import moe
 
     fns = {"triton": moe.routed_experts}
-    ok, _ = ref_moe.grouped_mm_available(torch.empty(1, device="cuda", dtype=torch.bfloat16))
+    ok, _ = torch_backends.grouped_mm_available(torch.empty(1, device="cuda", dtype=torch.bfloat16))
     if ok:
-        fns["grouped_mm"] = ref_moe.grouped_mm_routed_experts
+        fns["grouped_mm"] = torch_backends.grouped_mm_routed_experts
     fns["loop"] = loop_routed_experts
     fns["reference"] = ref_moe.routed_experts
     return fns
@@ -107,7 +107,7 @@ def backends() -> dict:
 def make(shape: str, T: int, routing: str, seed: int = 0):
     E, I, K, D = SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
-    ids = checks.moe_routing(T, E, K, routing, g).cuda()
+    ids = accuracy.moe_routing(T, E, K, routing, g).cuda()
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     w = (torch.rand(T, K, device="cuda") + 0.1) / K
     gu = (torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) / D**0.5).requires_grad_()
@@ -187,14 +187,14 @@ def check(out_dir: str | None) -> bool:
              "|---|---|---|---|---|"]  # fmt: skip
     ok = True
     for T, D, I, E, K, routing in cases:
-        inputs = checks.moe_inputs(T, D, I, E, K, routing, seed=T)
+        inputs = accuracy.moe_inputs(T, D, I, E, K, routing, seed=T)
         for dtype in (torch.bfloat16, torch.float16):
-            table = checks.moe_error_table(moe.routed_experts, inputs, dtype, "cuda")
-            good = checks.passes(table, dtype)
+            table = accuracy.moe_error_table(moe.routed_experts, inputs, dtype, "cuda")
+            good = accuracy.passes(table, dtype)
             ok &= good
             errs = " ".join(f"{n} {e:.1e}/{p:.1e}" for n, e, p in table)
             lines.append(f"| T={T} D={D} I={I} E={E} K={K} {routing} | {str(dtype)[6:]} | {'PASS' if good else 'FAIL'}"
-                         f" | {checks.worst_ratio(table):.2f} | {errs} |")  # fmt: skip
+                         f" | {accuracy.worst_ratio(table):.2f} | {errs} |")  # fmt: skip
             print(lines[-1], flush=True)
         torch.cuda.empty_cache()
     emit(lines, out_dir, "check.md")

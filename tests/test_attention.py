@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from anyseek import kernels
 from anyseek.kernels import reference, torch_backends
 
 
@@ -54,11 +55,13 @@ def test_sdpa_varlen_matches_reference(dqk, dv, tiles):
 def test_bad_shapes_name_the_problem():
     cu = _cu([4])
     with pytest.raises(ValueError, match="N\\+R=24"):
-        torch_backends.sdpa_mla_attention(
+        kernels.mla_attention(
             torch.randn(4, 2, 24), torch.randn(4, 2, 16), torch.randn(4, 4), torch.randn(4, 2, 8), cu, 4
         )
     with pytest.raises(ValueError, match="token count 5"):
-        torch_backends.sdpa_varlen_attention(torch.randn(5, 1, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8), cu, 4)
+        kernels.varlen_attention(torch.randn(5, 1, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8), cu, 4)
+    with pytest.raises(ValueError, match="1-D int32"):
+        kernels.varlen_attention(torch.randn(4, 1, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8), cu.float(), 4)
 
 
 def test_mixed_dtypes_follow_q():

@@ -27,19 +27,19 @@ INTERP_CASES = [
 
 def _worker() -> None:
     """Runs in the subprocess: every case, then torch.compile over the custom ops; prints one JSON line."""
-    from anyseek.kernels import checks, ops
+    from anyseek.kernels import accuracy, ops
 
     results = {}
     for name, op, lengths, H, dims, dtype, causal in INTERP_CASES:
         dt = getattr(torch, dtype)
-        table = checks.error_table(getattr(ops, op), op, lengths, H, dims, dt, "cpu", causal, scale=None, seed=1)
-        results[name] = {"pass": checks.passes(table, dt), "table": table}
+        table = accuracy.error_table(getattr(ops, op), op, lengths, H, dims, dt, "cpu", causal, scale=None, seed=1)
+        results[name] = {"pass": accuracy.passes(table, dt), "table": table}
     # the 64-bit indexing path (taken on batches past 2**31 elements), forced on a small case
     from anyseek.kernels.triton import attention
 
     big, attention._big = attention._big, lambda *a: True
-    table = checks.error_table(ops.mla_attention, "mla_attention", [3, 20, 1], 2, (16, 16, 16), torch.float16, "cpu")
-    results["int64_path"] = {"pass": checks.passes(table, torch.float16), "table": table}
+    table = accuracy.error_table(ops.mla_attention, "mla_attention", [3, 20, 1], 2, (16, 16, 16), torch.float16, "cpu")
+    results["int64_path"] = {"pass": accuracy.passes(table, torch.float16), "table": table}
     attention._big = big
     # torch.compile traces the custom ops through their fake implementations (aot_eager: no C++ compiler)
     cu = torch.tensor([0, 3, 20], dtype=torch.int32)
@@ -92,36 +92,36 @@ def _gpu_lengths(kind: str) -> list[int]:
 @pytest.mark.parametrize("kind", ["random", "thousand_short", "long"])
 @pytest.mark.parametrize("H", [1, 16, 128])
 def test_gpu_mla(kind, H, dtype):
-    from anyseek.kernels import checks, ops
+    from anyseek.kernels import accuracy, ops
 
     lengths = _gpu_lengths(kind)
     if H == 128 and kind == "long":
         lengths = [1500]  # the fp32 reference materialises H x L x L scores
-    table = checks.error_table(ops.mla_attention, "mla_attention", lengths, H, (128, 64, 128), dtype, "cuda")
-    assert checks.passes(table, dtype), table
+    table = accuracy.error_table(ops.mla_attention, "mla_attention", lengths, H, (128, 64, 128), dtype, "cuda")
+    assert accuracy.passes(table, dtype), table
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (96, 80)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_varlen(dims, causal):
-    from anyseek.kernels import checks, ops
+    from anyseek.kernels import accuracy, ops
 
-    table = checks.error_table(
+    table = accuracy.error_table(
         ops.varlen_attention, "varlen_attention", _gpu_lengths("random"), 4, dims, torch.bfloat16, "cuda", causal
     )
-    assert checks.passes(table, torch.bfloat16), table
+    assert accuracy.passes(table, torch.bfloat16), table
 
 
 @pytest.mark.cuda
 def test_gpu_offsets_past_2_31():
-    from anyseek.kernels import checks, ops
+    from anyseek.kernels import accuracy, ops
 
     free, _ = torch.cuda.mem_get_info()
     if free < 40 * 2**30:
         pytest.skip("needs ~40 GiB of free GPU memory")
-    table = checks.tail_document_table(ops.mla_attention, 90_000, 128, 1000, torch.bfloat16, "cuda")
-    assert checks.passes(table, torch.bfloat16), table
+    table = accuracy.tail_document_table(ops.mla_attention, 90_000, 128, 1000, torch.bfloat16, "cuda")
+    assert accuracy.passes(table, torch.bfloat16), table
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from anyseek.hf import config_from_hf, config_to_hf, read_config_json
 from anyseek.model.config import ModelConfig
 from anyseek.model.flavors import FLAVORS
 from anyseek.model.transformer import DeepSeekV3
@@ -55,33 +56,33 @@ def test_flops_per_token_counts_active_weights_and_attention():
 @pytest.mark.parametrize("name", sorted(FLAVORS))
 def test_hf_dict_round_trip(name):
     c = ModelConfig.from_name(name)
-    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
-    assert c.to_hf_dict()["model_type"] == "deepseek_v3"
+    assert config_from_hf(config_to_hf(c)) == c
+    assert config_to_hf(c)["model_type"] == "deepseek_v3"
 
 
 @pytest.mark.parametrize("name", ["tiny", "671B"])
 def test_round_trip_through_transformers_config(name, tmp_path):
     transformers = pytest.importorskip("transformers")
     c = ModelConfig.from_name(name)
-    hf = transformers.DeepseekV3Config(**c.to_hf_dict())
+    hf = transformers.DeepseekV3Config(**config_to_hf(c))
     hf.save_pretrained(tmp_path)
-    back = ModelConfig.from_json_file(tmp_path / "config.json")
+    back = read_config_json(tmp_path / "config.json")
     assert back == c
 
 
 def test_both_rope_spellings():
     yarn = {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}
-    old = ModelConfig.from_hf_dict({"rope_theta": 500.0, "rope_scaling": {"type": "yarn", **yarn}})
-    new = ModelConfig.from_hf_dict({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, **yarn}})
+    old = config_from_hf({"rope_theta": 500.0, "rope_scaling": {"type": "yarn", **yarn}})
+    new = config_from_hf({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, **yarn}})
     assert old == new and old.rope_theta == 500.0 and old.rope_scaling["factor"] == 40.0
-    plain = ModelConfig.from_hf_dict({"rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
+    plain = config_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
     assert plain.rope_scaling is None and plain.rope_theta == 7.0
 
 
 def test_official_spellings_accepted():
-    c = ModelConfig.from_hf_dict({"q_lora_rank": 0, "num_mtp_layers": 2, "topk_method": "noaux_tc", "seq_aux": True})
+    c = config_from_hf({"q_lora_rank": 0, "num_mtp_layers": 2, "topk_method": "noaux_tc", "seq_aux": True})
     assert c.q_lora_rank is None and c.num_nextn_predict_layers == 2
-    assert ModelConfig.from_hf_dict({"model_type": "deepseek_v2"}).num_nextn_predict_layers == 0  # silent: no MTP
+    assert config_from_hf({"model_type": "deepseek_v2"}).num_nextn_predict_layers == 0  # silent: no MTP
 
 
 @pytest.mark.parametrize(
@@ -106,23 +107,23 @@ def test_bad_fields_are_named(fields, message):
 
 
 def test_bad_config_json_is_named(tmp_path):
-    good = ModelConfig.from_name("tiny").to_hf_dict()
+    good = config_to_hf(ModelConfig.from_name("tiny"))
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**good, "moe_frobnication": 3}))
     with pytest.raises(ValueError, match=r"config\.json: unknown config key\(s\): moe_frobnication"):
-        ModelConfig.from_json_file(path)
+        read_config_json(path)
     path.write_text(json.dumps({**good, "hidden_act": "gelu"}))
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
-        ModelConfig.from_json_file(path)
+        read_config_json(path)
     path.write_text(json.dumps({**good, "num_key_value_heads": 1}))
     with pytest.raises(ValueError, match=r"num_key_value_heads \(1\) must equal num_attention_heads \(4\)"):
-        ModelConfig.from_json_file(path)
+        read_config_json(path)
     path.write_text(json.dumps({**good, "n_group": 3}))
     with pytest.raises(ValueError, match=r"config\.json: n_routed_experts \(8\) must be divisible by n_group \(3\)"):
-        ModelConfig.from_json_file(path)
+        read_config_json(path)
     path.write_text('{"hidden_size": 64,\n "vocab_size": }')
     with pytest.raises(ValueError, match="not valid JSON \\(line 2"):
-        ModelConfig.from_json_file(path)
+        read_config_json(path)
     with pytest.raises(ValueError, match="unknown model flavor 'huge'"):
         ModelConfig.from_name("huge")
 
@@ -148,9 +149,22 @@ OFFICIAL_V3 = {
 
 
 def test_official_v3_config_is_the_671b_flavor():
-    c = ModelConfig.from_hf_dict(OFFICIAL_V3)
-    assert c == ModelConfig.from_name("671B", aux_loss_alpha=0.001)
+    with pytest.warns(UserWarning, match=r"ignoring aux_loss_alpha=0\.001 \(a DeepSeek-V2 leftover"):
+        c = config_from_hf(OFFICIAL_V3)
+    # the official file's aux_loss_alpha (0.001, V2's) must not set our balance-loss weight: the report's 1e-4 stays
+    assert c == ModelConfig.from_name("671B")
+    assert c.aux_loss_alpha == 1e-4
     assert c.extra == {"bos_token_id": 0, "eos_token_id": 1}
+
+
+def test_v2_config_keeps_its_aux_loss_alpha_and_our_knobs_round_trip():
+    v2 = config_from_hf({"model_type": "deepseek_v2", "scoring_func": "softmax", "aux_loss_alpha": 0.003,
+                         "n_group": 1, "topk_group": 1})
+    assert v2.aux_loss_alpha == 0.003
+    custom = ModelConfig.from_name("tiny", aux_loss_alpha=5e-4, mtp_loss_weight=0.1, bias_update_speed=0.0)
+    d = config_to_hf(custom)
+    assert "aux_loss_alpha" not in d and d["anyseek"]["aux_loss_alpha"] == 5e-4  # under our own key, never V2's
+    assert config_from_hf(d) == custom
 
 
 @pytest.mark.parametrize(
@@ -193,4 +207,6 @@ MOONLIGHT = {
 
 
 def test_moonlight_config_is_the_16b_flavor():
-    assert ModelConfig.from_hf_dict(MOONLIGHT) == ModelConfig.from_name("16B", aux_loss_alpha=0.001)
+    with pytest.warns(UserWarning, match="ignoring aux_loss_alpha=0.001"):
+        moonlight = config_from_hf(MOONLIGHT)
+    assert moonlight == ModelConfig.from_name("16B")  # its aux_loss_alpha (a V2 leftover) is ignored

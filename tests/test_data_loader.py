@@ -10,7 +10,7 @@ import torch
 from test_data_fixtures import corpus
 
 from anyseek.data.loader import PackedLoader
-from anyseek.data.packing import IGNORE_INDEX, segment_bounds
+from anyseek.data.pieces import IGNORE_INDEX, segment_bounds
 from anyseek.data.prepare import prepare
 from anyseek.data.shards import open_split
 

@@ -14,9 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from anyseek.model import hf, hf_io
-from anyseek.model.hf_fp8 import dequantize_blockwise, quantize_blockwise, scale_shape
-from anyseek.model.hf_io import CheckpointError
+from anyseek.hf import pretrained as hf
+from anyseek.hf import safetensors_io as hf_io
+from anyseek.hf.fp8 import dequantize_blockwise, quantize_blockwise, scale_shape
+from anyseek.model.config import ModelConfig
+from anyseek.storage import CheckpointError
 
 N_LAYERS, E, D, INTER, V = 2, 4, 16, 8, 32
 
@@ -36,12 +38,10 @@ SHAPES = {
 }
 
 
-class FakeConfig:
-    num_hidden_layers = N_LAYERS
-    num_nextn_predict_layers = 1
-
-    def to_hf_dict(self) -> dict:
-        return {"model_type": "deepseek_v3", "bos_token_id": 0, "eos_token_id": 1}
+def fake_config() -> ModelConfig:
+    """A valid config with the fake model's layer counts (its config.json is written, never built)."""
+    return ModelConfig.from_name("tiny", num_hidden_layers=N_LAYERS, num_nextn_predict_layers=1,
+                                 extra={"bos_token_id": 0, "eos_token_id": 1})
 
 
 def fake_model(shapes: dict = SHAPES, seed: int = 0) -> nn.Module:
@@ -60,7 +60,7 @@ def fake_model(shapes: dict = SHAPES, seed: int = 0) -> nn.Module:
             mod.register_buffer(leaf, t)
         else:
             mod.register_parameter(leaf, nn.Parameter(t))
-    root.config = FakeConfig()
+    root.config = fake_config()
     return root
 
 

@@ -11,11 +11,12 @@ import json
 import pytest
 import torch
 
-from anyseek.model import hf
+from anyseek import hf
+from anyseek.hf.fp8 import quantize_blockwise
+from anyseek.hf.safetensors_io import SINGLE_FILE, TensorReader, scan_folder
 from anyseek.model.config import ModelConfig
-from anyseek.model.hf_fp8 import quantize_blockwise
-from anyseek.model.hf_io import SINGLE_FILE, CheckpointError, TensorReader, scan_folder
 from anyseek.model.transformer import DeepSeekV3
+from anyseek.storage import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,7 +69,7 @@ def hf_load(folder):
 
 def test_save_then_transformers_load_same_logits(tmp_path):
     model = tiny_model()
-    model.save_pretrained(tmp_path / "ours")
+    hf.save_pretrained(model, tmp_path / "ours")
     ref, info = hf_load(tmp_path / "ours")
     assert not info["missing_keys"] and not info["mismatched_keys"]
     # transformers has no MTP modules: layer N's tensors are "unexpected" for it, nothing else
@@ -94,7 +95,7 @@ def test_transformers_save_then_our_load_same_logits(tmp_path, fused):
     names = set(scan_folder(tmp_path / "theirs"))
     assert ("model.layers.1.mlp.experts.gate_up_proj" in names) == fused
     with pytest.warns(UserWarning, match="MTP layers but the checkpoint holds 0"):
-        model = DeepSeekV3.from_pretrained(tmp_path / "theirs", dtype=torch.float32)
+        model = hf.load_pretrained(tmp_path / "theirs", dtype=torch.float32)
     assert len(model.mtp) == 0
     x = ids(2)
     assert_logits_close(our_logits(model, x), hf_logits(ref, x))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from anyseek.hf import config_to_hf
 from anyseek.model.config import ModelConfig
 from anyseek.model.transformer import DeepSeekV3
 
@@ -48,7 +49,7 @@ SEQ = 40  # > original_max_position_embeddings (16): positions well into the YaR
 
 
 def hf_model(config: ModelConfig):
-    hf_config = transformers.DeepseekV3Config(**config.to_hf_dict())
+    hf_config = transformers.DeepseekV3Config(**config_to_hf(config))
     hf_config._attn_implementation = "eager"
     return transformers.DeepseekV3ForCausalLM(hf_config).eval()
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from anyseek.kernels.reference.moe import permute, routed_experts, unpermute
 from anyseek.model.config import ModelConfig
+from anyseek.model.layout import PackedLayout
 from anyseek.model.moe import sequence_balance_loss
-from anyseek.model.packing import Packing
 from anyseek.model.transformer import DeepSeekV3
 
 
@@ -113,14 +113,12 @@ def test_bias_update_moves_skewed_router_toward_balance():
         moe.gate.weight[0] += offset * 0.05  # experts 0 and 1 attract every token with the offset
         moe.gate.weight[1] += offset * 0.04
     x = torch.randn(256, config.hidden_size) * 0.5 + offset
-    pack = Packing.build(torch.tensor([0, 256], dtype=torch.int32), 256)
+    layout = PackedLayout.build(torch.tensor([0, 256], dtype=torch.int32), 256)
     n_moe = len(model.moe_layers())
 
     def load_now():
-        pack.expert_load.clear()
         with torch.no_grad():
-            moe(x, pack)
-        return pack.expert_load[0]
+            return moe(x, layout)[1].load_E
 
     first = load_now()
     assert imbalance(first) > 3.0
@@ -141,11 +139,30 @@ def test_balance_loss_is_one_when_balanced_and_per_document():
     # 4 experts, K = 1, each document spreads evenly with uniform scores -> f = 1, P = 1/E -> loss 1
     scores = torch.full((8, 4), 0.5)
     ids = torch.tensor([[0], [1], [2], [3], [0], [1], [2], [3]])
-    pack = Packing.build(torch.tensor([0, 4, 8], dtype=torch.int32), 8)
-    torch.testing.assert_close(sequence_balance_loss(scores, ids, pack), torch.tensor(1.0))
+    layout = PackedLayout.build(torch.tensor([0, 4, 8], dtype=torch.int32), 8)
+    torch.testing.assert_close(sequence_balance_loss(scores, ids, layout), torch.tensor(1.0))
     # all of a document's tokens on the expert it prefers -> larger
     skew = torch.tensor([[0.9, 0.1, 0.1, 0.1]]).repeat(8, 1)
-    assert sequence_balance_loss(skew, torch.zeros(8, 1, dtype=torch.long), pack) > 2.0
+    assert sequence_balance_loss(skew, torch.zeros(8, 1, dtype=torch.long), layout) > 2.0
+
+
+def test_masked_tokens_count_in_neither_load_nor_balance_loss():
+    torch.manual_seed(0)
+    scores = torch.rand(8, 4)
+    ids = torch.randint(0, 4, (8, 2))
+    layout = PackedLayout.build(torch.tensor([0, 5, 8], dtype=torch.int32), 8)
+    keep = torch.tensor([1, 1, 1, 0, 0, 1, 1, 0], dtype=torch.bool)  # e.g. MTP filler at each document's end
+    # the masked loss equals the loss of the kept tokens alone, as their own two documents
+    alone = PackedLayout.build(torch.tensor([0, 3, 5], dtype=torch.int32), 5)
+    torch.testing.assert_close(sequence_balance_loss(scores, ids, layout, keep),
+                               sequence_balance_loss(scores[keep], ids[keep], alone))
+    config = ModelConfig.from_name("tiny")
+    moe = DeepSeekV3(config).model.layers[1].mlp
+    x = torch.randn(8, config.hidden_size)
+    _, stats = moe(x, layout, keep, want_balance_loss=True)
+    _, full = moe(x, layout)
+    assert stats.load_E.sum() == int(keep.sum()) * config.num_experts_per_tok
+    assert full.load_E.sum() == 8 * config.num_experts_per_tok and full.balance_loss is None
 
 
 def test_routing_bias_stays_fp32_under_dtype_casts():
@@ -158,7 +175,7 @@ def test_routing_bias_stays_fp32_under_dtype_casts():
 
 @pytest.mark.cuda
 def test_grouped_mm_backend_matches_reference_on_gpu():
-    from anyseek.kernels.reference.moe import grouped_mm_available, grouped_mm_routed_experts
+    from anyseek.kernels.torch_backends import grouped_mm_available, grouped_mm_routed_experts
 
     x, ids, w, gu, dn = (t.cuda() for t in random_problem(T=300, D=64, I=32, E=8, K=3))
     x, gu, dn = x.bfloat16(), gu.bfloat16(), dn.bfloat16()

@@ -26,16 +26,16 @@ INTERP_CASES = [
 
 def _worker() -> None:
     """Runs in the subprocess: every case, determinism, torch.compile, the registry; prints one JSON line."""
-    from anyseek.kernels import checks
+    from anyseek.kernels import accuracy
     from anyseek.kernels.triton import moe
 
     results = {}
     for name, T, D, I, E, K, routing, dtype in INTERP_CASES:
         dt = getattr(torch, dtype)
-        table = checks.moe_error_table(moe.routed_experts, checks.moe_inputs(T, D, I, E, K, routing, 1), dt, "cpu")
-        results[name] = {"pass": checks.passes(table, dt), "table": table}
+        table = accuracy.moe_error_table(moe.routed_experts, accuracy.moe_inputs(T, D, I, E, K, routing, 1), dt, "cpu")
+        results[name] = {"pass": accuracy.passes(table, dt), "table": table}
     # the routing plan: rows grouped by expert, stable, tiles inside one expert, every row in exactly one tile
-    ids = checks.moe_routing(40, 7, 3, "skewed", torch.Generator().manual_seed(2))
+    ids = accuracy.moe_routing(40, 7, 3, "skewed", torch.Generator().manual_seed(2))
     slot, tok, offs, tile_e, tile_row = moe.build_plan(ids, 7, 16)
     flat = ids.reshape(-1)
     grouped = torch.equal(flat[slot.long()], flat.sort(stable=True).values) and torch.equal(tok, slot // 3)
@@ -48,8 +48,8 @@ def _worker() -> None:
     ok = bool(grouped and stable and torch.equal(covered, torch.ones(120, dtype=torch.long)))
     results["plan"] = {"pass": ok and len(tile_e) == 120 // 16 + 1 + 7, "table": []}
     # bitwise deterministic, output and gradients
-    x, ids, w, gu, dn, dy = checks.moe_inputs(33, 32, 24, 6, 3, "skewed", 4)
-    runs = [checks._run_moe(moe.routed_experts, [x, ids, w, gu, dn, dy], torch.float16, "cpu") for _ in range(2)]
+    x, ids, w, gu, dn, dy = accuracy.moe_inputs(33, 32, 24, 6, 3, "skewed", 4)
+    runs = [accuracy._run_moe(moe.routed_experts, [x, ids, w, gu, dn, dy], torch.float16, "cpu") for _ in range(2)]
     results["deterministic"] = {"pass": all(torch.equal(a, b) for a, b in zip(*runs)), "table": []}
     # torch.compile traces the custom ops through their fake implementations (aot_eager: no C++ compiler)
     xs = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
@@ -95,18 +95,18 @@ def test_interpreter(interp_results, name):
 )
 @pytest.mark.parametrize("routing", ["balanced", "skewed", "sparse", "one_expert"])
 def test_gpu_routed_experts(shape, routing, dtype):
-    from anyseek.kernels import checks
+    from anyseek.kernels import accuracy
     from anyseek.kernels.triton import moe
 
     T, D, I, E, K = shape
-    table = checks.moe_error_table(moe.routed_experts, checks.moe_inputs(T, D, I, E, K, routing, 0), dtype, "cuda")
-    assert checks.passes(table, dtype), table
+    table = accuracy.moe_error_table(moe.routed_experts, accuracy.moe_inputs(T, D, I, E, K, routing, 0), dtype, "cuda")
+    assert accuracy.passes(table, dtype), table
 
 
 @pytest.mark.cuda
 def test_gpu_no_recompile_and_deterministic():
     """New per-expert counts reuse the compiled kernels; two runs agree bit for bit."""
-    from anyseek.kernels import checks
+    from anyseek.kernels import accuracy
     from anyseek.kernels.triton import moe, moe_gemm
 
     def n_compiled():  # kernels compiled so far ({} where this Triton keeps its cache elsewhere)
@@ -115,8 +115,8 @@ def test_gpu_no_recompile_and_deterministic():
 
     outs = []
     for seed, routing in ((0, "balanced"), (1, "skewed"), (2, "sparse"), (2, "sparse")):
-        x, ids, w, gu, dn, dy = checks.moe_inputs(512, 256, 128, 16, 4, routing, seed)
-        outs.append(checks._run_moe(moe.routed_experts, [x, ids, w, gu, dn, dy], torch.bfloat16, "cuda"))
+        x, ids, w, gu, dn, dy = accuracy.moe_inputs(512, 256, 128, 16, 4, routing, seed)
+        outs.append(accuracy._run_moe(moe.routed_experts, [x, ids, w, gu, dn, dy], torch.bfloat16, "cuda"))
         if seed == 0:
             first = n_compiled()
     assert all(torch.equal(a, b) for a, b in zip(outs[2], outs[3]))

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from anyseek.train.config import ConfigError, load_run_config
+from anyseek.train.config import ConfigError, from_dict, load_run_config
 from anyseek.train.optim import lr_at
 
 
@@ -13,7 +13,7 @@ def test_preset_and_overrides():
                                    "--train.schedule=wsd", "--train.compile=true", "--data.path=/x y"])
     assert cfg.train.max_steps == 200 and cfg.train.lr == 3e-4 and cfg.data.tokens_per_batch == 2048
     assert cfg.train.schedule == "wsd" and cfg.train.compile is True and cfg.data.path == "/x y"
-    assert cfg.model["flavor"] == "tiny"
+    assert cfg.model.flavor == "tiny"
     assert json.loads(json.dumps(cfg.to_dict()))["train"]["max_steps"] == 200  # JSON-able
 
 
@@ -26,7 +26,7 @@ def test_toml_file(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text('[model]\nflavor = "tiny"\nnum_hidden_layers = 2\n[train]\nmax_steps = 7\n[data]\nmax_seqlen = 128\n')
     cfg = load_run_config(str(f), ["--train.max_steps=9"])
-    assert cfg.train.max_steps == 9 and cfg.data.max_seqlen == 128 and cfg.model["num_hidden_layers"] == 2
+    assert cfg.train.max_steps == 9 and cfg.data.max_seqlen == 128 and cfg.model.overrides["num_hidden_layers"] == 2
 
 
 @pytest.mark.parametrize(
@@ -77,3 +77,39 @@ def test_tune_cpu_allocator_is_idempotent_and_says_what_it_did():
     assert tune_cpu_allocator() == first
     if sys.platform.startswith("linux"):
         assert "glibc malloc" in first or "left as is" in first
+
+
+def test_named_config_and_its_toml_are_one_definition():
+    from anyseek.train.config import named_configs
+
+    names = named_configs()
+    assert {"tiny", "small"} <= set(names)
+    for name, path in names.items():
+        assert load_run_config(name).to_dict() == load_run_config(str(path)).to_dict()
+    small = load_run_config("small")
+    assert small.data.vocab_size == 32000 and small.train.schedule == "wsd"  # the TOML's, not a second copy's
+    assert load_run_config("tiny").to_dict() == from_dict({"model": {"flavor": "tiny"}}).to_dict()
+
+
+def test_model_section_is_checked_when_loaded():
+    with pytest.raises(ConfigError, match="unknown key model.hiden_size"):
+        load_run_config("tiny", ["--model.hiden_size=64"])
+    with pytest.raises(ConfigError, match="model.num_hidden_layers must be int"):
+        load_run_config("tiny", ["--model.num_hidden_layers=two"])
+    with pytest.raises(ConfigError, match=r"invalid \[model\] section"):
+        load_run_config("tiny", ["--model.num_experts_per_tok=99"])
+    with pytest.raises(ConfigError, match="model.flavor 'huge' is unknown"):
+        from_dict({"model": {"flavor": "huge"}})
+
+
+def test_print_config_shows_the_resolved_config():
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "anyseek", "train", "--config", "small", "--print-config",
+                        "--train.lr=5e-4"], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    assert shown["model"]["flavor"] == "small" and shown["data"]["vocab_size"] == 32000
+    assert shown["train"]["lr"] == 5e-4 and shown["train"]["schedule"] == "wsd"

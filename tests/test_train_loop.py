@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import anyseek
 from anyseek.train import checkpoint as ckpt_lib
 from anyseek.train.config import load_run_config
 from anyseek.train.metrics import read_metrics
-from anyseek.train.trainer import Trainer, TrainingDiverged
+from anyseek.train.trainer import SaveFailed, Trainer, TrainingDiverged
 
 WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "flew", "on", "over", "under", "a", "mat", "tree", "roof", "quickly", "slowly", "and", "then", "it", "was", "red", "blue", "green", "small", "big", "river", "stone", "city", "king", "queen", "north", "south"]
 
@@ -123,9 +124,10 @@ def test_failed_save_leaves_previous_checkpoint(data_dir, tmp_path, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(optim, "save_optimizer", flaky)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(SaveFailed, match="could not save step 4 .*disk full"):  # the final save: the run stops
         run(cfg, tmp_path)
     assert [c.step for c in ckpt_lib.list_checkpoints(tmp_path)] == [2]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
     assert ckpt_lib.latest_checkpoint(tmp_path).step == 2
     monkeypatch.setattr(optim, "save_optimizer", real)
     summary = run(cfg, tmp_path, resume=True)
@@ -183,7 +185,7 @@ def test_nan_steps_are_skipped_then_stop_the_run(data_dir, tmp_path, monkeypatch
         if self.training:
             counter["n"] += 1
             if counter["n"] in poison["calls"]:
-                out.loss = out.loss * float("nan")
+                out.lm_loss = out.lm_loss * float("nan")
         return out
 
     monkeypatch.setattr(DeepSeekV3, "forward", forward)
@@ -204,9 +206,8 @@ def test_checkpoint_loads_in_transformers_with_equal_logits(data_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     run(tiny_cfg(data_dir, "--train.max_steps=3", "--train.save_every=100"), tmp_path)
     ckpt = tmp_path / "step-3"
-    from anyseek.model.transformer import DeepSeekV3
 
-    ours = DeepSeekV3.from_pretrained(ckpt).eval()
+    ours = anyseek.load_pretrained(ckpt).eval()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
     ids = torch.tensor([tok("The cat sat on the mat. The king ran north.")["input_ids"]])

@@ -10,8 +10,7 @@ import socket
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
-from anyseek.data.readers import Skip, SourceError, pick_field, read_record
-from anyseek.data.sources import Source
+from anyseek.data.readers import Skip, Source, SourceError, pick_field, read_record
 
 _TRUE = {"1", "true", "yes", "on"}
 

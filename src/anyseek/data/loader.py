@@ -2,7 +2,7 @@
 
 Each rank reads its share of the documents (a stride of the epoch's order) as one stream of tokens and cuts it
 into windows of exactly `tokens_per_batch` tokens (the final window of a loop=False pass may be shorter): no
-padding. See packing.py for how windows become segments and targets.
+padding. See pieces.py for how windows become segments and targets.
 
 Order: loop=True shuffles the documents each epoch with a generator seeded by (seed, epoch), so every run and every
 resume sees the same order; loop=False reads the documents in their stored order once (validation).
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from anyseek.data.packing import assemble, window
+from anyseek.data.pieces import assemble, window
 from anyseek.data.shards import open_split, read_manifest
 
 STATE_VERSION = 1
@@ -189,6 +189,6 @@ class PackedLoader:
 
 
 def _concat_pieces(parts):
-    from anyseek.data.packing import Pieces
+    from anyseek.data.pieces import Pieces
 
     return Pieces(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("doc_P", "start_P", "stop_P")))

@@ -33,7 +33,7 @@ import numpy as np
 from anyseek.data import shards as S
 from anyseek.data import tokenizer as T
 from anyseek.data.chunks import iter_chunks, split_key, val_mask
-from anyseek.data.progress import Progress, prefetch
+from anyseek.data.progress import PrepareProgress, prefetch
 from anyseek.data.sources import Skip, Source, SourceError, default_cache_dir, limit_source, open_source
 
 DEFAULT_TOKENIZER_TRAIN_BYTES = 256 << 20
@@ -96,7 +96,7 @@ def prepare(
         staging = out / _STAGING
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        log = Progress(progress)
+        log = PrepareProgress(progress)
         start = time.perf_counter()
         try:
             with _pool(src, workers) as pool:
@@ -111,7 +111,11 @@ def prepare(
             raise
         manifest = _manifest(src, inputs, fingerprint, tok, specials, tok_info, result, staging, start)
         _commit(staging, out, manifest)
-        log.done(_summary(out, manifest))
+        summary = _summary(out, manifest)
+        log.done(summary)
+        if not progress:  # --quiet hides progress, never what was skipped or that a split is empty
+            for line in summary.splitlines()[1:]:
+                print(line, file=sys.stderr, flush=True)
         return manifest
 
 
@@ -337,4 +341,7 @@ def _summary(out: Path, m: dict) -> str:
     if skipped:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(m["skipped"].items()))
         lines.append(f"skipped {skipped:,} inputs ({reasons}); see skipped_examples in manifest.json")
+    if m["documents"].get("val", 0) == 0:
+        lines.append("warning: the validation split is empty (too few documents for --val-fraction "
+                     f"{m.get('inputs', {}).get('val_fraction', '?')}); training will run without validation")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Progress reporting for prepare (tqdm when installed, else a line every few seconds) and a prefetch thread."""
+"""PrepareProgress reporting for prepare (tqdm when installed, else a line every few seconds) and a prefetch thread."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 
-class Progress:
+class PrepareProgress:
     """MB of text per phase on stderr; silent when `enabled` is False."""
 
     def __init__(self, enabled: bool = True, every_s: float = 5.0):

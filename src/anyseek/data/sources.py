@@ -15,14 +15,14 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 from anyseek.data.readers import (  # noqa: F401  (re-exported: the names other modules use)
     TEXT_FIELDS,
     Raw,
     Skip,
+    Source,
     SourceError,
     open_binary,
     pick_field,
@@ -38,20 +38,6 @@ _TXT = {".txt", ".text", ".md"}
 _JSONL = {".jsonl", ".ndjson"}
 _KINDS = {**dict.fromkeys(_TXT, "txt"), **dict.fromkeys(_JSONL, "jsonl"), ".json": "json", ".parquet": "parquet",
           ".xml": "xml"}  # fmt: skip
-
-
-@dataclass
-class Source:
-    """A resolved SPEC: `items()` streams its documents (a fresh pass per call); `description` goes into the
-    manifest, `fingerprint` identifies the inputs (files with size and mtime) for idempotent re-runs."""
-
-    spec: str
-    description: dict
-    fingerprint: dict
-    items: Callable[[], Iterator[str | Raw | Skip]]
-    cleaner: Callable[[list[str]], list[str]] | None = None
-    total_bytes: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def limit_source(src: Source, max_documents: int) -> Source:

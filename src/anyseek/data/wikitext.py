@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from anyseek.data.compressed import DAMAGE_ERRORS, open_binary
+
 # Namespaces of English Wikipedia, used when a page has no <ns> element and the dump has no <siteinfo>.
 _DEFAULT_NAMESPACES = [
     "Talk", "User", "User_talk", "Wikipedia", "Wikipedia_talk", "WP", "File", "File_talk", "Image", "MediaWiki",
@@ -106,8 +108,6 @@ def _page_from(elem: ET.Element, line: int, prefixes: set[str]) -> Page:
 def iter_pages(path: str | Path, chunk_bytes: int = 1 << 16) -> Iterator[Page]:
     """Stream the pages of a MediaWiki XML dump. A truncated file ends the stream with a Page whose skip is
     "truncated_file" (the pages before it are kept). `line` is the line of the page's end tag."""
-    from anyseek.data.readers import open_binary
-
     path = Path(path)
     prefixes = {p.lower() for p in _DEFAULT_NAMESPACES}
     parser = ET.XMLPullParser(events=("start", "end"))
@@ -118,7 +118,7 @@ def iter_pages(path: str | Path, chunk_bytes: int = 1 << 16) -> Iterator[Page]:
             while True:
                 try:
                     data = read(chunk_bytes)
-                except (EOFError, OSError):  # truncated or corrupt .bz2
+                except DAMAGE_ERRORS:  # truncated or corrupt .bz2 / .gz / .xz
                     yield Page("", None, line, "truncated_file")
                     return
                 if not data:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from anyseek.kernels.torch_backends import check_shapes_mla, check_shapes_varlen
 from anyseek.kernels.triton import attention as _k
 
 
@@ -91,7 +90,6 @@ def mla_attention(
     k_pe is read through a head stride of 0 (never expanded); its gradient is summed over heads in the kernel.
     max_seqlen (a host int, no sync) only picks launch settings; the tile schedule is built from cu_seqlens on the
     device."""
-    check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens)
     k_nope_THN, k_pe_TR, v_THV = (t.to(q_THC.dtype) for t in (k_nope_THN, k_pe_TR, v_THV))  # mixed under autocast
     scale = _k.default_scale(q_THC.shape[-1], softmax_scale)
     return _MLAAttention.apply(
@@ -169,7 +167,6 @@ def varlen_attention(
     causal: bool = True,
 ) -> torch.Tensor:
     """Triton varlen attention, head dims up to 256 (d_qk != d_v allowed); as `anyseek.kernels.varlen_attention`."""
-    check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
     k_THD, v_THV = k_THD.to(q_THD.dtype), v_THV.to(q_THD.dtype)
     scale = _k.default_scale(q_THD.shape[-1], softmax_scale)
     return _VarlenAttention.apply(

@@ -1,4 +1,5 @@
-"""Attention backends built from PyTorch ops alone: run on any device, differentiable through autograd.
+"""Backends built from PyTorch ops alone, differentiable through autograd: attention (`sdpa`, `bmm`) and the
+routed experts through `torch._grouped_mm` (`grouped_mm`).
 
 `sdpa`: gather the documents of a packed batch into padded [n, Lmax] batches, bucketed by length so that one
 long document does not pad a thousand short ones, and call `F.scaled_dot_product_attention` once per bucket.
@@ -6,8 +7,12 @@ With causal masking a valid query never sees a padded key (padding sits at the e
 tensor is built; with causal=False a key-padding mask is passed. MLA's shared k_pe is expanded per head only
 inside the call.
 
+`grouped_mm`: the reference experts' permutation and combine around two `torch._grouped_mm` calls (cuBLAS grouped
+GEMM; fused only on sm90+ with bf16, hence its availability check).
+
 Shape legend: T tokens in the packed batch, H heads, C = N + R query/key dim, N nope dim, R rope dim, V value
-dim, n documents in one bucket, L the bucket's padded length.
+dim, n documents in one bucket, L the bucket's padded length; K experts per token, E experts, I expert width,
+M = T*K routed rows, F = 2*I.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from anyseek.kernels.reference import moe as moe_ref
 
 # Documents whose lengths share a bucket differ by at most this factor, so padding wastes < 1 - 1/GROWTH.
 _BUCKET_GROWTH = 1.5
@@ -55,9 +62,7 @@ def _padded_sdpa(q_THC, k_THC, v_THV, cu_seqlens, softmax_scale, causal, tiles: 
     matmuls), the others through SDPA."""
     T, H, C = q_THC.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(C)
-    bounds = cu_seqlens.tolist()  # host sync: this backend sizes its buckets on the host
-    if bounds[0] != 0 or bounds[-1] != T or any(b > e for b, e in itertools.pairwise(bounds)):
-        raise ValueError(f"cu_seqlens must rise from 0 to the token count {T}, got {bounds[:4]}...{bounds[-2:]}")
+    bounds = cu_seqlens.tolist()  # host sync: this backend sizes its buckets on the host (checked at the seam)
     starts, lengths = bounds[:-1], [e - s for s, e in itertools.pairwise(bounds)]
     buckets = [_bucket_index(starts, lengths, docs, q_THC.device) for docs in _buckets(lengths)]
     if not buckets:
@@ -148,42 +153,6 @@ class _TiledCausal(torch.autograd.Function):
         return torch.cat(dqs, dim=1).mul_(ctx.scale), dk_BLC, dv_BLV, None
 
 
-def check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens) -> None:
-    """Raise ValueError naming the tensor whose shape does not fit MLA's split form."""
-    if q_THC.dim() != 3 or k_nope_THN.dim() != 3 or k_pe_TR.dim() != 2 or v_THV.dim() != 3:
-        raise ValueError(
-            "mla_attention expects q [T, H, N+R], k_nope [T, H, N], k_pe [T, R], v [T, H, V]; got "
-            f"q {tuple(q_THC.shape)}, k_nope {tuple(k_nope_THN.shape)}, k_pe {tuple(k_pe_TR.shape)}, "
-            f"v {tuple(v_THV.shape)}"
-        )
-    T, H, C = q_THC.shape
-    N, R = k_nope_THN.shape[-1], k_pe_TR.shape[-1]
-    if k_nope_THN.shape[:2] != (T, H) or v_THV.shape[:2] != (T, H) or k_pe_TR.shape[0] != T or N + R != C:
-        raise ValueError(
-            f"mla_attention shapes disagree: q {tuple(q_THC.shape)} needs k_nope [{T}, {H}, N], k_pe [{T}, R] "
-            f"with N+R={C}, v [{T}, {H}, V]; got k_nope {tuple(k_nope_THN.shape)}, k_pe {tuple(k_pe_TR.shape)}, "
-            f"v {tuple(v_THV.shape)}"
-        )
-    _check_cu(cu_seqlens)
-
-
-def check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens) -> None:
-    """Raise ValueError naming the tensor whose shape does not fit varlen attention."""
-    if q_THD.dim() != 3 or k_THD.shape != q_THD.shape or v_THV.dim() != 3 or v_THV.shape[:2] != q_THD.shape[:2]:
-        raise ValueError(
-            "varlen_attention expects q [T, H, D], k [T, H, D], v [T, H, V]; got "
-            f"q {tuple(q_THD.shape)}, k {tuple(k_THD.shape)}, v {tuple(v_THV.shape)}"
-        )
-    _check_cu(cu_seqlens)
-
-
-def _check_cu(cu_seqlens: torch.Tensor) -> None:
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"cu_seqlens must be a 1-D int32 tensor [B+1], got shape {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}"
-        )
-
-
 def sdpa_mla_attention(
     q_THC: torch.Tensor,
     k_nope_THN: torch.Tensor,
@@ -197,7 +166,6 @@ def sdpa_mla_attention(
 ) -> torch.Tensor:
     """MLA attention through padded SDPA buckets (tiles=True: causal buckets through batched-matmul tiles).
     Shapes as `anyseek.kernels.mla_attention`; out [T, H, V]."""
-    check_shapes_mla(q_THC, k_nope_THN, k_pe_TR, v_THV, cu_seqlens)
     k_nope_THN, v_THV = k_nope_THN.to(q_THC.dtype), v_THV.to(q_THC.dtype)  # mixed dtypes under autocast
     T, H, _ = q_THC.shape
     # k_pe expanded over heads only inside this call; from fp32, so that the backward sums dk_pe over heads in fp32
@@ -218,7 +186,6 @@ def sdpa_varlen_attention(
 ) -> torch.Tensor:
     """Varlen attention through padded SDPA buckets (tiles=True: causal buckets through batched-matmul tiles).
     Shapes as `anyseek.kernels.varlen_attention`."""
-    check_shapes_varlen(q_THD, k_THD, v_THV, cu_seqlens)
     k_THD, v_THV = k_THD.to(q_THD.dtype), v_THV.to(q_THD.dtype)
     return _padded_sdpa(q_THD, k_THD, v_THV, cu_seqlens, softmax_scale, causal, tiles)
 
@@ -249,3 +216,40 @@ def bmm_available(example: torch.Tensor) -> tuple[bool, str]:
         return False, "autocast is on (matmuls would run in the autocast dtype); SDPA instead"
     return True, (f"PyTorch batched matmuls in causal query tiles of {_TILE} (documents up to {_TILED_MAX_LEN} "
                   "tokens; longer ones through SDPA), documents padded in length buckets")
+
+
+# ---------------------------------------------------------------- routed experts
+
+
+def grouped_mm_routed_experts(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    gate_up_proj_EFD: torch.Tensor,
+    down_proj_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """The `grouped_mm` backend of routed_experts: the reference maths (`kernels.reference.moe`) through `torch._grouped_mm` (bf16, CUDA sm90+): no host sync and two matmul
+    launches per call instead of two per expert. Check `grouped_mm_available` first."""
+    E, I = gate_up_proj_EFD.shape[0], down_proj_EDI.shape[-1]
+    out_dtype = x_TD.dtype
+    if torch.is_autocast_enabled(x_TD.device.type):  # autocast does not cover _grouped_mm: cast as it would
+        dtype = torch.get_autocast_dtype(x_TD.device.type)
+        x_TD, gate_up_proj_EFD, down_proj_EDI = (t.to(dtype) for t in (x_TD, gate_up_proj_EFD, down_proj_EDI))
+    x_MD, order_M, counts_E = moe_ref.permute(x_TD, topk_ids_TK, E)
+    offs_E = counts_E.cumsum(0).to(torch.int32)  # stays on the device
+    h_MF = torch._grouped_mm(x_MD, gate_up_proj_EFD.transpose(1, 2), offs=offs_E)
+    act_MI = F.silu(h_MF[:, :I]) * h_MF[:, I:]
+    y_MD = torch._grouped_mm(act_MI, down_proj_EDI.transpose(1, 2), offs=offs_E)
+    return moe_ref.unpermute(y_MD, order_M, topk_weights_TK).to(out_dtype)
+
+
+def grouped_mm_available(example: torch.Tensor) -> tuple[bool, str]:
+    """(ok, reason) for `grouped_mm_routed_experts` on tensors like `example`."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False, f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)"
+    if example.device.type != "cuda" or torch.cuda.get_device_capability(example.device) < (9, 0):
+        return False, "torch._grouped_mm needs an NVIDIA GPU of compute capability 9.0 or newer"
+    autocast_bf16 = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    if example.dtype != torch.bfloat16 and not autocast_bf16:
+        return False, f"torch._grouped_mm needs bf16 (or bf16 autocast), got {example.dtype}"
+    return True, "torch._grouped_mm (cuBLAS grouped GEMM), no host sync"

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from anyseek.model.config import ModelConfig
+from anyseek.model.layout import PackedLayout
 from anyseek.model.mla import MLA
-from anyseek.model.moe import MLP, MoE
+from anyseek.model.moe import MLP, MoE, RoutingStats
 from anyseek.model.norm import RMSNorm
-from anyseek.model.packing import Packing
 
 
 class DecoderLayer(nn.Module):
@@ -30,7 +30,18 @@ class DecoderLayer(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.mlp, MoE)
 
-    def forward(self, h_TD: torch.Tensor, pack: Packing) -> torch.Tensor:
-        """h [T, D] -> [T, D]."""
-        h_TD = h_TD + self.self_attn(self.input_layernorm(h_TD), pack)
-        return h_TD + self.mlp(self.post_attention_layernorm(h_TD), pack)
+    def forward(
+        self,
+        h_TD: torch.Tensor,
+        layout: PackedLayout,
+        token_mask_T: torch.Tensor | None = None,
+        want_balance_loss: bool = False,
+    ) -> tuple[torch.Tensor, RoutingStats | None]:
+        """h [T, D] -> (h [T, D], the MoE's RoutingStats or None for a dense layer). token_mask_T and
+        want_balance_loss: see MoE.forward."""
+        h_TD = h_TD + self.self_attn(self.input_layernorm(h_TD), layout)
+        x_TD = self.post_attention_layernorm(h_TD)
+        if not self.is_moe:
+            return h_TD + self.mlp(x_TD), None
+        y_TD, stats = self.mlp(x_TD, layout, token_mask_T, want_balance_loss)
+        return h_TD + y_TD, stats

@@ -1,76 +1,16 @@
 """ModelConfig: the model's shape and training-loss knobs, with Hugging Face DeepseekV3Config field names.
 
-A config.json round-trips through `from_hf_dict` / `to_hf_dict`. All validation lives in `ModelConfig.validate`
-(called from `__post_init__`); every error names the field. RoPE scaling is accepted in both spellings
-(`rope_scaling` + `rope_theta`, and the newer `rope_parameters`) and stored as `rope_theta` + `rope_scaling`.
+All validation lives in `ModelConfig.validate` (called from `__post_init__`); every error names the field.
+RoPE scaling is stored as `rope_theta` + `rope_scaling` (both spellings of the type key accepted).
+Reading and writing config.json is `anyseek.hf.config`'s job: this file knows nothing of Hugging Face.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
-# Keys a Hugging Face / official config.json may carry that do not change the model we build.
-# (Some are checked for values we cannot honour, see _check_hf_only.)
-IGNORED_HF_KEYS = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "auto_map",
-        "model_type",
-        "torch_dtype",
-        "dtype",
-        "transformers_version",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "attention_bias",
-        "attention_dropout",
-        "hidden_act",
-        "initializer_range",
-        "use_cache",
-        "ep_size",
-        "moe_layer_freq",
-        "topk_method",
-        "quantization_config",
-        "pretraining_tp",
-        "head_dim",
-        "qk_head_dim",
-        "num_key_value_heads",
-        "seq_aux",
-        "output_router_logits",
-        "router_aux_loss_coef",
-        "return_dict",
-        "output_hidden_states",
-        "output_attentions",
-        "torchscript",
-        "chunk_size_feed_forward",
-        "is_encoder_decoder",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "num_mtp_layers",
-        "tokenizer_class",
-        "use_return_dict",
-        "tie_encoder_decoder",
-        "is_decoder",
-        "add_cross_attention",
-        "cross_attention_hidden_size",
-        "prefix",
-        "sep_token_id",
-        "decoder_start_token_id",
-        "task_specific_params",
-        "finetuning_task",
-        "tf_legacy_loss",
-        "use_bfloat16",
-        "max_length",
-        "generation_config",
-    }
-)
 ROPE_KEYS = frozenset(
     {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
      "mscale_all_dim", "rope_theta", "attention_factor", "truncate"}
@@ -195,68 +135,6 @@ class ModelConfig:
             raise ValueError(f"unknown model flavor {name!r}; known: {', '.join(FLAVORS)}")
         return cls(**{**copy.deepcopy(FLAVORS[name]), **overrides})
 
-    @classmethod
-    def from_hf_dict(cls, d: dict, source: str = "config") -> ModelConfig:
-        """From a Hugging Face / official config.json dict. Unknown keys are an error naming the key."""
-        d = dict(d)
-        _check_hf_only(d, source)
-        own = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in d.items() if k in own}
-        if "num_nextn_predict_layers" not in d:  # a config.json silent about MTP ships no MTP weights (V2, Moonlight)
-            kwargs["num_nextn_predict_layers"] = d.get("num_mtp_layers", 0)
-        rope_params = d.get("rope_parameters")
-        if rope_params is not None:
-            unknown = set(rope_params) - ROPE_KEYS
-            if unknown:
-                raise ValueError(f"{source}: unknown key(s) in rope_parameters: {', '.join(sorted(unknown))}")
-            rope_params = dict(rope_params)
-            if "rope_theta" in rope_params:
-                kwargs["rope_theta"] = rope_params.pop("rope_theta")
-            if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
-                kwargs["rope_scaling"] = rope_params
-        unknown = sorted(set(d) - own - IGNORED_HF_KEYS - {"rope_parameters"})
-        if unknown:
-            raise ValueError(f"{source}: unknown config key(s): {', '.join(unknown)}")
-        kwargs["extra"] = {k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in d}
-        try:
-            return cls(**kwargs)
-        except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> ModelConfig:
-        """A config.json (Hugging Face format); errors name the file."""
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a JSON object at the top level")  # noqa: TRY004
-        return cls.from_hf_dict(d, source=str(path))
-
-    def to_hf_dict(self) -> dict:
-        """A config.json dict that transformers' DeepseekV3Config (and ours) reads back."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        d = copy.deepcopy(d)
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling is not None:
-            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
-        d["rope_parameters"] = rope  # transformers >= 5; rope_theta / rope_scaling stay for 4.x and the official code
-        d.update(
-            model_type="deepseek_v3",
-            architectures=["DeepseekV3ForCausalLM"],
-            num_key_value_heads=self.num_attention_heads,
-            hidden_act="silu",
-            attention_bias=False,
-            topk_method="noaux_tc" if self.scoring_func == "sigmoid" else "greedy",
-        )
-        d.update(copy.deepcopy(self.extra))
-        return d
-
-    def to_json_file(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n")
-
     # ---- RoPE helpers ---------------------------------------------------------------------------------------
     def yarn_mscale(self) -> float:
         """Softmax-scale correction of YaRN: (0.1 * mscale_all_dim * ln(factor) + 1)^2, 1 without YaRN."""
@@ -299,22 +177,3 @@ def _normalize_rope(rs: dict) -> dict | None:
         raise ValueError("rope_scaling truncate=False is not supported")
     rs.pop("truncate", None)
     return {"type": "yarn", **rs}
-
-
-def _check_hf_only(d: dict, source: str) -> None:
-    """Fields we ignore but whose non-default values would change the model."""
-    checks = {
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "moe_layer_freq": 1,
-    }
-    for key, want in checks.items():
-        if key in d and d[key] != want:
-            raise ValueError(f"{source}: {key}={d[key]!r} is not supported (only {want!r})")
-    heads = d.get("num_key_value_heads")
-    if heads is not None and "num_attention_heads" in d and heads != d["num_attention_heads"]:
-        raise ValueError(
-            f"{source}: num_key_value_heads ({heads}) must equal num_attention_heads ({d['num_attention_heads']})"
-        )
-    if d.get("model_type", "deepseek_v3") not in ("deepseek_v3", "deepseek_v2", "kimi_k2"):
-        raise ValueError(f"{source}: model_type {d['model_type']!r} is not a DeepSeek-V2/V3 model")

@@ -9,16 +9,18 @@ Shape legend: T tokens, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-IGNORE_INDEX = -100
+from anyseek.constants import IGNORE_INDEX
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits_TV: torch.Tensor, labels_T: torch.Tensor, num_targets) -> torch.Tensor:
         valid_T = labels_T != IGNORE_INDEX
-        count = valid_T.sum().clamp(min=1)
+        count = _count(valid_T, num_targets)
         safe_T = labels_T.clamp(min=0)  # ignored rows read class 0; their loss and gradient are masked out
         logp_TV = torch.log_softmax(logits_TV.float(), dim=-1)
         ctx.save_for_backward(logp_TV, safe_T, valid_T, count)
@@ -31,15 +33,26 @@ class _CrossEntropy(torch.autograd.Function):
         grad_TV = logp_TV.exp()  # softmax
         grad_TV.scatter_add_(1, safe_T[:, None], torch.full_like(safe_T[:, None], -1, dtype=grad_TV.dtype))
         grad_TV.mul_((grad_out / count * valid_T)[:, None])
-        return grad_TV.to(ctx.logits_dtype), None
+        return grad_TV.to(ctx.logits_dtype), None, None
 
 
-def cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    """logits [T, V] (any float dtype), labels int [T] (IGNORE_INDEX = skip) -> fp32 scalar: the mean loss over
-    non-ignored labels, 0 when all are ignored. No host sync."""
+def _count(valid_T: torch.Tensor, num_targets: int | float | torch.Tensor | None) -> torch.Tensor:
+    """The loss's denominator: this batch's non-ignored labels, or the caller's `num_targets` (e.g. a whole
+    accumulated step's); at least 1."""
+    if num_targets is None:
+        return valid_T.sum().clamp(min=1)
+    return torch.as_tensor(num_targets, dtype=torch.float32, device=valid_T.device).clamp(min=1)
+
+
+def cross_entropy(
+    logits_TV: torch.Tensor, labels_T: torch.Tensor, num_targets: int | float | torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits [T, V] (any float dtype), labels int [T] (IGNORE_INDEX = skip) -> fp32 scalar: the summed loss over
+    non-ignored labels divided by `num_targets` (default: their count, i.e. the mean; 0 when all are ignored).
+    No host sync."""
     if labels_T.shape != logits_TV.shape[:1]:
         raise ValueError(f"labels shape {tuple(labels_T.shape)} must be [T] for logits {tuple(logits_TV.shape)}")
-    return _CrossEntropy.apply(logits_TV, labels_T)
+    return _CrossEntropy.apply(logits_TV, labels_T, num_targets)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -52,32 +65,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
     and the per-row scale (valid / count) is applied on the narrow [C, D] side of the two gradient matmuls."""
 
     @staticmethod
-    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, want_grad: bool):
+    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, want_grad: bool, num_targets, compute_dtype):
         valid_T = labels_T != IGNORE_INDEX
-        count = valid_T.sum().clamp(min=1)
+        count = _count(valid_T, num_targets)
         safe_T = labels_T.clamp(min=0)
         scale_T = valid_T / count  # fp32 [T]: d loss / d logit-row
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         grad_h_TD = torch.empty_like(h_TD) if want_grad else None
         grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_grad else None
-        for start in range(0, h_TD.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            h_CD, label_C1, valid_C, scale_C1 = h_TD[rows], safe_T[rows, None], valid_T[rows], scale_T[rows, None]
-            logits_CV = (h_CD @ weight_VD.t()).float()
-            max_C = logits_CV.amax(dim=-1)
-            label_logit_C = logits_CV.gather(1, label_C1)[:, 0]
-            p_CV = torch.softmax(logits_CV, dim=-1)
-            lse_C = max_C - p_CV.amax(dim=-1).log()
-            loss += ((lse_C - label_logit_C) * valid_C).sum()
-            if want_grad:
-                g_CV = p_CV.scatter_add_(1, label_C1, torch.full_like(label_C1, -1, dtype=p_CV.dtype))  # p - onehot
-                g_CV = g_CV.to(h_TD.dtype)
-                grad_h_TD[rows] = (g_CV @ weight_VD) * scale_C1
-                hs_CD = (h_CD * scale_C1).to(h_CD.dtype)
-                if g_CV.dtype == torch.float32:
-                    grad_w_VD.addmm_(g_CV.t(), hs_CD)
-                else:  # bf16/fp16 products, summed over chunks in fp32
-                    grad_w_VD += (g_CV.t() @ hs_CD).float()
+        low = compute_dtype is not None  # autocast: every product in compute_dtype (tensor cores), sums in fp32
+        w_VD = weight_VD.to(compute_dtype) if low else weight_VD  # one cast per call, not one per chunk and use
+        with torch.autocast(device_type=h_TD.device.type, enabled=False) if low else contextlib.nullcontext():
+            for start in range(0, h_TD.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                h_CD, label_C1, valid_C, scale_C1 = h_TD[rows], safe_T[rows, None], valid_T[rows], scale_T[rows, None]
+                hc_CD = h_CD.to(compute_dtype) if low else h_CD
+                logits_CV = (hc_CD @ w_VD.t()).float()
+                max_C = logits_CV.amax(dim=-1)
+                label_logit_C = logits_CV.gather(1, label_C1)[:, 0]
+                p_CV = torch.softmax(logits_CV, dim=-1)
+                lse_C = max_C - p_CV.amax(dim=-1).log()
+                loss += ((lse_C - label_logit_C) * valid_C).sum()
+                if want_grad:
+                    g_CV = p_CV.scatter_add_(1, label_C1, torch.full_like(label_C1, -1, dtype=p_CV.dtype))  # p - 1hot
+                    g_CV = g_CV.to(compute_dtype if low else h_TD.dtype)
+                    grad_h_TD[rows] = (g_CV @ w_VD) * scale_C1
+                    hs_CD = (h_CD * scale_C1).to(g_CV.dtype)
+                    if g_CV.dtype == torch.float32:
+                        grad_w_VD.addmm_(g_CV.t(), hs_CD)
+                    else:  # bf16/fp16 products on tensor cores, summed over chunks in fp32
+                        _add_mm_fp32(grad_w_VD, g_CV.t(), hs_CD)
         ctx.save_for_backward(grad_h_TD, grad_w_VD)
         ctx.weight_dtype = weight_VD.dtype
         return loss / count
@@ -87,16 +104,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
         if grad_h_TD is None:
             raise RuntimeError("linear_cross_entropy ran without gradients (want_grad=False) but was differentiated")
-        return (grad_h_TD * grad_out).to(grad_h_TD.dtype), (grad_w_VD * grad_out).to(ctx.weight_dtype), None, None, None
+        return ((grad_h_TD * grad_out).to(grad_h_TD.dtype), (grad_w_VD * grad_out).to(ctx.weight_dtype), None, None,
+                None, None, None)
 
 
+def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b for low-precision a, b: the product accumulates in fp32 and is written in fp32 where torch
+    can (`mm(..., out_dtype=float32)`, CUDA), else rounded to a's dtype first (as autocast's own gradients are)."""
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE is not False and a.device.type == "cuda":
+        try:
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+            _MM_OUT_DTYPE = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if _MM_OUT_DTYPE:
+                raise
+            _MM_OUT_DTYPE = False
+    acc.add_(a @ b)
+
+
+_MM_OUT_DTYPE: bool | None = None  # whether torch.mm takes out_dtype here (probed on first use)
 _CPU_CHUNK_ELEMENTS = 1 << 20
 
 
-def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(
+    h_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    num_targets: int | float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """cross_entropy(h @ weight.T, labels) for an output head, never holding more than a chunk of the [T, V] logits.
 
-    h [T, D], weight [V, D], labels int [T] -> fp32 scalar (mean over non-ignored labels). The gradients are computed
+    h [T, D], weight [V, D], labels int [T] -> fp32 scalar (summed over non-ignored labels, divided by num_targets,
+    default their count). The gradients are computed
     during the forward, so the result must be used linearly (a loss term), and backward may run once.
     """
     if labels_T.shape != h_TD.shape[:1]:
@@ -105,4 +146,6 @@ def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: 
     budget = _CPU_CHUNK_ELEMENTS if h_TD.device.type == "cpu" else 1 << 27
     chunk = max(1, budget // weight_VD.shape[0])
     want_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
-    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, want_grad)
+    kind = h_TD.device.type
+    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, want_grad, num_targets, compute_dtype)

@@ -16,8 +16,8 @@ from torch import nn
 
 from anyseek import kernels
 from anyseek.model.config import ModelConfig
+from anyseek.model.layout import PackedLayout
 from anyseek.model.norm import RMSNorm
-from anyseek.model.packing import Packing
 from anyseek.model.rope import apply_rope
 
 
@@ -46,8 +46,8 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * c.v_head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, pack: Packing) -> torch.Tensor:
-        """x [T, D] -> [T, D]; attention stays inside each document of `pack`."""
+    def forward(self, x_TD: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+        """x [T, D] -> [T, D]; attention stays inside each document of `layout`."""
         T, H = x_TD.shape[0], self.n_heads
         if hasattr(self, "q_proj"):
             q_TQ = self.q_proj(x_TD)
@@ -60,15 +60,15 @@ class MLA(nn.Module):
             q_TQ = self.q_b_proj(self.q_a_layernorm(q_a_TQ))
         q_THC = q_TQ.view(T, H, self.nope + self.rope)
         q_nope_THN, q_pe_THR = q_THC.split([self.nope, self.rope], dim=-1)
-        q_pe_THR = apply_rope(q_pe_THR, pack.cos, pack.sin, self.rope_interleave)
+        q_pe_THR = apply_rope(q_pe_THR, layout.cos, layout.sin, self.rope_interleave)
         q_THC = torch.cat([q_nope_THN, q_pe_THR], dim=-1)
 
         latent_TL, k_pe_TR = kv_a_TX.split([self.kv_lora_rank, self.rope], dim=-1)
-        k_pe_TR = apply_rope(k_pe_TR, pack.cos, pack.sin, self.rope_interleave)
+        k_pe_TR = apply_rope(k_pe_TR, layout.cos, layout.sin, self.rope_interleave)
         kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent_TL)).view(T, H, self.nope + self.v_dim)
         k_nope_THN, v_THV = kv_THX.split([self.nope, self.v_dim], dim=-1)
 
         out_THV = kernels.mla_attention(
-            q_THC, k_nope_THN, k_pe_TR.contiguous(), v_THV, pack.cu_seqlens, pack.max_seqlen, self.softmax_scale, True
+            q_THC, k_nope_THN, k_pe_TR.contiguous(), v_THV, layout.cu_seqlens, layout.max_seqlen, self.softmax_scale, True
         )
         return self.o_proj(out_THV.reshape(T, H * self.v_dim))

@@ -12,13 +12,24 @@ B documents.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from anyseek import kernels
 from anyseek.model.config import ModelConfig
-from anyseek.model.packing import Packing
+from anyseek.model.layout import PackedLayout
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """What one MoE layer reports about a forward: load_E float [E], the counted tokens routed to each expert (for
+    the routing-bias update), and its sequence-wise balance loss (fp32 scalar; None when not asked for)."""
+
+    load_E: torch.Tensor
+    balance_loss: torch.Tensor | None = None
 
 
 class MLP(nn.Module):
@@ -30,7 +41,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up read the same x: one matmul (and one per gradient) on their concatenated weights
         gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -90,8 +101,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Shared experts (one MLP of width n_shared * I) + routed experts. Appends this layer's expert load and,
-    when asked, its sequence-wise balance loss to `pack`."""
+    """Shared experts (one MLP of width n_shared * I) + routed experts. Returns the output and this layer's
+    RoutingStats: statistics travel back explicitly, never through a shared object."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -101,33 +112,56 @@ class MoE(nn.Module):
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
 
-    def forward(self, x_TD: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        layout: PackedLayout | None = None,
+        token_mask_T: torch.Tensor | None = None,
+        want_balance_loss: bool = False,
+    ) -> tuple[torch.Tensor, RoutingStats]:
+        """x [T, D] -> (y [T, D], stats). token_mask_T (bool [T], default all): the tokens that count in the expert
+        load and the balance loss (MTP passes False for its filler positions past each document end); every token is
+        still routed. The balance loss needs `layout` (its sequences are the layout's documents)."""
         scores_TE, topk_ids_TK, weights_TK = self.gate(x_TD)
         y_TD = self.experts(x_TD, topk_ids_TK, weights_TK)  # fp32 weights; the output is in x's dtype
         if hasattr(self, "shared_experts"):
             y_TD = y_TD + self.shared_experts(x_TD)
-        if pack is not None:
-            load_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=self.n_experts).float()
-            pack.expert_load.append(load_E)
-            if pack.want_balance_loss:
-                pack.balance_losses.append(sequence_balance_loss(scores_TE, topk_ids_TK, pack))
-        return y_TD
+        with torch.no_grad():  # index_add, not bincount: no host sync on GPUs
+            counted_M = (
+                torch.ones(topk_ids_TK.numel(), device=x_TD.device) if token_mask_T is None
+                else token_mask_T.float().repeat_interleave(self.top_k)
+            )
+            load_E = torch.zeros(self.n_experts, device=x_TD.device).index_add_(0, topk_ids_TK.reshape(-1), counted_M)
+        balance = None
+        if want_balance_loss:
+            if layout is None:
+                raise ValueError("the sequence-wise balance loss needs the batch layout (its documents)")
+            balance = sequence_balance_loss(scores_TE, topk_ids_TK, layout, token_mask_T)
+        return y_TD, RoutingStats(load_E, balance)
 
 
-def sequence_balance_loss(scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor, pack: Packing) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss (without alpha), one sequence = one document, averaged over documents:
+def sequence_balance_loss(
+    scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor, layout: PackedLayout, token_mask_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (without alpha), one sequence = one packed document (segment),
+    averaged over the documents that have counted tokens:
 
     f[b,e] = E / (K * L_b) * #{t in b routed to e},  P[b,e] = mean_{t in b} s[t,e] / sum_j s[t,j],
     loss = mean_b sum_e f[b,e] * P[b,e]   (1.0 when perfectly balanced).
+    L_b and the sums run over the tokens of b that token_mask_T counts (all by default).
     """
     T, E = scores_TE.shape
     K = topk_ids_TK.shape[1]
-    B = pack.doc_lens.numel()
-    lens_B1 = pack.doc_lens.clamp(min=1).to(scores_TE.dtype)[:, None]
-    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-    P_BE = scores_TE.new_zeros(B, E).index_add(0, pack.doc_ids, probs_TE) / lens_B1
+    B = layout.doc_lens.numel()
+    mask_T1 = (
+        scores_TE.new_ones(T, 1) if token_mask_T is None else token_mask_T.to(scores_TE.dtype)[:, None]
+    )
+    lens_B = scores_TE.new_zeros(B).index_add(0, layout.doc_ids, mask_T1[:, 0])
+    lens_B1 = lens_B.clamp(min=1)[:, None]
+    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True) * mask_T1
+    P_BE = scores_TE.new_zeros(B, E).index_add(0, layout.doc_ids, probs_TE) / lens_B1
     with torch.no_grad():
-        hits_TE = scores_TE.new_zeros(T, E).scatter_(1, topk_ids_TK, 1.0)
-        f_BE = scores_TE.new_zeros(B, E).index_add(0, pack.doc_ids, hits_TE) * (E / K) / lens_B1
-    nonempty_B = (pack.doc_lens > 0).to(scores_TE.dtype)
+        hits_TE = scores_TE.new_zeros(T, E).scatter_(1, topk_ids_TK, 1.0) * mask_T1
+        f_BE = scores_TE.new_zeros(B, E).index_add(0, layout.doc_ids, hits_TE) * (E / K) / lens_B1
+    nonempty_B = (lens_B > 0).to(scores_TE.dtype)
     return ((f_BE * P_BE).sum(dim=-1) * nonempty_B).sum() / nonempty_B.sum().clamp(min=1)

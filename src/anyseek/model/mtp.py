@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from anyseek.constants import IGNORE_INDEX
 from anyseek.model.block import DecoderLayer
 from anyseek.model.config import ModelConfig
-from anyseek.model.loss import IGNORE_INDEX
+from anyseek.model.layout import PackedLayout
+from anyseek.model.moe import RoutingStats
 from anyseek.model.norm import RMSNorm
-from anyseek.model.packing import Packing
 
 
 class SharedHead(nn.Module):
@@ -40,21 +41,57 @@ class MTPModule(DecoderLayer):
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.shared_head = SharedHead(config)
 
-    def forward(self, h_prev_TD: torch.Tensor, emb_TD: torch.Tensor, pack: Packing) -> torch.Tensor:
-        """h^{d-1} [T, D], Emb(t_{i+d}) [T, D] -> h^d [T, D] (before shared_head.norm)."""
+    def forward(  # type: ignore[override]
+        self,
+        h_prev_TD: torch.Tensor,
+        emb_TD: torch.Tensor,
+        layout: PackedLayout,
+        inside_T: torch.Tensor | None = None,
+        want_balance_loss: bool = False,
+    ) -> tuple[torch.Tensor, RoutingStats | None]:
+        """h^{d-1} [T, D], Emb(t_{i+d}) [T, D] -> (h^d [T, D] before shared_head.norm, routing stats).
+        inside_T (bool [T]): the positions whose input is still inside their document; the filler positions past
+        each document end are routed like any token but counted in neither the expert load nor the balance loss."""
         h_TD = self.eh_proj(torch.cat([self.enorm(emb_TD), self.hnorm(h_prev_TD)], dim=-1))
-        return super().forward(h_TD, pack)
+        return super().forward(h_TD, layout, inside_T, want_balance_loss)
 
 
 def shift_in_documents(
-    input_ids_T: torch.Tensor, targets_T: torch.Tensor, pack: Packing, depth: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    input_ids_T: torch.Tensor, targets_T: torch.Tensor, layout: PackedLayout, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inputs and labels of MTP depth d for a packed batch: ids[i] = input_ids[i+d] = t_{i+d} and
     labels[i] = targets[i+d] = t_{i+d+1} while i+d is in i's document; past the document end ids are 0 and
-    labels IGNORE_INDEX. input_ids, targets [T] -> ([T], [T])."""
+    labels IGNORE_INDEX. input_ids, targets [T] -> (ids [T], labels [T], inside bool [T])."""
     T = input_ids_T.shape[0]
-    inside_T = pack.positions + depth < pack.doc_lens[pack.doc_ids]
+    inside_T = layout.positions + depth < layout.doc_lens[layout.doc_ids]
     src_T = (torch.arange(T, device=input_ids_T.device) + depth).clamp(max=max(T - 1, 0))
     ids_T = torch.where(inside_T, input_ids_T[src_T], torch.zeros_like(input_ids_T))
     labels_T = torch.where(inside_T, targets_T[src_T], torch.full_like(targets_T, IGNORE_INDEX))
-    return ids_T, labels_T
+    return ids_T, labels_T, inside_T
+
+
+def count_targets(targets: torch.Tensor, cu_seqlens: torch.Tensor | None, mtp_depths: int) -> list[int]:
+    """How many positions of a batch are trained on: [next-token targets, MTP depth 1 labels, ..., depth D labels].
+
+    targets: packed [T] with cu_seqlens [B+1] (None: one document) or [B, S] rows (cu_seqlens None). Meant for the
+    CPU copy of a batch before it goes to the device (one small sum per depth, no device sync). A trainer that
+    accumulates micro-batches passes the step's totals to the model as `num_targets`, so that the loss is the mean
+    over every target of the step, not a mean of per-micro-batch means."""
+    if targets.dim() == 2:
+        B, S = targets.shape
+        cu_seqlens = torch.arange(0, (B + 1) * S, S)
+        targets = targets.reshape(-1)
+    T = targets.shape[0]
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T])
+    valid_T = targets != IGNORE_INDEX
+    counts = [int(valid_T.sum())]
+    if mtp_depths:
+        cu = cu_seqlens.to(torch.int64)
+        doc_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff(), output_size=T)
+        end_T = cu[1:][doc_ids]  # each token's document end
+        idx_T = torch.arange(T)
+        for depth in range(1, mtp_depths + 1):
+            src_T = (idx_T + depth).clamp(max=max(T - 1, 0))
+            counts.append(int(((idx_T + depth < end_T) & valid_T[src_T]).sum()))
+    return counts

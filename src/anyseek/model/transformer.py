@@ -13,19 +13,19 @@ D hidden, V vocab, E routed experts.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from anyseek.model.block import DecoderLayer
 from anyseek.model.config import ModelConfig
+from anyseek.model.layout import PackedLayout
 from anyseek.model.loss import cross_entropy, linear_cross_entropy
-from anyseek.model.moe import Experts, MoE, Router
+from anyseek.model.moe import Experts, MoE, Router, RoutingStats
 from anyseek.model.mtp import MTPModule, shift_in_documents
 from anyseek.model.norm import RMSNorm
-from anyseek.model.packing import Packing
 from anyseek.model.rope import RotaryEmbedding
 
 
@@ -113,67 +113,82 @@ class DeepSeekV3(nn.Module):
         targets: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         return_logits: bool = True,
+        num_targets: Sequence[int | float | torch.Tensor] | None = None,
     ) -> ModelOutput:
         """input_ids: packed [T] with cu_seqlens int32 [B+1] (documents; None = one document), or [B, S] rows
-        (cu_seqlens must be None). targets: same shape, targets[i] follows input_ids[i], -100 = ignore."""
+        (cu_seqlens must be None). targets: same shape, targets[i] follows input_ids[i], IGNORE_INDEX = ignore.
+        num_targets: the denominators of the next-token loss and of each MTP depth's loss (see
+        `anyseek.model.mtp.count_targets`); default this batch's own counts, i.e. means over this batch."""
         shape = input_ids.shape
-        ids_T, pack = self._pack(input_ids, cu_seqlens, max_seqlen)
+        ids_T, layout = self._layout(input_ids, cu_seqlens, max_seqlen)
         if targets is not None and targets.shape != shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal input_ids shape {tuple(shape)}")
+        if num_targets is not None and len(num_targets) != 1 + len(self.mtp):
+            raise ValueError(f"num_targets needs {1 + len(self.mtp)} entries (next token, then each MTP depth), "
+                             f"got {len(num_targets)}")
         targets_T = targets.reshape(-1) if targets is not None else None
-        pack.cos, pack.sin = self.rotary(pack.positions)
-        pack.want_balance_loss = targets is not None
+        layout = layout.with_rope(*self.rotary(layout.positions))
+        want_balance = targets is not None
+        stats: list[RoutingStats] = []
 
         h_TD = self.model.embed_tokens(ids_T)
         for layer in self.model.layers:
-            h_TD = layer(h_TD, pack)
+            h_TD, layer_stats = layer(h_TD, layout, None, want_balance)
+            if layer_stats is not None:
+                stats.append(layer_stats)
         h_TD = self.model.norm(h_TD)  # h^0 of MTP is this normed state, as inference engines feed official MTP weights
         out = ModelOutput(logits=None)
         if return_logits or targets_T is None:
             logits_TV = self.lm_head(h_TD)
             out.logits = logits_TV.view(*shape, -1) if return_logits else None
         if targets_T is not None:
+            n_lm = num_targets[0] if num_targets is not None else None
             if return_logits:
-                out.lm_loss = cross_entropy(logits_TV, targets_T)
+                out.lm_loss = cross_entropy(logits_TV, targets_T, n_lm)
             else:  # never materialise [T, V]
-                out.lm_loss = linear_cross_entropy(h_TD, self.lm_head.weight, targets_T)
+                out.lm_loss = linear_cross_entropy(h_TD, self.lm_head.weight, targets_T, n_lm)
             out.loss = out.lm_loss
             if len(self.mtp):
-                out.mtp_loss = self._mtp_loss(h_TD, ids_T, targets_T, pack)
+                out.mtp_loss = self._mtp_loss(h_TD, ids_T, targets_T, layout, stats, num_targets)
                 out.loss = out.loss + self.config.mtp_loss_weight * out.mtp_loss
-            if pack.balance_losses:
-                out.balance_loss = torch.stack(pack.balance_losses).sum()
+            balance = [s.balance_loss for s in stats if s.balance_loss is not None]
+            if balance:
+                out.balance_loss = torch.stack(balance).sum()
                 out.loss = out.loss + self.config.aux_loss_alpha * out.balance_loss
-        out.expert_load = self._expert_load(pack)
+        out.expert_load = self._expert_load(stats, ids_T.device)
         return out
 
-    def _pack(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None):
+    def _layout(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None):
         if input_ids.dim() == 2:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens must be None for a [B, S] batch (every row is one document)")
             B, S = input_ids.shape
-            return input_ids.reshape(-1), Packing.uniform(B, S, input_ids.device)
+            return input_ids.reshape(-1), PackedLayout.uniform(B, S, input_ids.device)
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be [T] (packed) or [B, S], got shape {tuple(input_ids.shape)}")
         T = input_ids.shape[0]
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device)
-        return input_ids, Packing.build(cu_seqlens, T, max_seqlen)
+        return input_ids, PackedLayout.build(cu_seqlens, T, max_seqlen)
 
-    def _mtp_loss(self, h_TD: torch.Tensor, ids_T: torch.Tensor, targets_T: torch.Tensor, pack: Packing):
+    def _mtp_loss(self, h_TD, ids_T, targets_T, layout: PackedLayout, stats: list[RoutingStats], num_targets):
+        """Mean over depths of each depth's next-token loss; appends the MTP layers' routing stats to `stats`."""
         losses = []
         for k, module in enumerate(self.mtp):
-            mtp_ids_T, labels_T = shift_in_documents(ids_T, targets_T, pack, depth=k + 1)
-            h_TD = module(h_TD, self.model.embed_tokens(mtp_ids_T), pack)
-            losses.append(linear_cross_entropy(module.shared_head.norm(h_TD), self.lm_head.weight, labels_T))
+            mtp_ids_T, labels_T, inside_T = shift_in_documents(ids_T, targets_T, layout, depth=k + 1)
+            h_TD, layer_stats = module(h_TD, self.model.embed_tokens(mtp_ids_T), layout, inside_T, True)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+            n_k = num_targets[k + 1] if num_targets is not None else None
+            losses.append(linear_cross_entropy(module.shared_head.norm(h_TD), self.lm_head.weight, labels_T, n_k))
         return torch.stack(losses).mean()
 
-    def _expert_load(self, pack: Packing) -> torch.Tensor | None:
+    def _expert_load(self, stats: list[RoutingStats], device: torch.device) -> torch.Tensor | None:
         n = len(self.moe_layers())
         if n == 0:
             return None
         E = self.config.n_routed_experts
-        rows = pack.expert_load + [torch.zeros(E, device=pack.positions.device)] * (n - len(pack.expert_load))
+        rows = [s.load_E for s in stats] + [torch.zeros(E, device=device)] * (n - len(stats))
         return torch.stack(rows).detach()
 
     # ---- training helpers ------------------------------------------------------------------------------------
@@ -217,19 +232,3 @@ class DeepSeekV3(nn.Module):
         weights += len(self.mtp) * self.lm_head.weight.numel()  # the shared head runs once per MTP depth
         attention = 3 * n_layers * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * seq_len
         return 6.0 * weights + attention
-
-    # ---- checkpoints (implemented in anyseek.model.hf) -------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype | None = None, device=None, strict: bool = True
-    ) -> DeepSeekV3:
-        """Load a Hugging Face DeepseekV3 folder (safetensors, sharded or not, FP8 block-quantized or not)."""
-        from anyseek.model import hf
-
-        return hf.load_pretrained(path, dtype=dtype, device=device, strict=strict)
-
-    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None, max_shard_size="5GB") -> None:
-        """Write a Hugging Face folder (config.json, safetensors, generation_config.json) atomically."""
-        from anyseek.model import hf
-
-        hf.save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)

@@ -5,14 +5,16 @@
       tokenizer.json  tokenizer_config.json  special_tokens_map.json
       run_config.json                                              the resolved anyseek config
       optimizer.safetensors  optimizer.json  rng.safetensors  train_state.json
-      checkpoint.json                                              written last: every file with its size
+      checkpoint.json                                              written last: every file, its size and sha256
 
-A checkpoint is assembled in a hidden temporary folder and renamed into place, so a crash or `kill -9` at any moment
-leaves either the complete new checkpoint or none; the previous ones are untouched. Nothing here is a pickle.
+A checkpoint is assembled in a hidden temporary folder and renamed into place (`anyseek.storage.atomic_folder`, the
+same writer `anyseek.save_pretrained` uses), so a crash or `kill -9` at any moment leaves either the complete new
+checkpoint or none; the previous ones are untouched. Nothing here is a pickle.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -26,13 +28,19 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from anyseek.storage import CheckpointError, atomic_folder, recover_staging
+
+__all__ = ["CheckpointDamaged", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_training_state",
+           "save_checkpoint", "verify"]
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = "checkpoint.json"
+_HASH_CHUNK = 1 << 22
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint folder that is missing pieces or cannot be read; the message names it."""
-
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files are not what its checkpoint.json recorded (unfinished, truncated, flipped bytes):
+    a resume falls back to the previous one. Any other load failure is an error, never a reason to start over."""
 
 @dataclass
 class Checkpoint:
@@ -48,21 +56,33 @@ def list_checkpoints(out_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def verify(ckpt: Path) -> None:
-    """Raise CheckpointError unless every file listed in checkpoint.json is there with its recorded size."""
+    """Raise CheckpointDamaged unless every file listed in checkpoint.json is there with its recorded size and
+    sha256 (checkpoints written before hashes were recorded are checked by size)."""
     marker = ckpt / MARKER
     if not marker.is_file():
-        raise CheckpointError(f"{ckpt}: no {MARKER} (the save did not finish)")
+        raise CheckpointDamaged(f"{ckpt}: no {MARKER} (the save did not finish)")
     try:
         files = json.loads(marker.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{marker}: unreadable ({e})") from e
-    for name, size in files.items():
+    except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointDamaged(f"{marker}: unreadable ({e})") from e
+    for name, rec in files.items():
+        size, digest = (rec, None) if isinstance(rec, int) else (rec.get("size"), rec.get("sha256"))
         f = ckpt / name
         if not f.is_file():
-            raise CheckpointError(f"{ckpt}: missing {name}")
+            raise CheckpointDamaged(f"{ckpt}: missing {name}")
         if f.stat().st_size != size:
-            raise CheckpointError(f"{ckpt}: {name} has {f.stat().st_size} bytes, expected {size} (truncated?)")
+            raise CheckpointDamaged(f"{ckpt}: {name} has {f.stat().st_size} bytes, expected {size} (truncated?)")
+        if digest is not None and file_sha256(f) != digest:
+            raise CheckpointDamaged(f"{ckpt}: {name} does not match its recorded sha256 (damaged on disk)")
 
 
 def save_checkpoint(
@@ -76,32 +96,23 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write `out_dir/step-{step}` atomically, then delete all but the newest `keep_last` complete checkpoints."""
+    from anyseek.hf import write_model_files
     from anyseek.train.optim import save_optimizer
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"step-{step}"
-    tmp = out_dir / f".step-{step}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # writes config.json, model.safetensors, generation_config.json
-    for f in tokenizer_files:
-        shutil.copy2(f, tmp / f.name)
-    (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
-    save_optimizer(optimizer, model, tmp)
-    save_file(_torch_rng_state(), str(tmp / "rng.safetensors"))
-    state = {**train_state, "step": step, "python_rng": _python_rng_state(), "saved_at": time.time()}
-    (tmp / "train_state.json").write_text(json.dumps(state, indent=1))
-    _hook("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. a resumed run saving again): swap atomically
-        old = out_dir / f".step-{step}.old-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    _fsync_dir(out_dir)
+    with atomic_folder(final) as tmp:
+        write_model_files(model, tmp)  # config.json, model.safetensors, generation_config.json
+        for f in tokenizer_files:
+            shutil.copy2(f, tmp / f.name)
+        (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
+        save_optimizer(optimizer, model, tmp)
+        save_file(_torch_rng_state(), str(tmp / "rng.safetensors"))
+        state = {**train_state, "step": step, "python_rng": _python_rng_state(), "saved_at": time.time()}
+        (tmp / "train_state.json").write_text(json.dumps(state, indent=1))
+        _hook("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
+        files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())
+                 if p.is_file()}
+        (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
     _prune(out_dir, keep_last)
     return final
 
@@ -120,8 +131,9 @@ def latest_checkpoint(out_dir: Path, log=print) -> Checkpoint | None:
 def load_training_state(
     ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json."""
-    from anyseek.model.hf import load_pretrained
+    """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json.
+    Raises CheckpointDamaged when its files fail verification, CheckpointError for any other failure."""
+    from anyseek.hf import load_pretrained
     from anyseek.train.optim import load_optimizer
 
     verify(ckpt)
@@ -136,8 +148,8 @@ def load_training_state(
         random.setstate(_python_rng_from_json(state["python_rng"]))
     except CheckpointError:
         raise
-    except Exception as e:  # corrupt tensors, bad JSON, shape mismatches: name the checkpoint
-        raise CheckpointError(f"{ckpt}: cannot be loaded: {type(e).__name__}: {e}") from e
+    except Exception as e:  # verified files that still do not load (shape mismatch, another model): not damage
+        raise CheckpointError(f"{ckpt}: cannot be loaded into this run: {type(e).__name__}: {e}") from e
     return state
 
 
@@ -151,19 +163,7 @@ def _prune(out_dir: Path, keep_last: int) -> None:
             pass
     for c in complete[:-keep_last]:
         shutil.rmtree(c.path, ignore_errors=True)
-    for leftover in out_dir.glob(".step-*.tmp-*"):  # debris of saves killed half-way (never a live one: ours is renamed)
-        if not _pid_alive(leftover.name.rsplit("-", 1)[-1]):
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _pid_alive(pid_text: str) -> bool:
-    try:
-        os.kill(int(pid_text), 0)
-        return True
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
+    recover_staging(out_dir)  # debris of saves killed half-way (never a live one: ours is renamed)
 
 
 def _torch_rng_state() -> dict[str, torch.Tensor]:
@@ -190,24 +190,6 @@ def _python_rng_state() -> list:
 def _python_rng_from_json(value: list) -> tuple:
     version, internal, gauss = value
     return (version, tuple(internal), gauss)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.iterdir():
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    if os.name == "nt":  # directories cannot be fsynced on Windows; rename is still atomic there
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hook(var: str) -> None:

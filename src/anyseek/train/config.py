@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ class TrainConfig:
     compile: bool = False
     tune_allocator: bool = True  # CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime)
     attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, bmm, sdpa, reference, ...
-    moe_backend: str = "auto"  # for the routed experts: auto, grouped_mm, reference
+    moe_backend: str = "auto"  # for the routed experts: auto, triton, grouped_mm, reference
     log_every: int = 10
     eval_every: int = 250
     eval_tokens: int = 65536  # validation tokens per evaluation
@@ -74,6 +75,11 @@ class TrainConfig:
     sample_prompt: str = "The history of"
     sample_tokens: int = 40
     tensorboard: bool = True  # write event files when tensorboard is installed
+    # Piecewise-constant schedules by tokens seen, [[from_tokens, value], ...] starting at 0; empty: the model
+    # section's constant. The V3 report: MTP weight 0.3 for the first 10T tokens then 0.1
+    # (mtp_loss_weight_schedule = [[0, 0.3], [10e12, 0.1]]); bias update speed 0.001 until 14.3T tokens, then 0.
+    mtp_loss_weight_schedule: list = field(default_factory=list)
+    bias_update_speed_schedule: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "grad_accum", "log_every", "eval_every", "save_every", "keep_last",
@@ -86,53 +92,80 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"train.{f.name} must be a finite number, got {value}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be positive, got {self.lr}")
+        for name in ("mtp_loss_weight_schedule", "bias_update_speed_schedule"):
+            _check_schedule(f"train.{name}", getattr(self, name))
 
 
 @dataclass
-class RunConfig:
-    """model: a flavor name plus ModelConfig overrides (resolved by `model_config()`); data; train."""
+class ModelSection:
+    """[model]: a flavor (tiny, small, 16B, 671B) plus overrides of ModelConfig fields, checked when the run config
+    is loaded: an unknown key, a value of the wrong type or an invalid combination is a ConfigError naming it."""
 
-    model: dict[str, Any] = field(default_factory=lambda: {"flavor": "tiny"})
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    flavor: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
 
-    def model_config(self, vocab_size: int | None = None):
-        """The ModelConfig: the flavor, then the [model] overrides; `vocab_size` (the tokenizer's) applies unless
-        the config sets model.vocab_size itself."""
+    def __post_init__(self) -> None:
+        from anyseek.model.config import ModelConfig
+        from anyseek.model.flavors import FLAVORS
+
+        if self.flavor not in FLAVORS:
+            raise ConfigError(f"model.flavor {self.flavor!r} is unknown; known flavors: {', '.join(FLAVORS)}")
+        hints = typing.get_type_hints(ModelConfig)
+        valid = sorted(f.name for f in dataclasses.fields(ModelConfig) if f.name != "extra")
+        for key, value in list(self.overrides.items()):
+            if key not in valid:
+                raise ConfigError(f"unknown key model.{key}; valid keys: flavor, {', '.join(valid)}")
+            self.overrides[key] = _coerce(value, hints[key], f"model.{key}")
+        self.resolve()  # up front: the combination must be a valid model
+
+    def resolve(self, vocab_size: int | None = None):
+        """The ModelConfig: the flavor, then the overrides; `vocab_size` (the tokenizer's) applies unless the
+        section sets vocab_size itself."""
         from anyseek.model.config import ModelConfig
 
-        overrides = {k: v for k, v in self.model.items() if k != "flavor"}
-        base = ModelConfig.from_name(self.model.get("flavor", "tiny"))
+        overrides = dict(self.overrides)
         if vocab_size is not None and "vocab_size" not in overrides:
             overrides["vocab_size"] = vocab_size
-        valid = {f.name for f in dataclasses.fields(ModelConfig)}
-        for key in overrides:
-            if key not in valid:
-                raise ConfigError(f"unknown key model.{key}; valid keys: flavor, {', '.join(sorted(valid))}")
         try:
-            return dataclasses.replace(base, **overrides)
+            return ModelConfig.from_name(self.flavor, **overrides)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"invalid [model] section: {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": dict(self.model), "data": dataclasses.asdict(self.data), "train": dataclasses.asdict(self.train)}
+        return {"flavor": self.flavor, **self.overrides}
 
 
-# Built-in configs: a model flavor plus the data/train settings that suit it.
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"model": {"flavor": "tiny"}},
-    "small": {
-        "model": {"flavor": "small"},
-        "data": {"tokens_per_batch": 8192, "max_seqlen": 2048},
-        "train": {"max_steps": 5000, "lr": 1e-3, "warmup_steps": 200, "eval_every": 500, "save_every": 1000},
-    },
-}
+@dataclass
+class RunConfig:
+    """model (a flavor plus ModelConfig overrides, resolved by `model_config()`), data, train."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def model_config(self, vocab_size: int | None = None):
+        return self.model.resolve(vocab_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "data": dataclasses.asdict(self.data),
+                "train": dataclasses.asdict(self.train)}
+
+
+def named_configs() -> dict[str, Path]:
+    """The run configs shipped with the package (`anyseek/configs/NAME.toml`), by name."""
+    folder = Path(__file__).resolve().parent.parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
 
 
 def load_run_config(config: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """`config`: a preset/flavor name (tiny, small, 16B, ...) or a .toml/.json file; `overrides`: `--section.key=value`."""
+    """`config`: a shipped config's name (`named_configs()`: tiny, small), a model flavor (16B, 671B: that flavor with
+    the default data and train sections), or a .toml/.json file; `overrides`: `--section.key=value`."""
     raw = _load_raw(config or "tiny")
     for item in overrides or []:
         section, key, value = _parse_override(item)
@@ -145,9 +178,11 @@ def from_dict(raw: dict[str, Any], origin: str = "<dict>") -> RunConfig:
     if unknown:
         raise ConfigError(f"{origin}: unknown section(s) {sorted(unknown)}; valid sections: model, data, train")
     model = dict(raw.get("model") or {})
-    model.setdefault("flavor", "tiny")
+    flavor = model.pop("flavor", "tiny")
+    if not isinstance(flavor, str):
+        raise ConfigError(f"model.flavor must be str, got {flavor!r}")
     return RunConfig(
-        model=model,
+        model=ModelSection(flavor, model),
         data=_build(DataConfig, raw.get("data") or {}, "data"),
         train=_build(TrainConfig, raw.get("train") or {}, "train"),
     )
@@ -164,16 +199,16 @@ def _load_raw(config: str) -> dict[str, Any]:
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: {e}") from e
         return raw
-    if config in PRESETS:
-        return json.loads(json.dumps(PRESETS[config]))  # a deep copy
-    from anyseek.model.config import ModelConfig
+    named = named_configs()
+    if config in named:
+        return _load_raw(str(named[config]))
+    from anyseek.model.flavors import FLAVORS
 
-    try:
-        ModelConfig.from_name(config)
-    except Exception as e:
+    if config not in FLAVORS:
         raise ConfigError(
-            f"--config {config!r} is neither a .toml/.json file nor a known flavor ({', '.join(PRESETS)}, ...): {e}"
-        ) from e
+            f"--config {config!r} is neither a .toml/.json file, a shipped config ({', '.join(named)}) nor a model "
+            f"flavor ({', '.join(FLAVORS)})"
+        )
     return {"model": {"flavor": config}}
 
 
@@ -229,6 +264,28 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     else:
         return value
     raise ConfigError(f"{name} must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def piecewise(schedule: list, tokens: int, default: float) -> float:
+    """The value of a [[from_tokens, value], ...] schedule at `tokens` (the last step at or below it)."""
+    value = default
+    for start, v in schedule:
+        if tokens >= start:
+            value = float(v)
+    return value
+
+
+def _check_schedule(name: str, schedule: Any) -> None:
+    ok = isinstance(schedule, list) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                             for x in p) for p in schedule)
+    if not ok:
+        raise ConfigError(f"{name} must be a list of [from_tokens, value] pairs, got {schedule!r}")
+    starts = [p[0] for p in schedule]
+    if schedule and (starts[0] != 0 or starts != sorted(starts) or len(set(starts)) != len(starts)):
+        raise ConfigError(f"{name} must start at 0 tokens and increase, got starts {starts}")
+    if any(p[1] < 0 for p in schedule):
+        raise ConfigError(f"{name} values must be >= 0, got {schedule!r}")
 
 
 def _positive(obj: Any, *names: str) -> None:

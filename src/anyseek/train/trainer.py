@@ -21,14 +21,25 @@ from typing import Any
 
 import torch
 
+from anyseek.constants import IGNORE_INDEX
+from anyseek.model.mtp import count_targets
 from anyseek.train import checkpoint as ckpt_lib
-from anyseek.train.config import RunConfig
-from anyseek.train.metrics import MetricsLog, Progress, peak_flops
+from anyseek.train.config import RunConfig, piecewise
+from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer, lr_at, set_lr
+from anyseek.train.preflight import check_prepared, check_vocab, check_writable, describe_os_error
+from anyseek.train.resume import check_resume
 
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite losses in a row."""
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (full disk, read-only folder); the message says why in one line."""
+
+
+MAX_FAILED_SAVES = 3  # periodic saves that may fail in a row (training goes on) before the run stops
 
 
 @dataclass
@@ -43,8 +54,11 @@ class StepStats:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, out_dir: Path, resume: bool = False, log: Callable[[str], None] = print):
+    def __init__(self, cfg: RunConfig, out_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
+                 resume_overrides: tuple[str, ...] = ()):
+        """resume_overrides: run-config keys (e.g. "train.lr") that may differ from the checkpoint's on --resume."""
         self.cfg, self.out_dir, self.resume, self.log = cfg, Path(out_dir), resume, log
+        self.resume_overrides = tuple(resume_overrides)
         self.stop_requested = False
         t = cfg.train
         if t.threads > 0:
@@ -68,12 +82,14 @@ class Trainer:
         from anyseek.data.tokenizer import load_tokenizer, tokenizer_files
 
         self.manifest = read_manifest(self.data_dir)  # first: its error says how to prepare the folder
+        self.has_val = check_prepared(self.data_dir, self.manifest, self.log)
         self.tokenizer = load_tokenizer(self.data_dir)
         self.tokenizer_files = tokenizer_files(self.data_dir)
 
         from anyseek.model.transformer import DeepSeekV3
 
         self.model_cfg = cfg.model_config(vocab_size=int(self.manifest["vocab_size"]))
+        check_vocab(self.data_dir, self.manifest, self.model_cfg.vocab_size)
         self.model = DeepSeekV3(self.model_cfg).to(self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model, t, self.device)
@@ -103,24 +119,44 @@ class Trainer:
         return PackedLoader(self.data_dir, split=split, tokens_per_batch=d.tokens_per_batch, max_seqlen=d.max_seqlen,
                             seed=self.cfg.train.seed, loop=loop)
 
+    def data_identity(self) -> dict[str, Any]:
+        """What the prepared data is, recorded in every checkpoint and compared on --resume."""
+        return {"fingerprint": self.manifest.get("fingerprint"), "vocab_size": int(self.manifest["vocab_size"])}
+
     def _resume(self) -> None:
-        for ckpt in reversed(ckpt_lib.list_checkpoints(self.out_dir)):
+        """Continue from the newest checkpoint that is intact and was written by this run on this data.
+        A damaged checkpoint (files not as recorded) falls back to the previous one; a mismatching or unloadable one
+        is an error that changes nothing; only a folder without any checkpoint starts from scratch."""
+        ckpts = ckpt_lib.list_checkpoints(self.out_dir)
+        if not ckpts:
+            self.log(f"--resume: {self.out_dir} holds no checkpoint yet; starting from scratch")
+            return
+        damaged = []
+        for ckpt in reversed(ckpts):
             try:
-                state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer)
-            except ckpt_lib.CheckpointError as e:
-                self.log(f"warning: checkpoint {ckpt.path} is unusable ({e}); trying the previous one")
+                ckpt_lib.verify(ckpt.path)
+            except ckpt_lib.CheckpointDamaged as e:
+                self.log(f"warning: {e}; trying the previous checkpoint")
+                damaged.append(ckpt.path.name)
                 continue
+            changes = check_resume(ckpt.path, self.cfg.to_dict(), self.data_identity(), self.resume_overrides)
+            state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer)
             self.train_loader.load_state_dict(state["loader"])
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-            self.log(f"resumed from {ckpt.path} at step {self.step}")
+            self.bad_in_a_row = int(state.get("bad_in_a_row", 0))
+            self.log(f"resumed from {ckpt.path} at step {self.step}" + (f" (changed: {'; '.join(changes)})"
+                                                                         if changes else ""))
             return
-        self.log(f"no usable checkpoint in {self.out_dir}; starting from scratch")
+        raise ckpt_lib.CheckpointDamaged(
+            f"every checkpoint in {self.out_dir} is damaged ({', '.join(damaged)}); nothing was changed. "
+            "Move them away to start over, or pass --out NEW_DIR"
+        )
 
     # ------------------------------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, Any]:
         t = self.cfg.train
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(self.out_dir, self.log)
         if self.resume:
             self._resume()
         elif ckpt_lib.list_checkpoints(self.out_dir):
@@ -129,7 +165,7 @@ class Trainer:
             )
         self._describe()
         metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard)
-        progress = Progress(t.max_steps, start=self.step, every=t.log_every)
+        progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every)
         old_handlers = self._install_signal_handlers()
         peak = peak_flops(self.device)
         batches = iter(self.train_loader)
@@ -154,10 +190,10 @@ class Trainer:
                     self._log_step(metrics, progress, stats, loss, lr, grad_norm, window_tokens / elapsed,
                                    window_flops / elapsed, peak)
                     window_t, window_tokens, window_flops = time.perf_counter(), 0, 0.0
-                if self.step % t.eval_every == 0 and self.step < t.max_steps:
+                if self.step % t.eval_every == 0 and self.step < t.max_steps and self.has_val:
                     self._evaluate(metrics)
                 if self.step % t.save_every == 0 and self.step < t.max_steps:
-                    self._save()
+                    self._save(periodic=True)
             progress.close()
             if self.stop_requested:
                 self.log(f"stop requested: saving step {self.step} and exiting")
@@ -179,37 +215,65 @@ class Trainer:
     def _log_step(self, metrics, progress, stats, loss, lr, grad_norm, tokens_per_s, flops_per_s, peak) -> None:
         row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                "tokens_seen": self.tokens_seen, "tflops": flops_per_s / 1e12}
-        row.update({k: float(v) / self.cfg.train.grad_accum for k, v in stats.parts.items()})
+        row.update({k: float(v) for k, v in stats.parts.items()})
+        if "mtp_loss" in stats.parts:
+            row["mtp_loss_weight"] = self.mtp_loss_weight()
         if peak:
             row["mfu"] = flops_per_s / peak
         metrics.write("train", self.step, row)
-        progress.update(self.step, loss, tokens_per_s)
+        shown = {"mtp": row["mtp_loss"]} if "mtp_loss" in row else {}
+        if "balance_loss" in row:
+            shown["balance"] = row["balance_loss"]
+        progress.update(self.step, row.get("lm_loss", loss), tokens_per_s, shown)
 
     def _accumulate(self, batches) -> StepStats:
+        """Forward and backward over the step's micro-batches. The losses are normalised once for the whole step:
+        each micro-batch's summed next-token (and per-depth MTP) loss is divided by the step's count of valid
+        targets, counted on the host copies of the batches before any of them runs (no device sync), so a
+        micro-batch with few targets weighs no more than its targets do."""
         t = self.cfg.train
         stats = StepStats()
-        for _ in range(t.grad_accum):
-            batch = next(batches)
-            ids = batch.input_ids.to(self.device, non_blocking=True)
-            targets = batch.targets.to(self.device, non_blocking=True)
-            cu = batch.cu_seqlens.to(self.device, non_blocking=True)
+        micro = [next(batches) for _ in range(t.grad_accum)]
+        depths = len(self.model.mtp)
+        per_batch = [count_targets(b.targets, b.cu_seqlens, depths) for b in micro]
+        step_counts = [sum(c[i] for c in per_batch) for i in range(depths + 1)]
+        num_targets = torch.tensor(step_counts, dtype=torch.float32).to(self.device, non_blocking=True)
+        mtp_weight = self.mtp_loss_weight()
+        alpha = self.model_cfg.aux_loss_alpha
+        for batch in micro:
+            dev = batch.to(self.device, non_blocking=True)
             with self._autocast():
-                out = self.forward(ids, cu_seqlens=cu, targets=targets, max_seqlen=batch.max_seqlen,
-                                   return_logits=False)
-            (out.loss / t.grad_accum).backward()
-            stats.loss = stats.loss + out.loss.detach()
-            for name in ("lm_loss", "mtp_loss", "balance_loss"):
-                value = getattr(out, name)
-                if value is not None:
-                    stats.parts[name] = stats.parts.get(name, 0.0) + value.detach().float()
+                out = self.forward(dev.input_ids, cu_seqlens=dev.cu_seqlens, targets=dev.targets,
+                                   max_seqlen=dev.max_seqlen, return_logits=False, num_targets=num_targets)
+            parts = {"lm_loss": out.lm_loss}
+            loss = out.lm_loss
+            if out.mtp_loss is not None:
+                parts["mtp_loss"] = out.mtp_loss
+                loss = loss + mtp_weight * out.mtp_loss
+            if out.balance_loss is not None:
+                parts["balance_loss"] = out.balance_loss / t.grad_accum  # a mean over the step's micro-batches
+                loss = loss + alpha * parts["balance_loss"]
+            loss.backward()
+            stats.loss = stats.loss + loss.detach()
+            for name, value in parts.items():
+                stats.parts[name] = stats.parts.get(name, 0.0) + value.detach().float()
             if out.expert_load is not None:
                 load = out.expert_load.detach()
                 stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
-            stats.tokens += int(ids.numel())
+            stats.tokens += batch.num_tokens
             lens = batch.cu_seqlens.diff().double()
             mean_context = float((lens * lens).sum() / lens.sum())  # per-token attention span of this packing
-            stats.flops += ids.numel() * (self._flops_a + self._flops_b * mean_context)
+            stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
         return stats
+
+    def mtp_loss_weight(self) -> float:
+        """lambda now: train.mtp_loss_weight_schedule at the tokens seen so far, else model.mtp_loss_weight."""
+        return piecewise(self.cfg.train.mtp_loss_weight_schedule, self.tokens_seen, self.model_cfg.mtp_loss_weight)
+
+    def bias_update_speed(self) -> float:
+        """gamma now: train.bias_update_speed_schedule at the tokens seen so far, else model.bias_update_speed."""
+        return piecewise(self.cfg.train.bias_update_speed_schedule, self.tokens_seen,
+                         self.model_cfg.bias_update_speed)
 
     def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
         """Clip and step, or skip a non-finite step. Returns (stepped, mean loss, grad norm)."""
@@ -217,7 +281,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        loss = float(stats.loss) / t.grad_accum  # the one host sync per step
+        loss = float(stats.loss)  # the one host sync per step
         norm = float(grad_norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -226,15 +290,17 @@ class Trainer:
                      f"({self.bad_in_a_row} in a row)")
             if self.bad_in_a_row >= t.max_bad_steps:
                 raise TrainingDiverged(
-                    f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. The last good "
-                    f"checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
+                    f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. "
+                    + (f"The last good checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
+                       if ckpt_lib.latest_checkpoint(self.out_dir, log=lambda s: None) is not None
+                       else "No checkpoint was written yet; start again with a lower --train.lr.")
                 )
             return False, loss, norm
         self.bad_in_a_row = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if stats.expert_load is not None:
-            self.model.update_routing_bias(stats.expert_load)
+            self.model.update_routing_bias(stats.expert_load, gamma=self.bias_update_speed())
         return True, loss, norm
 
     # ------------------------------------------------------------------------------------------ eval, save, end
@@ -246,13 +312,13 @@ class Trainer:
         total, count = 0.0, 0
         try:
             for batch in self._loader("val", loop=False):
-                targets = batch.targets.to(self.device)
-                n = int((targets != -100).sum())
+                n = int((batch.targets != IGNORE_INDEX).sum())  # on the host copy: no device sync
                 if n == 0:
                     continue
+                dev = batch.to(self.device)
                 with self._autocast():
-                    out = self.model(batch.input_ids.to(self.device), cu_seqlens=batch.cu_seqlens.to(self.device),
-                                     targets=targets, max_seqlen=batch.max_seqlen, return_logits=False)
+                    out = self.model(dev.input_ids, cu_seqlens=dev.cu_seqlens, targets=dev.targets,
+                                     max_seqlen=dev.max_seqlen, return_logits=False)
                 total += float(out.lm_loss) * n
                 count += n
                 if count >= self.cfg.train.eval_tokens:
@@ -268,16 +334,28 @@ class Trainer:
         self.log(f"step {self.step}: validation loss {loss:.4f}, perplexity {ppl:.2f} ({count:,} tokens)")
         return loss
 
-    def _save(self) -> Path:
+    def _save(self, periodic: bool = False) -> Path | None:
+        """Write step-N. A periodic save that fails (full disk, read-only folder) is reported in one line and
+        training goes on (the staging folder is already gone) until MAX_FAILED_SAVES fail in a row; any other
+        failed save raises SaveFailed."""
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
-                 "bad_in_a_row": self.bad_in_a_row}
-        path = ckpt_lib.save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state,
-                                        self.cfg.to_dict(), self.tokenizer_files, self.cfg.train.keep_last)
+                 "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity()}
+        try:
+            path = ckpt_lib.save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state,
+                                            self.cfg.to_dict(), self.tokenizer_files, self.cfg.train.keep_last)
+        except OSError as e:
+            self.failed_saves = getattr(self, "failed_saves", 0) + 1
+            why = f"could not save step {self.step} in {self.out_dir}: {describe_os_error(e)}"
+            if periodic and self.failed_saves < MAX_FAILED_SAVES:
+                self.log(f"warning: {why}; training goes on and tries again at the next save")
+                return None
+            raise SaveFailed(why) from None
+        self.failed_saves = 0
         self.log(f"saved {path}")
         return path
 
     def _finish(self, metrics: MetricsLog) -> dict[str, Any]:
-        val_loss = self._evaluate(metrics)
+        val_loss = self._evaluate(metrics) if self.has_val else float("nan")
         path = self._save()
         from anyseek.train.metrics import read_metrics
         from anyseek.train.plot import write_loss_curve
@@ -287,7 +365,7 @@ class Trainer:
             self.out_dir / "loss.png",
             [(r["step"], r.get("lm_loss", r["loss"])) for r in rows if r["kind"] == "train"],
             [(r["step"], r["loss"]) for r in rows if r["kind"] == "val"],
-            title=f"{self.cfg.model.get('flavor', '')} on {self.cfg.data.path or self.cfg.data.source}",
+            title=f"{self.cfg.model.flavor} on {self.cfg.data.path or self.cfg.data.source}",
         )
         sample = self.sample()
         self.log(f"loss curve: {curve}")
@@ -312,7 +390,7 @@ class Trainer:
 
         m = self.model
         d = self.cfg.data
-        self.log(f"model: {self.cfg.model.get('flavor')} | {m.num_parameters() / 1e6:.2f}M parameters "
+        self.log(f"model: {self.cfg.model.flavor} | {m.num_parameters() / 1e6:.2f}M parameters "
                  f"({m.num_parameters(active_only=True) / 1e6:.2f}M active) | device {self.device} "
                  f"| autocast {self.autocast_dtype} | {torch.get_num_threads()} threads | {self.allocator}")
         self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "

@@ -23,7 +23,9 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int):
     """
     ids_M = topk_ids_TK.reshape(-1)
     order_M = torch.argsort(ids_M, stable=True)
-    counts_E = torch.bincount(ids_M, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads its input's max on the host (a device sync, no CUDA graphs)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_M.device).scatter_add_(
+        0, ids_M, torch.ones_like(ids_M, dtype=torch.int64))
     K = topk_ids_TK.shape[1]
     # index_select, not x[idx]: its backward is an index_add, much cheaper on CPU than an accumulating index_put
     return x_TD.index_select(0, order_M // K), order_M, counts_E
@@ -98,37 +100,3 @@ def routed_experts(
     w_M = sorted_weights(topk_weights_TK, order_M)
     y_MD = grouped_swiglu(x_MD, counts_E.tolist(), gate_up_proj_EFD, down_proj_EDI, w_M)  # rows already weighted
     return combine(y_MD, order_M, *topk_ids_TK.shape).to(x_TD.dtype)
-
-
-def grouped_mm_routed_experts(
-    x_TD: torch.Tensor,
-    topk_ids_TK: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
-    gate_up_proj_EFD: torch.Tensor,
-    down_proj_EDI: torch.Tensor,
-) -> torch.Tensor:
-    """Same maths as `routed_experts` through `torch._grouped_mm` (bf16, CUDA sm90+): no host sync and two matmul
-    launches per call instead of two per expert. Check `grouped_mm_available` first."""
-    E, I = gate_up_proj_EFD.shape[0], down_proj_EDI.shape[-1]
-    out_dtype = x_TD.dtype
-    if torch.is_autocast_enabled(x_TD.device.type):  # autocast does not cover _grouped_mm: cast as it would
-        dtype = torch.get_autocast_dtype(x_TD.device.type)
-        x_TD, gate_up_proj_EFD, down_proj_EDI = (t.to(dtype) for t in (x_TD, gate_up_proj_EFD, down_proj_EDI))
-    x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)
-    offs_E = counts_E.cumsum(0).to(torch.int32)  # stays on the device
-    h_MF = torch._grouped_mm(x_MD, gate_up_proj_EFD.transpose(1, 2), offs=offs_E)
-    act_MI = F.silu(h_MF[:, :I]) * h_MF[:, I:]
-    y_MD = torch._grouped_mm(act_MI, down_proj_EDI.transpose(1, 2), offs=offs_E)
-    return unpermute(y_MD, order_M, topk_weights_TK).to(out_dtype)
-
-
-def grouped_mm_available(example: torch.Tensor) -> tuple[bool, str]:
-    """(ok, reason) for `grouped_mm_routed_experts` on tensors like `example`."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False, f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)"
-    if example.device.type != "cuda" or torch.cuda.get_device_capability(example.device) < (9, 0):
-        return False, "torch._grouped_mm needs an NVIDIA GPU of compute capability 9.0 or newer"
-    autocast_bf16 = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
-    if example.dtype != torch.bfloat16 and not autocast_bf16:
-        return False, f"torch._grouped_mm needs bf16 (or bf16 autocast), got {example.dtype}"
-    return True, "torch._grouped_mm (cuBLAS grouped GEMM), no host sync"

@@ -161,8 +161,6 @@ def _check(q, ka, kb, v, cu_seqlens, b_shared):
             raise ValueError(f"triton attention needs {name}'s last dim contiguous, got strides {t.stride()}")
         if t.dtype != q.dtype:
             raise ValueError(f"triton attention needs one dtype, got q {q.dtype} and {name} {t.dtype}")
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens must be int32 on {q.device}, got {cu_seqlens.dtype} on {cu_seqlens.device}")
     if b_shared and kb.dim() != 2:
         raise ValueError(f"the shared key part must be [T, R], got {tuple(kb.shape)}")
     if A + (kb.shape[-1] if kb is not ka else 0) != C:

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from anyseek.constants import IGNORE_INDEX
 from anyseek.data.shards import SplitData
-
-IGNORE_INDEX = -100
 
 
 @dataclass

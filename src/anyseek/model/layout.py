@@ -1,20 +1,21 @@
-"""What every layer needs to know about a packed batch, computed once per forward.
+"""What every layer needs to know about a packed batch, computed once per forward and never changed after.
 
-Shape legend: T tokens, B documents, R rope dim.
+Shape legend: T tokens, B documents (segments), R rope dim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 
-@dataclass
-class Packing:
-    """A packed batch of B documents: cu_seqlens int32 [B+1], positions [T] (restart at 0 in every document),
-    doc_ids [T] (document of each token), doc_lens [B], cos/sin fp32 [T, R/2]. Layers append MoE statistics to
-    `expert_load` (float [E] per MoE layer) and `balance_losses` (scalar per MoE layer) when `collect` is set."""
+@dataclass(frozen=True)
+class PackedLayout:
+    """A packed batch of B documents: cu_seqlens int32 [B+1] (validated: starts at 0, never decreases, ends at T),
+    max_seqlen (host int), positions [T] (restart at 0 in every document), doc_ids [T] (document of each token),
+    doc_lens int64 [B], and the rotary tables cos/sin fp32 [T, R/2] for those positions (None until `with_rope`)."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
@@ -23,13 +24,15 @@ class Packing:
     doc_lens: torch.Tensor
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
-    want_balance_loss: bool = False
-    expert_load: list[torch.Tensor] = field(default_factory=list)
-    balance_losses: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int | None = None) -> Packing:
-        """From document starts. One host sync (checks cu_seqlens, finds max_seqlen); no per-token Python."""
+    def build(cls, cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int | None = None) -> PackedLayout:
+        """From document starts. One host sync (checks cu_seqlens, finds max_seqlen); no per-token Python.
+        This is the one place cu_seqlens' values are checked: the kernel seams check only its shape and dtype."""
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
         cu = cu_seqlens.to(torch.int64)
@@ -47,10 +50,14 @@ class Packing:
         return cls(cu_seqlens.to(torch.int32), max_seqlen, positions, doc_ids, doc_lens)
 
     @classmethod
-    def uniform(cls, batch: int, seqlen: int, device: torch.device) -> Packing:
+    def uniform(cls, batch: int, seqlen: int, device: torch.device) -> PackedLayout:
         """B rows of S tokens, each row one document (no host sync)."""
         cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device=device, dtype=torch.int32)
         positions = torch.arange(seqlen, device=device).repeat(batch)
         doc_ids = torch.arange(batch, device=device).repeat_interleave(seqlen)
         doc_lens = torch.full((batch,), seqlen, device=device, dtype=torch.int64)
         return cls(cu, seqlen, positions, doc_ids, doc_lens)
+
+    def with_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> PackedLayout:
+        """The same layout with its rotary tables."""
+        return dataclasses.replace(self, cos=cos, sin=sin)

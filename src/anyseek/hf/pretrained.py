@@ -7,7 +7,7 @@ Loading streams: the model is built with its parameters on the meta device, then
 safetensors files (memory-mapped) and assigned, so peak memory is about one model. Routed experts arrive as N
 per-expert pieces and are copied into one stacked tensor per layer as they are read. FP8 block-quantized weights
 (the official release) are dequantized on the way in. Saved folders use the official per-expert layout and load
-in `transformers.AutoModelForCausalLM.from_pretrained`. See hf_names.py for the name mapping.
+in `transformers.AutoModelForCausalLM.from_pretrained`. See names.py for the name mapping.
 """
 
 from __future__ import annotations
@@ -24,15 +24,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from anyseek.model.hf_fp8 import DEFAULT_BLOCK, dequantize_blockwise
-from anyseek.model.hf_io import CheckpointError, TensorInfo, TensorReader, fsync_dir, nbytes, scan_folder, write_shards
-from anyseek.model.hf_names import LoadPlan, Piece, expert_names, plan_load, to_hf
+from anyseek.hf.config import config_from_hf, config_to_hf
+from anyseek.hf.fp8 import DEFAULT_BLOCK, dequantize_blockwise
+from anyseek.hf.names import LoadPlan, Piece, expert_names, plan_load, to_hf
+from anyseek.hf.safetensors_io import TensorInfo, TensorReader, nbytes, scan_folder, write_shards
+from anyseek.storage import CheckpointError, atomic_folder
 
 if TYPE_CHECKING:
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
 
-__all__ = ["CheckpointError", "load_pretrained", "save_pretrained"]
+__all__ = ["CheckpointError", "load_pretrained", "save_pretrained", "write_model_files"]
 
 _MAX_LISTED = 40  # names listed per kind of problem in one error message
 _KEEP_FILES = re.compile(r"(tokenizer.*|special_tokens_map\.json|chat_template.*|vocab\.json|merges\.txt)")
@@ -88,7 +90,7 @@ def load_into(
     folder: Path | None = None,
     zero_if_missing: tuple[str, ...] = (),
 ) -> None:
-    """Fill `model`'s state from the checkpoint tensors `ckpt` (see hf_io.scan_folder), assigning new tensors.
+    """Fill `model`'s state from the checkpoint tensors `ckpt` (see safetensors_io.scan_folder), assigning new tensors.
     Parameters become `dtype` on `device`; buffers keep their dtype. Tensors whose names end with one of
     `zero_if_missing` may be absent from the checkpoint and are then zeros."""
     device = torch.device(device if device is not None else "cpu")
@@ -238,10 +240,8 @@ def _fp8_block(hf_dict: dict, file: Path) -> tuple[int, int]:
 
 
 def _model_config(hf_dict: dict, file: Path) -> ModelConfig:
-    from anyseek.model.config import ModelConfig
-
     try:
-        return ModelConfig.from_hf_dict(hf_dict, source=str(file))
+        return config_from_hf(hf_dict, source=str(file))
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(str(e) if str(file) in str(e) else f"{file}: {e}") from e
 
@@ -284,30 +284,29 @@ def save_pretrained(
 
     Official layout: per-expert `mlp.experts.e.{gate,up,down}_proj.weight`, MTP module k as
     `model.layers.{N+k}.*` with copies of embed_tokens and lm_head (`shared_head.head`). dtype: of floating
-    parameters (default: as they are); buffers keep theirs. Atomic: written to `<path>.tmp-<pid>`, then renamed
-    over `path`; an existing folder is replaced only once the new one is complete (its tokenizer files are kept).
+    parameters (default: as they are); buffers keep theirs. Atomic (`anyseek.storage.atomic_folder`): an existing
+    folder is replaced only once the new one is complete, and its tokenizer files are kept.
     """
-    cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(cfg, "to_hf_dict"):
-        raise TypeError(f"save_pretrained needs a model with a ModelConfig at .config, got {type(model).__name__}")
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise FileExistsError(f"{folder}: exists and is not a folder")
-    tmp = folder.parent / f"{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        entries = _save_entries(model, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, dtype)
-        write_shards(entries, tmp, max_shard_size)
-        _write_configs(model, cfg, tmp, dtype)
+    with atomic_folder(folder) as tmp:
+        write_model_files(model, tmp, dtype, max_shard_size)
         if folder.is_dir():
             for f in folder.iterdir():
                 if f.is_file() and _KEEP_FILES.fullmatch(f.name) and not (tmp / f.name).exists():
                     shutil.copy2(f, tmp / f.name)
-        _swap_in(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def write_model_files(
+    model: DeepSeekV3, folder: Path, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB"
+) -> None:
+    """The model's files (config.json, generation_config.json, safetensors) into an existing `folder`, in place:
+    callers that need atomicity write into an `atomic_folder`."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not dataclasses.is_dataclass(cfg):
+        raise TypeError(f"save_pretrained needs a model with a ModelConfig at .config, got {type(model).__name__}")
+    entries = _save_entries(model, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, dtype)
+    write_shards(entries, folder, max_shard_size)
+    _write_configs(model, cfg, folder, dtype)
 
 
 def _save_entries(model: nn.Module, n_layers: int, n_mtp: int, dtype: torch.dtype | None) -> list:
@@ -340,7 +339,7 @@ def _save_entries(model: nn.Module, n_layers: int, n_mtp: int, dtype: torch.dtyp
 
 
 def _write_configs(model: nn.Module, cfg: ModelConfig, folder: Path, dtype: torch.dtype | None) -> None:
-    hf = dict(cfg.to_hf_dict())
+    hf = config_to_hf(cfg)
     saved = dtype if dtype is not None else next(p.dtype for p in model.parameters() if p.is_floating_point())
     hf["dtype"] = str(saved).removeprefix("torch.")
     hf.pop("torch_dtype", None)
@@ -349,16 +348,3 @@ def _write_configs(model: nn.Module, cfg: ModelConfig, folder: Path, dtype: torc
     gen = {"_from_model_config": True}
     gen.update({k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None})
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-
-
-def _swap_in(tmp: Path, folder: Path) -> None:
-    fsync_dir(tmp)
-    if not folder.exists():
-        os.rename(tmp, folder)
-    else:
-        old = folder.parent / f"{folder.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(folder, old)
-        os.rename(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(folder.parent)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from anyseek.model.hf_fp8 import scale_shape
-from anyseek.model.hf_io import TensorInfo
+from anyseek.hf.fp8 import scale_shape
+from anyseek.hf.safetensors_io import TensorInfo
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")

@@ -8,7 +8,6 @@ A folder holds either `model.safetensors` or shards listed by `model.safetensors
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from collections.abc import Callable, Iterable
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from anyseek.storage import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,10 +39,6 @@ DTYPES: dict[str, torch.dtype] = {
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "F16": 2, "BF16": 2}
 _ITEMSIZE.update({"I32": 4, "F32": 4, "I64": 8, "F64": 8})
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder or file that cannot be loaded; the message names the file and the tensors."""
 
 
 @dataclass(frozen=True)
@@ -227,17 +224,3 @@ def write_shards(
 def _owned_cpu_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     return out.copy_(t.detach())
-
-
-def fsync_dir(folder: Path) -> None:
-    """Flush the folder's entries so a rename after it is durable (no-op where unsupported)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
