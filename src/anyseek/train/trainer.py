@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from anyseek.constants import IGNORE_INDEX
+from anyseek.distributed.parallel import Parallel, Silent
 from anyseek.model.mtp import count_targets
 from anyseek.train import checkpoint as ckpt_lib
 from anyseek.train.config import RunConfig, piecewise
@@ -51,7 +52,10 @@ class Trainer:
         t = cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
-        self.device = _pick_device(t.device)
+        self.par = Parallel.from_torchrun(cfg.parallel, t.device)  # inactive unless launched by torchrun
+        if not self.par.env.is_main:
+            self.log = lambda message: None  # rank 0 prints and writes; every rank computes
+        self.device = self.par.device if self.par.active else _pick_device(t.device)
         self.allocator = "allocator left as is"
         if self.device.type == "cpu" and t.tune_allocator:
             from anyseek.runtime import tune_cpu_allocator
@@ -77,6 +81,7 @@ class Trainer:
 
         self.model_cfg = cfg.model_config(vocab_size=int(self.manifest["vocab_size"]))
         self.model = DeepSeekV3(self.model_cfg).to(self.device)
+        self.model = self.par.parallelize(self.model, self.autocast_dtype)  # EP, FSDP2, checkpointing: from outside
         self.model.train()
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
@@ -102,13 +107,17 @@ class Trainer:
         from anyseek.data.loader import PackedLoader
 
         d = self.cfg.data
+        share = self.par.loader_args() if loop else {}  # every rank validates on the same batches
         return PackedLoader(self.data_dir, split=split, tokens_per_batch=d.tokens_per_batch, max_seqlen=d.max_seqlen,
-                            seed=self.cfg.train.seed, loop=loop)
+                            seed=self.cfg.train.seed, loop=loop, **share)
 
     def _resume(self) -> None:
         for ckpt in reversed(ckpt_lib.list_checkpoints(self.out_dir)):
             try:
-                state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer)
+                if self.par.loads(ckpt.path):  # sharded checkpoints, or any checkpoint into a sharded model
+                    state = self.par.load_checkpoint(ckpt.path, self.model, self.optimizer, self.train_loader)
+                else:
+                    state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer)
             except ckpt_lib.CheckpointError as e:
                 self.log(f"warning: checkpoint {ckpt.path} is unusable ({e}); trying the previous one")
                 continue
@@ -131,8 +140,9 @@ class Trainer:
                 f"{self.out_dir} already holds checkpoints; pass --resume to continue that run or --out NEW_DIR"
             )
         self._describe()
-        metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard)
-        progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every)
+        main = self.par.env.is_main
+        metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard) if main else Silent()
+        progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every) if main else Silent()
         old_handlers = self._install_signal_handlers()
         peak = peak_flops(self.device)
         batches = iter(self.train_loader)
@@ -202,6 +212,7 @@ class Trainer:
         per_batch = [count_targets(b.targets, b.cu_seqlens, depths) for b in micro]
         step_counts = [sum(c[i] for c in per_batch) for i in range(depths + 1)]
         num_targets = torch.tensor(step_counts, dtype=torch.float32).to(self.device, non_blocking=True)
+        num_targets = self.par.sum_(num_targets)  # the global batch's targets: every rank divides by the same count
         mtp_weight = self.mtp_loss_weight()
         alpha = self.model_cfg.aux_loss_alpha
         for batch in micro:
@@ -215,7 +226,8 @@ class Trainer:
                 parts["mtp_loss"] = out.mtp_loss
                 loss = loss + mtp_weight * out.mtp_loss
             if out.balance_loss is not None:
-                parts["balance_loss"] = out.balance_loss / t.grad_accum  # a mean over the step's micro-batches
+                # a mean over the step's micro-batches (of every rank)
+                parts["balance_loss"] = out.balance_loss / (t.grad_accum * self.par.env.world_size)
                 loss = loss + alpha * parts["balance_loss"]
             loss.backward()
             stats.loss = stats.loss + loss.detach()
@@ -242,9 +254,9 @@ class Trainer:
     def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
         """Clip and step, or skip a non-finite step. Returns (stepped, mean loss, grad norm)."""
         t = self.cfg.train
-        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = self.par.clip_grad_norm_(self.model, max_norm)  # the global norm: every rank agrees to skip
+        self.par.sum_step(stats)  # losses, expert loads and tokens of every rank
         loss = float(stats.loss)  # the one host sync per step
         norm = float(grad_norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -299,8 +311,9 @@ class Trainer:
     def _save(self) -> Path:
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
                  "bad_in_a_row": self.bad_in_a_row}
-        path = ckpt_lib.save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state,
-                                        self.cfg.to_dict(), self.tokenizer_files, self.cfg.train.keep_last)
+        save = self.par.save_checkpoint if self.par.active else ckpt_lib.save_checkpoint
+        path = save(self.out_dir, self.step, self.model, self.optimizer, state, self.cfg.to_dict(),
+                    self.tokenizer_files, self.cfg.train.keep_last)
         self.log(f"saved {path}")
         return path
 
@@ -310,13 +323,13 @@ class Trainer:
         from anyseek.train.metrics import read_metrics
         from anyseek.train.plot import write_loss_curve
 
-        rows = read_metrics(metrics.path)
+        rows = read_metrics(metrics.path) if self.par.env.is_main else []
         curve = write_loss_curve(
             self.out_dir / "loss.png",
             [(r["step"], r.get("lm_loss", r["loss"])) for r in rows if r["kind"] == "train"],
             [(r["step"], r["loss"]) for r in rows if r["kind"] == "val"],
             title=f"{self.cfg.model.flavor} on {self.cfg.data.path or self.cfg.data.source}",
-        )
+        ) if self.par.env.is_main else None
         sample = self.sample()
         self.log(f"loss curve: {curve}")
         self.log(f"sample: {self.cfg.train.sample_prompt}{sample}")

@@ -1,0 +1,180 @@
+"""Sharded training checkpoints (torch.distributed.checkpoint), written by every rank at once, read back by any
+number of ranks (one process without torchrun included), and exported to a Hugging Face folder.
+
+    step-N/
+      dcp/shard-*.safetensors      model + optimizer state: each rank writes its own shards (DCP's Hugging Face
+                                   storage: safetensors whose headers carry the sharding; nothing is pickled)
+      config.json                  the model config (Hugging Face form), for `anyseek export`
+      tokenizer files, run_config.json
+      train_state.json             step, tokens, every rank's loader position, world size
+      checkpoint.json              written last by rank 0 (every file with its size): the checkpoint is complete
+
+Atomic as one-process checkpoints: all ranks write into rank 0's staging folder (`anyseek.storage.atomic_folder`),
+which rank 0 renames into place only after every rank has finished; a crash leaves the previous checkpoint intact.
+Loading reshards: DCP reads each rank's slices from whatever shards the writers held. A checkpoint written by one
+process (a Hugging Face folder) loads on N ranks through the full state dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from anyseek.distributed.env import DistEnv, all_gather_json, barrier, broadcast_json
+from anyseek.storage import CheckpointError, atomic_folder, fsync_dir
+
+DCP_DIR = "dcp"
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return (Path(ckpt) / DCP_DIR).is_dir()
+
+
+def save_sharded(
+    out_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    run_config: dict[str, Any],
+    tokenizer_files: list[Path],
+    keep_last: int,
+    env: DistEnv,
+) -> Path:
+    """Collective: every rank calls it. `train_state["loader"]` is this rank's loader state; all are kept."""
+    from anyseek.hf import config_to_hf
+    from anyseek.train.checkpoint import MARKER, _prune
+
+    final = Path(out_dir) / f"step-{step}"
+    loaders = all_gather_json(train_state["loader"], env)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+    with atomic_folder(final) if env.is_main else contextlib.nullcontext() as tmp:
+        if env.is_main:
+            (tmp / DCP_DIR).mkdir()
+        tmp = Path(broadcast_json(str(tmp) if env.is_main else None, env))
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp / DCP_DIR), save_distributed=True))
+        barrier(env)  # every rank's shards are on disk
+        if env.is_main:
+            (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2, sort_keys=True))
+            for f in tokenizer_files:
+                shutil.copy2(f, tmp / f.name)
+            (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
+            saved = {**train_state, "loader": loaders, "world_size": env.world_size, "step": step,
+                     "saved_at": time.time()}
+            (tmp / "train_state.json").write_text(json.dumps(saved, indent=1))
+            _fsync_files(tmp / DCP_DIR)
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    barrier(env)  # the rename is done before anyone looks for the checkpoint
+    if env.is_main:
+        _prune(Path(out_dir), keep_last)
+    return final
+
+
+def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv) -> dict:
+    """Load model (and optimizer) state into the live, possibly sharded, objects from a checkpoint of any world
+    size; returns train_state.json with `loader` set to this rank's state (or None when the world size changed)."""
+    from anyseek.train.checkpoint import verify
+
+    ckpt = Path(ckpt)
+    verify(ckpt)
+    try:
+        model_sd = get_model_state_dict(model)
+        state: dict[str, Any] = {"model": model_sd}
+        if optimizer is not None:
+            optim_sd = get_optimizer_state_dict(model, optimizer)  # creates the AdamW state to load into
+            state["optim"] = optim_sd["state"]
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, {"state": state["optim"],
+                                                        "param_groups": optim_sd["param_groups"]})
+        train_state = json.loads((ckpt / "train_state.json").read_text())
+    except Exception as e:
+        raise CheckpointError(f"{ckpt}: cannot be loaded: {type(e).__name__}: {e}") from e
+    loaders = train_state["loader"]
+    train_state["loader"] = loaders[env.rank] if len(loaders) == env.world_size else None
+    train_state["saved_loaders"] = loaders
+    return train_state
+
+
+def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict:
+    """A one-process checkpoint (a Hugging Face folder plus optimizer.safetensors) into a sharded model: every rank
+    reads the full tensors on the CPU and keeps its shards."""
+    from anyseek.hf import load_pretrained
+    from anyseek.train.checkpoint import verify
+    from anyseek.train.optim import load_optimizer
+
+    ckpt = Path(ckpt)
+    verify(ckpt)
+    try:
+        full = load_pretrained(ckpt, device="cpu")
+        plain_optim = torch.optim.AdamW([{"params": g["params"]} for g in _groups_by_name(full, model, optimizer)])
+        load_optimizer(plain_optim, full, ckpt)
+        names = {id(p): n for n, p in full.named_parameters()}
+        optim_sd = {"state": {names[id(p)]: s for p, s in plain_optim.state.items()},
+                    "param_groups": get_optimizer_state_dict(model, optimizer)["param_groups"]}
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, full.state_dict(), options=opts)
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+        train_state = json.loads((ckpt / "train_state.json").read_text())
+        del full, plain_optim
+    except Exception as e:
+        raise CheckpointError(f"{ckpt}: cannot be loaded: {type(e).__name__}: {e}") from e
+    loader = train_state["loader"]
+    train_state["saved_loaders"] = [loader]
+    train_state["loader"] = loader if env.world_size == 1 else None
+    return train_state
+
+
+def _groups_by_name(full: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """`optimizer`'s parameter groups, with the same-named parameters of the unsharded `full` model."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = dict(full.named_parameters())
+    return [{"params": [params[names[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def export(ckpt: Path, out: Path) -> Path:
+    """A sharded checkpoint -> a Hugging Face folder (consolidated safetensors, config, tokenizer), in one process."""
+    from anyseek.hf import config_from_hf, write_model_files
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.checkpoint import verify
+
+    ckpt, out = Path(ckpt), Path(out)
+    verify(ckpt)
+    config = config_from_hf(json.loads((ckpt / "config.json").read_text()))
+    model = DeepSeekV3(config, device="meta").to_empty(device="cpu")
+    sd = model.state_dict()
+    dcp.load({"model": sd}, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
+    model.load_state_dict(sd)
+    with atomic_folder(out) as tmp:
+        write_model_files(model, tmp)
+        for name in os.listdir(ckpt):
+            if name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy2(ckpt / name, tmp / name)
+    return out
+
+
+def _fsync_files(folder: Path) -> None:
+    for p in folder.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(folder)
