@@ -28,21 +28,31 @@ from anyseek import kernels
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single of rows with given split sizes; its backward sends the gradients back the same way."""
+    """all_to_all_single of one or more row-aligned tensors with the same split sizes; backward sends the gradients
+    back the same way. Every rank runs the same exchanges in the same order, forward and backward: a gradient that
+    is None here (say, no rows arrived) travels as zeros, so no rank skips a collective the others wait in."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    def forward(ctx, out_splits: list[int], in_splits: list[int], group, *tensors: torch.Tensor):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        ctx.shapes = [(t.shape[1:], t.dtype, t.device) for t in tensors]
+        return tuple(_exchange(t, out_splits, in_splits, group) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor | None):
         out_splits, in_splits = ctx.splits
-        grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        back = []
+        for g, (shape, dtype, device) in zip(grads, ctx.shapes):
+            if g is None:
+                g = torch.zeros((sum(out_splits), *shape), dtype=dtype, device=device)
+            back.append(_exchange(g, in_splits, out_splits, ctx.group))
+        return (None, None, None, *back)
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
 
 
 def dispatch_combine(
@@ -68,12 +78,13 @@ def dispatch_combine(
     in_splits, out_splits = splits  # the host sync: Python ints for the row exchange
     rows_MD = x_TD.index_select(0, order_M // K)
     w_M = topk_weights_TK.reshape(-1).index_select(0, order_M)
-    rows_ND = _AllToAll.apply(rows_MD, out_splits, in_splits, group)
-    w_N = _AllToAll.apply(w_M, out_splits, in_splits, group)
+    rows_ND, w_N = _AllToAll.apply(out_splits, in_splits, group, rows_MD, w_M)
     N = rows_ND.shape[0]
     local_ids_N = torch.arange(E_loc, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts_E, output_size=N)
     y_ND = kernels.routed_experts(rows_ND, local_ids_N[:, None], w_N[:, None], gate_up_local, down_local)
-    y_MD = _AllToAll.apply(y_ND, in_splits, out_splits, group)
+    if N == 0:  # nothing arrived: keep the exchanges in the autograd graph, or this rank's backward would skip them
+        y_ND = rows_ND * w_N[:, None].to(rows_ND.dtype) + 0 * (gate_up_local.sum() + down_local.sum())
+    (y_MD,) = _AllToAll.apply(in_splits, out_splits, group, y_ND)
     out_TD = torch.zeros(T, x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
     return out_TD.index_add(0, order_M // K, y_MD.float()).to(x_TD.dtype)
 
@@ -115,7 +126,6 @@ def sync_expert_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
     if mesh["edp"].size() == 1:
         return
     group = mesh.get_group("edp")
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, group=group)
+    for p in params:  # every rank reduces every expert weight, in the same order
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(g, group=group)
