@@ -127,7 +127,6 @@ def _expert_parallel_equals_local() -> None:
     from anyseek import kernels
     from anyseek.distributed.expert_parallel import dispatch_combine
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     E, D, I, K = 6, 16, 8, 2
     gen = torch.Generator().manual_seed(0)
@@ -158,12 +157,14 @@ def _expert_parallel_equals_local() -> None:
             torch.testing.assert_close(mine, full_grad[rank * 3:(rank + 1) * 3], rtol=1e-5, atol=1e-6)
 
 
-def _nan_verdicts_agree_and_dead_rank_fails(result: str) -> None:
+def _collectives(result: str) -> None:
+    """EP dispatch vs local experts, then NaN agreement, then rank 1 dies and rank 0 must fail, not hang."""
     from anyseek.distributed.parallel import Parallel
     from anyseek.train.config import ParallelConfig
     from anyseek.train.trainer import StepStats
 
     par = Parallel.from_torchrun(ParallelConfig(timeout_s=5), "cpu")
+    _expert_parallel_equals_local()
     rank = par.env.rank
     stats = StepStats(loss=torch.tensor(float("nan") if rank == 1 else 2.0), tokens=10,
                       expert_load=torch.tensor([[1.0, 2.0]]) * (rank + 1))
@@ -251,12 +252,20 @@ def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
     assert (folder / "tokenizer.json").is_file()
 
 
-def test_expert_parallel_dispatch_equals_local_experts():
-    assert spawn(_expert_parallel_equals_local, timeout=60) == [0, 0]
-
-
-def test_nan_verdicts_agree_and_a_dead_rank_fails_fast(tmp_path):
+def test_expert_dispatch_equals_local_experts_nan_verdicts_agree_dead_rank_fails(tmp_path):
     result = tmp_path / "result.txt"
-    codes = spawn(_nan_verdicts_agree_and_dead_rank_fails, str(result), timeout=60)
+    codes = spawn(_collectives, str(result), timeout=60)
     assert codes == [0, 0], codes
     assert result.read_text() != "no error"
+
+
+def test_plan_counts_parameters_and_suggests_a_degree_that_fits():
+    from anyseek.model.config import ModelConfig
+    from anyseek.train.plan import candidates, parameter_counts, plan
+
+    config = ModelConfig.from_name("16B")
+    dense, experts = parameter_counts(config)
+    assert 15e9 < dense + experts < 17e9 and experts > 8 * dense
+    one, eight = plan(config, 8, 1, 4096), plan(config, 8, 8, 4096)
+    assert eight.weights_gb < one.weights_gb / 4 and eight.all_to_all_gb > 0 == one.all_to_all_gb
+    assert candidates(config, 8) == [1, 2, 4, 8]

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("anyseek.data.cli_prepare", "turn a text source into token shards and a tokenizer"),
     "data": ("anyseek.data.cli_data", "inspect prepared data (`anyseek data inspect DIR`)"),
     "doctor": ("anyseek.doctor", "report what this machine supports and which kernels will run"),
+    "plan": ("anyseek.train.plan", "memory per GPU and communication for a config on N GPUs; suggests EP degree"),
+    "export": ("anyseek.distributed.cli_export", "write a Hugging Face folder from a (sharded) training checkpoint"),
 }
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,9 @@ def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         if optimizer is not None:
             optim_sd = get_optimizer_state_dict(model, optimizer)  # creates the AdamW state to load into
             state["optim"] = optim_sd["state"]
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
+        with warnings.catch_warnings():  # one process without a process group is a supported reader
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, {"state": state["optim"],
@@ -162,7 +165,9 @@ def export(ckpt: Path, out: Path) -> Path:
     config = config_from_hf(json.loads((ckpt / "config.json").read_text()))
     model = DeepSeekV3(config, device="meta").to_empty(device="cpu")
     sd = model.state_dict()
-    dcp.load({"model": sd}, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": sd}, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
     model.load_state_dict(sd)
     with atomic_folder(out) as tmp:
         write_model_files(model, tmp)

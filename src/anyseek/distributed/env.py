@@ -55,8 +55,9 @@ def init_from_torchrun(device_type: str, backend: str = "auto", timeout_s: float
     return DistEnv(rank, world, local, active=True, device=f"cuda:{local}" if backend == "nccl" else "cpu")
 
 
-def shutdown(env: DistEnv) -> None:
-    if env.active and dist.is_initialized():
+def shutdown_process_group() -> None:
+    """End of a run: release the process group (if one was started)."""
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
