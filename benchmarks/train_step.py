@@ -38,7 +38,73 @@ CASES = {
     "rows": ("anyseek, MTP off", "[B,S] rows"),
     "packed": ("anyseek, MTP off, packed documents", "packed varlen"),
     "mtp": ("anyseek, MTP on, packed documents (as trained)", "packed varlen"),
+    "trainer": ("`anyseek train` step as shipped (fp32 master + bf16 autocast, clip, bias update)", "packed varlen"),
 }
+
+# kernel name -> category for --profile (first match wins; lower-case substrings)
+CATEGORIES = [
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("norms/reductions", ("rmsnorm", "rms_norm", "layer_norm")),
+    ("attention", ("_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_delta_kernel", "flash", "fmha", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "_mm_")),
+    ("norms/reductions", ("rmsnorm", "norm", "reduce", "softmax", "logsumexp")),
+    ("index/scatter/sort", ("index", "scatter", "gather", "sort", "topk", "radix", "scan", "cumsum", "embedding")),
+    ("copies/casts", ("copy", "cast", "memcpy", "memset", "fill", "cat", "_to_copy")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "triton_")),
+]
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def profile_steps(step, items, out_path: Path | None = None) -> tuple[int, dict[str, float], str]:
+    """Profile `step` over `items` (already warm): (kernel launches per step, GPU ms per step by category, the
+    top-25 kernel table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for b in items:
+            step(b)
+        torch.cuda.synchronize()
+    launches, cats = 0, {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            launches += 1
+            cats[categorize(e.name)] = cats.get(categorize(e.name), 0.0) + e.device_time / 1e3 / len(items)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    if out_path is not None:
+        out_path.write_text(table)
+    return launches // len(items), dict(sorted(cats.items(), key=lambda kv: -kv[1])), table
+
+
+def trainer_step(args, data_dir: Path, tmp: Path):
+    """(step function taking a dummy item, trainer): one optimizer step exactly as `anyseek train` runs it
+    (Trainer._accumulate + Trainer._apply: autocast, loss, backward, clip, NaN check, AdamW, routing-bias update),
+    its batches from the trainer's own loader."""
+    from anyseek.train.config import load_run_config
+    from anyseek.train.trainer import Trainer
+
+    overrides = [f"--data.path={json.dumps(str(data_dir))}", f"--data.tokens_per_batch={args.tokens}",
+                 f"--data.max_seqlen={args.seqlen}", f"--train.device={json.dumps(args.device)}",
+                 "--train.tensorboard=false", f"--train.compile={'true' if args.compile else 'false'}"]
+    cfg = load_run_config(args.flavor, overrides)
+    tr = Trainer(cfg, tmp / "trainer-run", log=lambda *a: None)
+    batches = iter(tr.train_loader)
+    flops = []
+
+    def step(_):
+        stats = tr._accumulate(batches)
+        ok, _, _ = tr._apply(stats)
+        flops.append(stats.flops)
+        if not ok:
+            raise RuntimeError("non-finite step in the benchmark")
+
+    return step, tr, flops
 
 
 def batches(data_dir: Path, tokens: int, seqlen: int, n: int):
@@ -51,6 +117,30 @@ def batches(data_dir: Path, tokens: int, seqlen: int, n: int):
         if b.input_ids.numel() == tokens:
             out.append(b)
     return out
+
+
+def _flops(model, batch, context: int | None) -> float:
+    """Training FLOPs of one batch by the trainer's formula; context: the attention span per token of [B, S] rows,
+    None for packed documents (their mean span)."""
+    if context is None:
+        lens = batch.cu_seqlens.diff().double()
+        context = float((lens * lens).sum() / lens.sum())
+    a = model.flops_per_token(0)
+    return batch.input_ids.numel() * (a + (model.flops_per_token(1) - a) * context)
+
+
+_FLOP_MODELS: dict = {}
+
+
+def _flops_cfg(cfg, batch, context: int | None) -> float:
+    """_flops for a model config (MTP not counted), the model built once on the meta device."""
+    from anyseek.model.transformer import DeepSeekV3
+
+    key = id(cfg)
+    if key not in _FLOP_MODELS:
+        with torch.device("meta"):
+            _FLOP_MODELS[key] = DeepSeekV3(dataclasses.replace(cfg, num_nextn_predict_layers=0))
+    return _flops(_FLOP_MODELS[key], batch, context)
 
 
 def _sync(device: torch.device) -> None:
@@ -126,6 +216,46 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(times), flush=True)
 
 
+def gpu_case(args) -> None:
+    """One case on the GPU, in its own process: warm-up, timed steps, then (last, so that its hooks slow no timed
+    step) a profile of 3 steps for launches and the time by kernel category. Prints one RESULT JSON line."""
+    from anyseek.hf import config_from_hf
+    from anyseek.train.metrics import peak_flops
+
+    torch.manual_seed(0)
+    spec = json.loads(args.gpu_case)
+    case, device = spec["case"], torch.device(args.device)
+    cfg = config_from_hf(spec["config"])
+    peak = peak_flops(device)
+    data = batches(Path(spec["data"]), args.tokens, args.seqlen, args.steps + args.warmup)
+    if case == "trainer":
+        step, tr, flops = trainer_step(args, Path(spec["data"]), Path(spec["tmp"]))
+        items = [None] * len(data)
+    else:
+        model, forward = build_case(case, Path(spec["ckpt"]), cfg, (args.tokens // args.seqlen, args.seqlen),
+                                    torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+        model.to(device)
+        step = make_step(model, forward)
+        items = [b.to(device) for b in data]
+        ctx = args.seqlen if case == "rows" or case.startswith("hf") else None
+        flops = [_flops_cfg(cfg, b, ctx) for b in data]
+    torch.cuda.reset_peak_memory_stats(device)
+    t = []
+    for i, b in enumerate(items):
+        _sync(device)
+        t0 = time.perf_counter()
+        step(b)
+        _sync(device)
+        if i >= args.warmup:
+            t.append(time.perf_counter() - t0)
+    mem = torch.cuda.max_memory_allocated(device) / 2**30
+    out = Path(args.profile) / f"{case}-{args.tokens}.txt" if args.profile else None
+    launches, cats, table = profile_steps(step, items[:3], out)
+    mfu = statistics.median(flops[args.warmup:len(items)]) / statistics.median(t) / peak if peak else float("nan")
+    print("RESULT " + json.dumps({"times": t, "mem": mem, "mfu": mfu, "launches": launches, "cats": cats,
+                                  "table": table if case == "trainer" else ""}), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="tiny")
@@ -143,14 +273,21 @@ def main() -> None:
     p.add_argument("--allocator", default="as-shipped", choices=["as-shipped", "default", "tuned"],
                    help="CPU: as-shipped = anyseek tuned as `anyseek train` does, transformers both ways; default = "
                         "nothing tuned; tuned = everything tuned")
+    p.add_argument("--cases", default="", help="comma-separated cases to run (default: all for the device): "
+                   + ", ".join(CASES))
+    p.add_argument("--compile", action="store_true", help="trainer case: train.compile=true")
+    p.add_argument("--profile", default="", help="GPU: folder for the trainer step's kernel table (printed too)")
+    p.add_argument("--json", default="", help="write the results as JSON to this file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--gpu-case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tuned", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.gpu_case:
+        return gpu_case(args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
 
     import transformers
@@ -165,7 +302,6 @@ def main() -> None:
     vocab = read_manifest(data_dir)["vocab_size"]
     cfg = dataclasses.replace(ModelConfig.from_name(args.flavor), vocab_size=vocab)
     cfg_nomtp = dataclasses.replace(cfg, num_nextn_predict_layers=0)
-    rows_shape = (args.tokens // args.seqlen, args.seqlen)
     results = []
 
     def record(case, times, mem, tuned=None):
@@ -175,6 +311,11 @@ def main() -> None:
         print(f"  {name:78s} {med * 1e3:8.1f} ms/step {args.tokens / med:10,.0f} tok/s", flush=True)
 
     cases = ["hf"] + ([] if args.skip_eager else ["hf-eager"]) + ["rows", "packed", "mtp"]
+    if device.type == "cuda":
+        cases.append("trainer")
+    if args.cases:
+        cases = [c for c in args.cases.split(",") if c]
+    extra = {}  # case -> (mfu, launches per step, {category: ms})
     with tempfile.TemporaryDirectory() as tmp:
         base = DeepSeekV3(cfg_nomtp)
         ckpt = Path(tmp) / "ckpt"
@@ -208,23 +349,20 @@ def main() -> None:
             for case, tuned in plan:
                 record(case, times[case], float("nan"), tuned)
         else:
-            data = batches(data_dir, args.tokens, args.seqlen, args.steps + args.warmup)
+            # each case in a fresh process: no case inherits another's allocator state or a profiler's hooks
             for case in cases:
-                model, forward = build_case(case, ckpt, cfg, rows_shape, dtype)
-                model.to(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                step = make_step(model, forward)
-                t = []
-                for i, b in enumerate(data):
-                    b = b.to(device)
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    step(b)
-                    _sync(device)
-                    if i >= args.warmup:
-                        t.append(time.perf_counter() - t0)
-                record(case, t, torch.cuda.max_memory_allocated(device) / 2**30)
-                model.to("cpu")
+                spec = {"case": case, "ckpt": str(ckpt), "data": str(data_dir), "config": config_to_hf(cfg),
+                        "tmp": tmp}
+                cmd = [sys.executable, __file__, "--gpu-case", json.dumps(spec)] + sys.argv[1:]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+                if out.returncode != 0 or not line:
+                    raise SystemExit(f"case {case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+                r = json.loads(line[0][len("RESULT "):])
+                if args.profile:
+                    print(r["table"])
+                extra[case] = (r["mfu"], r["launches"], r["cats"])
+                record(case, r["times"], r["mem"])
 
     ref = {r[0]: r[4] for r in results}  # case -> tokens/s
     hf_plain = ref.get("hf")
@@ -234,10 +372,28 @@ def main() -> None:
     print(f"Training step, {args.flavor} flavor ({base.num_parameters() / 1e6:.2f}M parameters), {args.tokens} "
           f"tokens/step, {args.dtype} parameters, {where}")
     method = (f"each case in a fresh process per round, {args.rounds} rounds, allocator {args.allocator}"
-              if device.type == "cpu" else "cases one after another in one process")
+              if device.type == "cpu" else "each case in a fresh process, profiled after its timed steps")
     print(f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{time.strftime('%Y-%m-%d')}, median of {args.steps} steps after {args.warmup} warm-up, {method}")
     print()
+    if device.type == "cuda":
+        print("MFU = training FLOPs (6 x active parameters + causal attention over real document lengths, "
+              "model.flops_per_token) / time / dense bf16 peak (train.metrics.peak_flops)")
+        print()
+        print("| path | layout | ms/step | tokens/s | vs transformers | MFU | launches/step | peak GiB |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for case, name, layout, ms, tps, mem, _ in results:
+            mfu, launches, _ = extra.get(case, (float("nan"), 0, {}))
+            vs = f"{tps / hf_plain:.2f}x" if hf_plain else "-"
+            print(f"| {name} | {layout} | {ms:.1f} | {tps:,.0f} | {vs} | {mfu:.1%} | {launches} | {mem:.1f} |")
+        print()
+        for case, (_, _, cats) in extra.items():
+            print(f"{case}: GPU ms/step by kernel category: " + ", ".join(f"{k} {v:.1f}" for k, v in cats.items()))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__,
+                                                   "transformers": transformers.__version__, "tokens": args.tokens,
+                                                   "results": results, "extra": extra}, indent=1))
+        return
     tuned_col = hf_tuned is not None
     print("| path | layout | malloc | ms/step | tokens/s | vs transformers |" + (" vs transformers, malloc tuned |"
                                                                               if tuned_col else " peak GiB |"))

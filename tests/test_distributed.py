@@ -63,11 +63,11 @@ def spawn(target, *args, world: int = 2, timeout: float = 120) -> list[int]:
 class Interleave:
     """One process reading what two ranks read: rank 0's next batch, then rank 1's (for grad_accum=2)."""
 
-    def __init__(self, data_dir: Path, cfg):
+    def __init__(self, folder: Path, cfg):
         from anyseek.data.loader import PackedLoader
 
         d = cfg.data
-        self.loaders = [PackedLoader(data_dir, "train", d.tokens_per_batch, d.max_seqlen, cfg.train.seed, rank=r,
+        self.loaders = [PackedLoader(folder, "train", d.tokens_per_batch, d.max_seqlen, cfg.train.seed, rank=r,
                                      world_size=2) for r in range(2)]
 
     def __iter__(self):
@@ -99,8 +99,7 @@ def _train(data: str, out: str, overrides: list[str], resume: bool) -> None:
 def _resume_from_one_process(data: str, out: str, overrides: list[str]) -> None:
     """Load a 1-process checkpoint into 2 ranks; the gathered weights and Adam moments must equal the saved ones."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     trainer = Trainer(tiny_cfg(Path(data), *overrides), Path(out), resume=True, log=lambda s: None)
     trainer._resume()
@@ -158,7 +157,11 @@ def _expert_parallel_equals_local() -> None:
 
 
 def _collectives(result: str) -> None:
-    """EP dispatch vs local experts, then NaN agreement, then rank 1 dies and rank 0 must fail, not hang."""
+    """EP dispatch vs local experts, NaN and stop agreement, a failure on one rank raised on both, then rank 1 dies
+    and rank 0 must fail, not hang."""
+    import errno
+
+    from anyseek.distributed.env import agree
     from anyseek.distributed.parallel import Parallel
     from anyseek.train.config import ParallelConfig
     from anyseek.train.trainer import StepStats
@@ -167,10 +170,17 @@ def _collectives(result: str) -> None:
     _expert_parallel_equals_local()
     rank = par.env.rank
     stats = StepStats(loss=torch.tensor(float("nan") if rank == 1 else 2.0), tokens=10,
-                      expert_load=torch.tensor([[1.0, 2.0]]) * (rank + 1))
+                      expert_load=torch.tensor([[1.0, 2.0]]) * (rank + 1), stop_requested=rank == 0)
     par.sum_step(stats)
     assert torch.isnan(stats.loss) and stats.tokens == 20  # rank 0 skips too
     assert stats.expert_load.tolist() == [[3.0, 6.0]]
+    assert stats.stop_requested  # rank 1 stops with rank 0
+    agree(None, par.env)  # nobody failed: nothing raised
+    try:  # a full disk on rank 1 only: both see the same OSError
+        agree(OSError(errno.ENOSPC, "No space left on device") if rank == 1 else None, par.env)
+        raise AssertionError("agree did not raise")
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
     if rank == 1:
         os._exit(0)  # dies without a word
     t0 = time.monotonic()
@@ -232,6 +242,57 @@ def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):  #
         assert resumed[step] == pytest.approx(dp[step], rel=1e-5), step
 
 
+def test_sharded_checkpoint_records_hashes_and_a_damaged_one_falls_back(runs, data_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "damaged"
+    shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns("step-6"))
+    files = json.loads((out / "step-4" / "checkpoint.json").read_text())["files"]
+    shards = [name for name in files if name.startswith("dcp/")]
+    assert shards and all(len(files[name]["sha256"]) == 64 for name in files)
+    shard = out / "step-4" / shards[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # a flipped bit at the end of the tensor data
+    shard.write_bytes(bytes(data))
+    lines: list[str] = []
+    cfg = tiny_cfg(data_dir, *STEPS, "--train.grad_accum=2", "--train.max_steps=2")
+    trainer = Trainer(cfg, out, resume=True, log=lines.append)
+    trainer._resume()
+    assert trainer.step == 2
+    assert any("sha256" in line and "step-4" in line for line in lines), lines
+    assert any("parallel.world_size: 2 -> 1" in line for line in lines), lines
+
+
+def test_resume_allows_other_layouts_and_rank_counts_with_the_same_global_batch(tmp_path):
+    from anyseek.train.config import load_run_config
+    from anyseek.train.resume import ResumeMismatch, check_resume
+
+    def checkpoint(world: int, *overrides: str) -> Path:
+        ckpt = tmp_path / f"step-{world}-{len(overrides)}"
+        ckpt.mkdir()
+        (ckpt / "run_config.json").write_text(json.dumps(load_run_config("tiny", list(overrides)).to_dict()))
+        (ckpt / "train_state.json").write_text(json.dumps({"world_size": world, "data": {"fingerprint": "f"}}))
+        return ckpt
+
+    def now(*overrides: str) -> dict:
+        return load_run_config("tiny", list(overrides)).to_dict()
+
+    data = {"fingerprint": "f"}
+    eight = checkpoint(8)
+    changes = check_resume(eight, now("--parallel.ep=4", "--parallel.activation_checkpointing=full",
+                                      "--train.grad_accum=2"), data, world_size=4)
+    assert "parallel.world_size: 8 -> 4" in changes and "parallel.ep: 1 -> 4" in changes
+    with pytest.raises(ResumeMismatch, match=r"parallel.world_size x train.grad_accum .*checkpoint 8, this run 4"):
+        check_resume(eight, now(), data, world_size=4)  # half the global batch
+    assert check_resume(eight, now(), data, ("parallel.world_size",), world_size=4) == ["parallel.world_size: 8 -> 4"]
+    with pytest.raises(ResumeMismatch, match="parallel.param_dtype"):
+        check_resume(eight, now("--parallel.param_dtype=fp32"), data, world_size=8)
+    old = checkpoint(1)  # a one-process checkpoint of before [parallel] existed
+    config = json.loads((old / "run_config.json").read_text())
+    del config["parallel"]
+    (old / "run_config.json").write_text(json.dumps(config))
+    assert check_resume(old, now("--train.grad_accum=2"), data, ("train.grad_accum",), world_size=1) == [
+        "train.grad_accum: 1 -> 2"]
+
+
 def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path):  # noqa: F811
     out = tmp_path / "resumed"
     shutil.copytree(runs / "one", out, ignore=shutil.ignore_patterns("step-6"))
@@ -242,14 +303,27 @@ def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path): 
 
 def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
     import anyseek
-    from anyseek.distributed.checkpoint import export
+    from anyseek.distributed.cli_export import export_sharded
 
-    folder = export(runs / "dp" / "step-6", tmp_path / "hf")
+    folder = export_sharded(runs / "dp" / "step-6", tmp_path / "hf")
     model = anyseek.load_pretrained(folder)
     reference = anyseek.load_pretrained(runs / "one" / "step-6")
     ids = torch.randint(0, model.config.vocab_size, (1, 12))
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
     assert (folder / "tokenizer.json").is_file()
+
+
+def test_export_command_takes_run_folders_of_both_kinds(runs, tmp_path, capsys):
+    import anyseek
+    from anyseek.cli import main
+
+    for name in ("dp", "one"):  # sharded, and one-process
+        assert main(["export", str(runs / name), "--out", str(tmp_path / name), "--dtype", "bf16"]) == 0
+        model = anyseek.load_pretrained(tmp_path / name)
+        assert (tmp_path / name / "tokenizer.json").is_file()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
 
 
 def test_expert_dispatch_equals_local_experts_nan_verdicts_agree_dead_rank_fails(tmp_path):

@@ -19,7 +19,7 @@ import anyseek
 from anyseek.train import checkpoint as ckpt_lib
 from anyseek.train.config import load_run_config
 from anyseek.train.metrics import read_metrics
-from anyseek.train.trainer import Trainer, TrainingDiverged
+from anyseek.train.trainer import SaveFailed, Trainer, TrainingDiverged
 
 WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "flew", "on", "over", "under", "a", "mat", "tree", "roof", "quickly", "slowly", "and", "then", "it", "was", "red", "blue", "green", "small", "big", "river", "stone", "city", "king", "queen", "north", "south"]
 
@@ -124,9 +124,10 @@ def test_failed_save_leaves_previous_checkpoint(data_dir, tmp_path, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(optim, "save_optimizer", flaky)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(SaveFailed, match="could not save step 4 .*disk full"):  # the final save: the run stops
         run(cfg, tmp_path)
     assert [c.step for c in ckpt_lib.list_checkpoints(tmp_path)] == [2]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
     assert ckpt_lib.latest_checkpoint(tmp_path).step == 2
     monkeypatch.setattr(optim, "save_optimizer", real)
     summary = run(cfg, tmp_path, resume=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["DeepSeekV3", "ModelConfig", "__version__", "load_pretrained", "save_pretrained"]
+__all__ = ["DeepSeekV3", "ModelConfig", "__version__", "generate", "load_pretrained", "save_pretrained"]
 
 
 def __getattr__(name: str):
@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from anyseek import hf
 
         return getattr(hf, name)
+    if name == "generate":
+        from anyseek.infer.generate import generate
+
+        return generate
     raise AttributeError(f"module 'anyseek' has no attribute {name!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -18,8 +19,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("anyseek.train.cli", "train a model (default: tiny flavor on the built-in Wikipedia sample)"),
     "prepare": ("anyseek.data.cli_prepare", "turn a text source into token shards and a tokenizer"),
     "data": ("anyseek.data.cli_data", "inspect prepared data (`anyseek data inspect DIR`)"),
+    "generate": ("anyseek.infer.cli", "generate text from a checkpoint (streams; --prompts FILE.jsonl; --interactive)"),
+    "eval": ("anyseek.infer.cli_eval", "loss and perplexity of a checkpoint on prepared data"),
     "doctor": ("anyseek.doctor", "report what this machine supports and which kernels will run"),
     "plan": ("anyseek.train.plan", "memory per GPU and communication for a config on N GPUs; suggests EP degree"),
+    # Stand-in until the `pretrained` branch's `export` (train/export.py: LoRA --merge/--peft) takes this name; that
+    # command dispatches to anyseek.distributed.cli_export.export_sharded when the source is a DCP checkpoint.
     "export": ("anyseek.distributed.cli_export", "write a Hugging Face folder from a (sharded) training checkpoint"),
 }
 
@@ -34,6 +39,7 @@ def build_parser(load_modules: str | None = None) -> argparse.ArgumentParser:
     from anyseek import __version__
 
     parser.add_argument("--version", action="version", version=f"anyseek {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks for errors (or ANYSEEK_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -42,8 +48,39 @@ def build_parser(load_modules: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Errors a user makes (bad input, a missing GPU, a full disk): one `error:` line, no traceback (--debug shows it).
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from anyseek.storage import CheckpointError
+
+    return (ValueError, OSError, RuntimeError, KeyError, CheckpointError)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("ANYSEEK_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `anyseek data inspect --json | head`: the reader left; say nothing
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  silence the flush at exit
+        except OSError:
+            pass
+        return 0
+    except _user_errors() as e:
+        if debug:
+            raise
+        msg = str(e) if not isinstance(e, KeyError) else f"missing key {e}"
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+            msg = f"{e.filename}: {e.strerror or msg}"
+        print(f"error: {msg.strip()}" + ("" if "\n" in msg else "  (--debug shows the traceback)"), file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     if command not in COMMANDS:
         command = None

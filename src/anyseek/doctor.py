@@ -127,5 +127,6 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     ok = True
     for row in check_all(args.device):
         ok &= row["pass"]
-        print(f"  {'PASS' if row['pass'] else 'FAIL'}  {row['what']}  {row['detail']}")
+        status = "SKIP" if row.get("skipped") else ("PASS" if row["pass"] else "FAIL")
+        print(f"  {status}  {row['what']}  {row['detail']}")
     return 0 if ok else 1

@@ -111,7 +111,11 @@ def prepare(
             raise
         manifest = _manifest(src, inputs, fingerprint, tok, specials, tok_info, result, staging, start)
         _commit(staging, out, manifest)
-        log.done(_summary(out, manifest))
+        summary = _summary(out, manifest)
+        log.done(summary)
+        if not progress:  # --quiet hides progress, never what was skipped or that a split is empty
+            for line in summary.splitlines()[1:]:
+                print(line, file=sys.stderr, flush=True)
         return manifest
 
 
@@ -337,4 +341,7 @@ def _summary(out: Path, m: dict) -> str:
     if skipped:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(m["skipped"].items()))
         lines.append(f"skipped {skipped:,} inputs ({reasons}); see skipped_examples in manifest.json")
+    if m["documents"].get("val", 0) == 0:
+        lines.append("warning: the validation split is empty (too few documents for --val-fraction "
+                     f"{m.get('inputs', {}).get('val_fraction', '?')}); training will run without validation")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from anyseek.data.compressed import open_binary
+from anyseek.data.compressed import DAMAGE_ERRORS, damage_reason, open_binary, read_bytes
 
 TEXT_FIELDS = ("text", "content", "extract", "body", "article", "document")
 _BLOCK_RE = re.compile(rb"\r?\n[ \t]*\r?\n")
@@ -53,8 +53,12 @@ def decode_utf8(data: bytes, where_file: Path, first_line: int = 1) -> str | Ski
 
 
 def read_txt(path: Path, txt_mode: str) -> Iterator[str | Skip]:
-    with open_binary(path) as f:
-        data = f.read()
+    data, damage = read_bytes(path)
+    if damage:  # keep the complete blocks before the damage; a whole-file document is incomplete, so skipped
+        yield Skip("damaged_compressed_file", damage)
+        if txt_mode == "file":
+            return
+        data = data[: data.rfind(b"\n\n") + 1] if b"\n\n" in data else b""
     if not data.strip():
         yield Skip("empty_file", str(path))
         return
@@ -102,9 +106,17 @@ def read_record(rec, column: str | None, where: str) -> tuple[str | Skip, str | 
 
 
 def read_jsonl(path: Path, text_column: str | None) -> Iterator[str | Skip]:
-    column, seen = text_column, False
+    column, seen, lineno = text_column, False, 0
     with open_binary(path) as f:
-        for lineno, raw in enumerate(f, 1):
+        lines = enumerate(f, 1)
+        while True:
+            try:
+                lineno, raw = next(lines)
+            except StopIteration:
+                break
+            except DAMAGE_ERRORS as e:  # the records before the damage are kept
+                yield Skip("damaged_compressed_file", f"{damage_reason(path, e)} after line {lineno}")
+                return
             if not raw.strip():
                 continue
             seen, where = True, f"{path}:{lineno}"
@@ -124,8 +136,13 @@ def read_jsonl(path: Path, text_column: str | None) -> Iterator[str | Skip]:
 
 
 def read_json(path: Path, text_column: str | None) -> Iterator[str | Skip]:
-    with open_binary(path) as f:
-        data = f.read()
+    data, damage = read_bytes(path)
+    if damage:
+        if _first_line_is_json(data):  # JSON lines in a .json file: line by line, keeping what is complete
+            yield from read_jsonl(path, text_column)
+        else:
+            yield Skip("damaged_compressed_file", damage)
+        return
     if not data.strip():
         yield Skip("empty_file", str(path))
         return
@@ -156,6 +173,15 @@ def read_json(path: Path, text_column: str | None) -> Iterator[str | Skip]:
     for where, rec in records:
         doc, column = read_record(rec, column, where)
         yield doc
+
+
+def _first_line_is_json(data: bytes) -> bool:
+    first = data.lstrip().split(b"\n", 1)[0]
+    try:
+        json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return b"\n" in data.strip()
 
 
 def read_parquet(path: Path, text_column: str | None) -> Iterator[str | Skip]:

@@ -19,7 +19,7 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_KNOWN_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
+KNOWN_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
 
 
 class TokenizerError(ValueError):
@@ -80,7 +80,7 @@ def resolve_specials(tok: Tokenizer, config: dict) -> dict:
     vocab = tok.get_vocab(with_added_tokens=True)
     eos = _token_content(config.get("eos_token"))
     if eos is None or eos not in vocab:
-        eos = next((t for t in _KNOWN_EOS if t in vocab), None)
+        eos = next((t for t in KNOWN_EOS if t in vocab), None)
     if eos is None:
         eos = EOS
         tok.add_special_tokens([EOS])

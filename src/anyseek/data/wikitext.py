@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from anyseek.data.compressed import open_binary
+from anyseek.data.compressed import DAMAGE_ERRORS, open_binary
 
 # Namespaces of English Wikipedia, used when a page has no <ns> element and the dump has no <siteinfo>.
 _DEFAULT_NAMESPACES = [
@@ -118,7 +118,7 @@ def iter_pages(path: str | Path, chunk_bytes: int = 1 << 16) -> Iterator[Page]:
             while True:
                 try:
                     data = read(chunk_bytes)
-                except (EOFError, OSError):  # truncated or corrupt .bz2
+                except DAMAGE_ERRORS:  # truncated or corrupt .bz2 / .gz / .xz
                     yield Page("", None, line, "truncated_file")
                     return
                 if not data:

@@ -91,3 +91,26 @@ def all_gather_json(obj: Any, env: DistEnv) -> list[Any]:
 def broadcast_json(obj: Any, env: DistEnv) -> Any:
     """Rank 0's JSON-able `obj` on every rank."""
     return all_gather_json(obj, env)[0]
+
+
+def agree(error: BaseException | None, env: DistEnv) -> None:
+    """Collective: raise on every rank when any rank failed, so that all ranks take the same branch next (a rank that
+    went on alone would wait forever in the next collective). The failing rank re-raises its own exception; the
+    others raise an OSError with the same errno (a full disk stays a full disk for the trainer's save logic) or a
+    RuntimeError, naming the rank. One process: raises `error` if there is one."""
+    if not env.active or env.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else {"type": type(error).__name__, "errno": getattr(error, "errno", None),
+                                       "strerror": getattr(error, "strerror", None) or str(error),
+                                       "filename": str(getattr(error, "filename", None) or "") or None}
+    everyone = all_gather_json(mine, env)
+    if error is not None:
+        raise error
+    rank, first = next(((r, d) for r, d in enumerate(everyone) if d is not None), (None, None))
+    if first is None:
+        return
+    if first["errno"] is not None:
+        raise OSError(first["errno"], f"{first['strerror']} (on rank {rank})", first["filename"])
+    raise RuntimeError(f"rank {rank} failed: {first['type']}: {first['strerror']}")

@@ -105,27 +105,92 @@ class Parallel:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return norm
 
-
     def sum_step(self, stats) -> None:
-        """A step's StepStats (loss, loss parts, expert load, tokens) summed over every rank, in one all-reduce.
-        After it every rank holds the same numbers: the same NaN verdict, the same routing-bias update."""
+        """A step's StepStats (loss, loss parts, expert load, tokens, stop requests) summed over every rank, in one
+        all-reduce. After it every rank holds the same numbers: the same NaN verdict, the same routing-bias update,
+        the same decision to stop."""
         if not self.active:
             return
         parts = list(stats.parts)
         values = [torch.as_tensor(stats.loss, device=self.device).double().reshape(1)]
         values += [torch.as_tensor(stats.parts[k], device=self.device).double().reshape(1) for k in parts]
-        values.append(torch.tensor([stats.tokens], dtype=torch.float64, device=self.device))
+        values.append(torch.tensor([stats.tokens, float(stats.stop_requested)], dtype=torch.float64,
+                                   device=self.device))
         if stats.expert_load is not None:
             values.append(stats.expert_load.double().reshape(-1))
         flat = self.sum_(torch.cat(values))
         stats.loss = flat[0].float()
         for i, k in enumerate(parts):
             stats.parts[k] = flat[1 + i].float()
-        stats.tokens = int(flat[1 + len(parts)].item())  # host sync: tokens_seen drives the schedules
+        tokens, stop = flat[1 + len(parts):3 + len(parts)].tolist()  # host sync: tokens_seen drives the schedules
+        stats.tokens, stats.stop_requested = int(tokens), stop > 0
         if stats.expert_load is not None:
-            stats.expert_load = flat[2 + len(parts):].view_as(stats.expert_load).to(stats.expert_load.dtype)
+            stats.expert_load = flat[3 + len(parts):].view_as(stats.expert_load).to(stats.expert_load.dtype)
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+                 seed: int = 0) -> list[int]:
+        """The trainer's sample. One process: `anyseek.infer.generate` (latent-cached decoding). Sharded, where that
+        engine cannot read the weights (FSDP gathers them only inside each module's forward): every rank runs one
+        cache-free forward per token in lockstep, rank 0 draws the token with generate's sampler (its defaults and
+        its noise keys, so the draws are those of one process) and broadcasts it, so no rank's sequence differs."""
+        if not self.active:
+            from anyseek.infer.generate import generate
+
+            return generate(model, prompt, max_new_tokens, eos_token_id=eos_token_id, seed=seed)
+        import torch.distributed as dist
+
+        from anyseek.infer.sampling import Sampler, SamplingParams
+
+        vocab, context = model.config.vocab_size, model.config.max_position_embeddings
+        sampler = Sampler(SamplingParams(seed=seed), vocab, 1, self.device)
+        ids, new = list(prompt), []
+        was_training = model.training
+        model.eval()
+        try:
+            while len(new) < max_new_tokens and len(ids) < context:
+                logits = model(torch.tensor([ids], device=self.device)).logits[0, -1:].float()
+                token = sampler(logits, [0], [(0, len(new))]) if self.env.is_main else torch.zeros(1, dtype=torch.long,
+                                                                                                    device=self.device)
+                dist.broadcast(token, src=0)
+                t = int(token.item())
+                if t == eos_token_id:
+                    break
+                ids.append(t)
+                new.append(t)
+        finally:
+            model.train(was_training)
+        return new
+
+    def on_main(self, fn) -> None:
+        """fn() on rank 0 only (say, cleaning up the output folder), the others waiting; an exception raised there is
+        raised on every rank (`env.agree`)."""
+        from anyseek.distributed.env import agree
+
+        if not self.active:
+            fn()
+            return
+        error = None
+        if self.env.is_main:
+            try:
+                fn()
+            except Exception as e:
+                error = e
+        agree(error, self.env)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
+    def verify(self, ckpt: Path) -> None:
+        """`anyseek.train.checkpoint.verify`, with every rank reaching the same verdict (the ranks share the hashing).
+        """
+        if not self.active:
+            from anyseek.train.checkpoint import verify
+
+            verify(ckpt)
+            return
+        from anyseek.distributed.checkpoint import verify_agreed
+
+        verify_agreed(ckpt, self.env)
+
     def loads(self, ckpt: Path) -> bool:
         """Whether a checkpoint goes through `load_checkpoint` (sharded, or into a sharded model)."""
         from anyseek.distributed.checkpoint import is_sharded

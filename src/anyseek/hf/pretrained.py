@@ -7,7 +7,7 @@ Loading streams: the model is built with its parameters on the meta device, then
 safetensors files (memory-mapped) and assigned, so peak memory is about one model. Routed experts arrive as N
 per-expert pieces and are copied into one stacked tensor per layer as they are read. FP8 block-quantized weights
 (the official release) are dequantized on the way in. Saved folders use the official per-expert layout and load
-in `transformers.AutoModelForCausalLM.from_pretrained`. See hf_names.py for the name mapping.
+in `transformers.AutoModelForCausalLM.from_pretrained`. See names.py for the name mapping.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def load_into(
     folder: Path | None = None,
     zero_if_missing: tuple[str, ...] = (),
 ) -> None:
-    """Fill `model`'s state from the checkpoint tensors `ckpt` (see hf_io.scan_folder), assigning new tensors.
+    """Fill `model`'s state from the checkpoint tensors `ckpt` (see safetensors_io.scan_folder), assigning new tensors.
     Parameters become `dtype` on `device`; buffers keep their dtype. Tensors whose names end with one of
     `zero_if_missing` may be absent from the checkpoint and are then zeros."""
     device = torch.device(device if device is not None else "cpu")

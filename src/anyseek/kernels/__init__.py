@@ -1,7 +1,9 @@
-"""The two seams through which the model reaches kernels, and nothing else.
+"""The seams through which the model reaches kernels, and nothing else.
 
 (a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
-(b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine).
+(b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine);
+(c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`);
+(d) fused elementwise chains: `rms_norm`.
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -72,4 +74,31 @@ def routed_experts(
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI)
 
 
-__all__ = ["describe", "mla_attention", "registry", "routed_experts", "set_backend", "varlen_attention"]
+def mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    kv_lora_rank: int,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA attention of query rows over a paged latent cache (one layer).
+
+    q [T, H, L+R] (the latent-space query q_nope @ W_UK, then the rotated q_pe), cache [blocks, page, L+R]
+    (normalized kv_a latent, then rotated k_pe), block_table int32 [T, M] (the pages row t reads, in order),
+    kv_lens int32 [T] (row t attends to its first kv_lens[t] >= 1 cached tokens). Returns out [T, H, L] in q's
+    dtype, still in latent space (apply W_UV after). softmax_scale defaults to 1/sqrt(L+R).
+    """
+    fn = registry.get("mla_decode", q)
+    return fn(q, cache, block_table, kv_lens, kv_lora_rank, softmax_scale)
+
+
+def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V3's RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before
+    the scale. x [..., D], weight [D] -> same shape as x, dtype the promotion of x's and weight's."""
+    fn = registry.get("rms_norm", x)
+    return fn(x, weight_D, eps)
+
+
+__all__ = ["describe", "mla_attention", "mla_decode", "registry", "rms_norm", "routed_experts", "set_backend",
+           "varlen_attention"]

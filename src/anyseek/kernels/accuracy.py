@@ -103,7 +103,7 @@ def check_all(device: str | torch.device | None = None) -> list[dict]:
                 ok, reason = b.available(torch.empty(1, H, sum(dims[:-1]) if op == "mla_attention" else dims[0],
                                                      device=device, dtype=dtype))  # fmt: skip
                 if not ok:
-                    rows.append(dict(what=what, detail=f"skipped: {reason}", **{"pass": True}))
+                    rows.append(dict(what=what, detail=f"skipped: {reason}", skipped=True, **{"pass": True}))
                     continue
                 try:
                     table = error_table(b.load(), op, lengths, H, dims, dtype, device, causal)
@@ -141,3 +141,32 @@ def tail_document_table(
               compute_dtype=dtype)  # fmt: skip
     names = ["out", "dq", "dk_nope", "dk_pe", "dv"]
     return [(n, (a - r).abs().max().item(), (b - r).abs().max().item()) for n, a, b, r in zip(names, got, pt, ref)]
+
+
+def decode_inputs(kv_lens: list[int], H: int, L: int, R: int, page: int, device, dtype, seed: int = 0):
+    """Inputs of `mla_decode` for rows of the given lengths: a cache whose pages are handed out in shuffled order
+    (so tables are not contiguous), block tables [T, M] padded with page 0, random q."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in kv_lens]
+    M, N = max(pages), sum(pages) + 1
+    perm = (torch.randperm(N - 1, generator=g) + 1).tolist()
+    table = torch.zeros(len(kv_lens), M, dtype=torch.int32)
+    for t, n in enumerate(pages):
+        table[t, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    cache = torch.randn(N, page, L + R, generator=g).to(device, dtype)
+    q = torch.randn(len(kv_lens), H, L + R, generator=g).to(device, dtype)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    return q, cache, table.to(device), lens
+
+
+def decode_error_table(fn: Callable, kv_lens: list[int], H: int, L: int, R: int, dtype: torch.dtype, device,
+                       page: int = 64, seed: int = 0, **kw) -> list[tuple[str, float, float]]:  # fmt: skip
+    """[("out", max|fn - fp32 ref|, max|PyTorch in dtype - fp32 ref|)] for an `mla_decode` implementation."""
+    from anyseek.kernels.reference.decode import mla_decode as ref_fn
+
+    q, cache, table, lens = decode_inputs(kv_lens, H, L, R, page, device, dtype, seed)
+    ref = ref_fn(q.float(), cache.float(), table, lens, L)
+    pt = ref_fn(q, cache, table, lens, L, compute_dtype=dtype).float()
+    got = fn(q, cache, table, lens, L, **kw).float()
+    return [("out", (got - ref).abs().max().item(), (pt - ref).abs().max().item())]

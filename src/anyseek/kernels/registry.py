@@ -4,8 +4,9 @@ Each op has backends in priority order. A backend is a name, a loader (imports l
 an availability check `available(example) -> (ok, reason)` and the device types it is meant for. Choice:
 
 - explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
-  for both attention ops, `ANYSEEK_MOE=name` for routed_experts. A backend requested explicitly that cannot run
-  raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
+  for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
+  `ANYSEEK_NORM=name` for rms_norm.
+  A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
   device that cannot run is skipped with ONE warning per (op, backend, reason).
 
@@ -29,9 +30,12 @@ ENV_VARS = {
     "mla_attention": "ANYSEEK_ATTENTION",
     "varlen_attention": "ANYSEEK_ATTENTION",
     "routed_experts": "ANYSEEK_MOE",
+    "mla_decode": "ANYSEEK_DECODE",
+    "rms_norm": "ANYSEEK_NORM",
 }
 # short names accepted by set_backend for groups of ops
-OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",)}
+OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",), "norm": ("rms_norm",),
+             "decode": ("mla_decode",)}
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,8 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
     """A small tensor shaped like the first input of `op` (DeepSeek-V3 shapes) on `device`, for describe()."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024)}
+    shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024),
+             "mla_decode": (1, 16, 576), "rms_norm": (1, 1024)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
 
@@ -198,6 +203,14 @@ def _register_defaults() -> None:
     register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.torch_backends.grouped_mm_routed_experts"),
                                        _lazy_check("anyseek.kernels.torch_backends.grouped_mm_available"), ("cuda",)))
     register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
+    register("mla_decode", Backend("triton", _lazy("anyseek.kernels.triton.mla_decode.mla_decode"),
+                                   _lazy_check("anyseek.kernels.triton.mla_decode.available"), ("cuda",)))
+    register("mla_decode", Backend("reference", _lazy("anyseek.kernels.reference.decode.mla_decode"),
+                                   _always("pure PyTorch (gathers the pages)")))
+    register("rms_norm", Backend("triton", _lazy("anyseek.kernels.triton.rmsnorm.rms_norm"),
+                                 _lazy_check("anyseek.kernels.triton.rmsnorm.available"), ("cuda",)))
+    register("rms_norm", Backend("reference", _lazy("anyseek.kernels.reference.norm.rms_norm"),
+                                 _always("pure PyTorch (F.rms_norm in fp32)")))
 
 
 def _sdpa_ok(example: torch.Tensor) -> tuple[bool, str]:

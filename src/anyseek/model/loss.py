@@ -9,6 +9,8 @@ Shape legend: T tokens, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from anyseek.constants import IGNORE_INDEX
@@ -63,7 +65,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     and the per-row scale (valid / count) is applied on the narrow [C, D] side of the two gradient matmuls."""
 
     @staticmethod
-    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, want_grad: bool, num_targets):
+    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, want_grad: bool, num_targets, compute_dtype):
         valid_T = labels_T != IGNORE_INDEX
         count = _count(valid_T, num_targets)
         safe_T = labels_T.clamp(min=0)
@@ -71,24 +73,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         grad_h_TD = torch.empty_like(h_TD) if want_grad else None
         grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_grad else None
-        for start in range(0, h_TD.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            h_CD, label_C1, valid_C, scale_C1 = h_TD[rows], safe_T[rows, None], valid_T[rows], scale_T[rows, None]
-            logits_CV = (h_CD @ weight_VD.t()).float()
-            max_C = logits_CV.amax(dim=-1)
-            label_logit_C = logits_CV.gather(1, label_C1)[:, 0]
-            p_CV = torch.softmax(logits_CV, dim=-1)
-            lse_C = max_C - p_CV.amax(dim=-1).log()
-            loss += ((lse_C - label_logit_C) * valid_C).sum()
-            if want_grad:
-                g_CV = p_CV.scatter_add_(1, label_C1, torch.full_like(label_C1, -1, dtype=p_CV.dtype))  # p - onehot
-                g_CV = g_CV.to(h_TD.dtype)
-                grad_h_TD[rows] = (g_CV @ weight_VD) * scale_C1
-                hs_CD = (h_CD * scale_C1).to(h_CD.dtype)
-                if g_CV.dtype == torch.float32:
-                    grad_w_VD.addmm_(g_CV.t(), hs_CD)
-                else:  # bf16/fp16 products, summed over chunks in fp32
-                    grad_w_VD += (g_CV.t() @ hs_CD).float()
+        low = compute_dtype is not None  # autocast: every product in compute_dtype (tensor cores), sums in fp32
+        w_VD = weight_VD.to(compute_dtype) if low else weight_VD  # one cast per call, not one per chunk and use
+        with torch.autocast(device_type=h_TD.device.type, enabled=False) if low else contextlib.nullcontext():
+            for start in range(0, h_TD.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                h_CD, label_C1, valid_C, scale_C1 = h_TD[rows], safe_T[rows, None], valid_T[rows], scale_T[rows, None]
+                hc_CD = h_CD.to(compute_dtype) if low else h_CD
+                logits_CV = (hc_CD @ w_VD.t()).float()
+                max_C = logits_CV.amax(dim=-1)
+                label_logit_C = logits_CV.gather(1, label_C1)[:, 0]
+                p_CV = torch.softmax(logits_CV, dim=-1)
+                lse_C = max_C - p_CV.amax(dim=-1).log()
+                loss += ((lse_C - label_logit_C) * valid_C).sum()
+                if want_grad:
+                    g_CV = p_CV.scatter_add_(1, label_C1, torch.full_like(label_C1, -1, dtype=p_CV.dtype))  # p - 1hot
+                    g_CV = g_CV.to(compute_dtype if low else h_TD.dtype)
+                    grad_h_TD[rows] = (g_CV @ w_VD) * scale_C1
+                    hs_CD = (h_CD * scale_C1).to(g_CV.dtype)
+                    if g_CV.dtype == torch.float32:
+                        grad_w_VD.addmm_(g_CV.t(), hs_CD)
+                    else:  # bf16/fp16 products on tensor cores, summed over chunks in fp32
+                        _add_mm_fp32(grad_w_VD, g_CV.t(), hs_CD)
         ctx.save_for_backward(grad_h_TD, grad_w_VD)
         ctx.weight_dtype = weight_VD.dtype
         return loss / count
@@ -98,9 +104,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
         if grad_h_TD is None:
             raise RuntimeError("linear_cross_entropy ran without gradients (want_grad=False) but was differentiated")
-        return (grad_h_TD * grad_out).to(grad_h_TD.dtype), (grad_w_VD * grad_out).to(ctx.weight_dtype), None, None, None, None
+        return ((grad_h_TD * grad_out).to(grad_h_TD.dtype), (grad_w_VD * grad_out).to(ctx.weight_dtype), None, None,
+                None, None, None)
 
 
+def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b for low-precision a, b: the product accumulates in fp32 and is written in fp32 where torch
+    can (`mm(..., out_dtype=float32)`, CUDA), else rounded to a's dtype first (as autocast's own gradients are)."""
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE is not False and a.device.type == "cuda":
+        try:
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+            _MM_OUT_DTYPE = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if _MM_OUT_DTYPE:
+                raise
+            _MM_OUT_DTYPE = False
+    acc.add_(a @ b)
+
+
+_MM_OUT_DTYPE: bool | None = None  # whether torch.mm takes out_dtype here (probed on first use)
 _CPU_CHUNK_ELEMENTS = 1 << 20
 
 
@@ -122,4 +146,6 @@ def linear_cross_entropy(
     budget = _CPU_CHUNK_ELEMENTS if h_TD.device.type == "cpu" else 1 << 27
     chunk = max(1, budget // weight_VD.shape[0])
     want_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
-    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, want_grad, num_targets)
+    kind = h_TD.device.type
+    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, want_grad, num_targets, compute_dtype)

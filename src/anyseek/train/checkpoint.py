@@ -5,7 +5,7 @@
       tokenizer.json  tokenizer_config.json  special_tokens_map.json
       run_config.json                                              the resolved anyseek config
       optimizer.safetensors  optimizer.json  rng.safetensors  train_state.json
-      checkpoint.json                                              written last: every file with its size
+      checkpoint.json                                              written last: every file, its size and sha256
 
 A checkpoint is assembled in a hidden temporary folder and renamed into place (`anyseek.storage.atomic_folder`, the
 same writer `anyseek.save_pretrained` uses), so a crash or `kill -9` at any moment leaves either the complete new
@@ -14,6 +14,7 @@ checkpoint or none; the previous ones are untouched. Nothing here is a pickle.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -29,11 +30,17 @@ from safetensors.torch import load_file, save_file
 
 from anyseek.storage import CheckpointError, atomic_folder, recover_staging
 
-__all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints", "load_training_state", "save_checkpoint",
-           "verify"]
+__all__ = ["CheckpointDamaged", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_training_state",
+           "save_checkpoint", "verify"]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = "checkpoint.json"
+_HASH_CHUNK = 1 << 22
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files are not what its checkpoint.json recorded (unfinished, truncated, flipped bytes):
+    a resume falls back to the previous one. Any other load failure is an error, never a reason to start over."""
 
 @dataclass
 class Checkpoint:
@@ -49,21 +56,35 @@ def list_checkpoints(out_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def verify(ckpt: Path) -> None:
-    """Raise CheckpointError unless every file listed in checkpoint.json is there with its recorded size."""
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(ckpt: Path, part: tuple[int, int] = (0, 1)) -> None:
+    """Raise CheckpointDamaged unless every file listed in checkpoint.json is there with its recorded size and
+    sha256 (checkpoints written before hashes were recorded are checked by size). `part=(i, n)` checks only every
+    n-th listed file from the i-th (the ranks of a distributed run share the hashing: `anyseek.distributed`)."""
     marker = ckpt / MARKER
     if not marker.is_file():
-        raise CheckpointError(f"{ckpt}: no {MARKER} (the save did not finish)")
+        raise CheckpointDamaged(f"{ckpt}: no {MARKER} (the save did not finish)")
     try:
         files = json.loads(marker.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{marker}: unreadable ({e})") from e
-    for name, size in files.items():
+    except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointDamaged(f"{marker}: unreadable ({e})") from e
+    index, count = part
+    for name, rec in list(files.items())[index::count]:
+        size, digest = (rec, None) if isinstance(rec, int) else (rec.get("size"), rec.get("sha256"))
         f = ckpt / name
         if not f.is_file():
-            raise CheckpointError(f"{ckpt}: missing {name}")
+            raise CheckpointDamaged(f"{ckpt}: missing {name}")
         if f.stat().st_size != size:
-            raise CheckpointError(f"{ckpt}: {name} has {f.stat().st_size} bytes, expected {size} (truncated?)")
+            raise CheckpointDamaged(f"{ckpt}: {name} has {f.stat().st_size} bytes, expected {size} (truncated?)")
+        if digest is not None and file_sha256(f) != digest:
+            raise CheckpointDamaged(f"{ckpt}: {name} does not match its recorded sha256 (damaged on disk)")
 
 
 def save_checkpoint(
@@ -91,7 +112,8 @@ def save_checkpoint(
         state = {**train_state, "step": step, "python_rng": _python_rng_state(), "saved_at": time.time()}
         (tmp / "train_state.json").write_text(json.dumps(state, indent=1))
         _hook("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())
+                 if p.is_file()}
         (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
     _prune(out_dir, keep_last)
     return final
@@ -111,7 +133,8 @@ def latest_checkpoint(out_dir: Path, log=print) -> Checkpoint | None:
 def load_training_state(
     ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json."""
+    """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json.
+    Raises CheckpointDamaged when its files fail verification, CheckpointError for any other failure."""
     from anyseek.hf import load_pretrained
     from anyseek.train.optim import load_optimizer
 
@@ -127,8 +150,8 @@ def load_training_state(
         random.setstate(_python_rng_from_json(state["python_rng"]))
     except CheckpointError:
         raise
-    except Exception as e:  # corrupt tensors, bad JSON, shape mismatches: name the checkpoint
-        raise CheckpointError(f"{ckpt}: cannot be loaded: {type(e).__name__}: {e}") from e
+    except Exception as e:  # verified files that still do not load (shape mismatch, another model): not damage
+        raise CheckpointError(f"{ckpt}: cannot be loaded into this run: {type(e).__name__}: {e}") from e
     return state
 
 

@@ -1,4 +1,4 @@
-"""`anyseek train [--config FLAVOR_OR_TOML] [--out DIR] [--resume] [--section.key=value ...]`"""
+"""`anyseek train [--config FLAVOR_OR_TOML] [--out DIR] [--resume] [--nproc-per-node N] [--section.key=value ...]`"""
 
 from __future__ import annotations
 
@@ -15,12 +15,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="tiny",
                         help="a built-in config (tiny, small) or model flavor (16B, 671B), or a .toml/.json file")
     parser.add_argument("--out", default=None, help="output folder for checkpoints and logs (default: runs/<config>)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest intact checkpoint in --out (its config and data must match)")
+    parser.add_argument("--resume-override", action="append", default=[], metavar="KEY",
+                        help="with --resume: allow KEY (e.g. train.lr) to differ from the checkpoint's config "
+                             "(repeatable)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
                         help="train on N processes of this machine (one per GPU): launches torchrun for you")
-    parser.epilog = ("Overrides: --section.key=value for any field of [model], [data] or [train], "
-                     "e.g. --train.max_steps=200 --train.lr=3e-4 --data.tokens_per_batch=8192.")
+    parser.epilog = _config_help()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def _config_help() -> str:
+    """The config sections and their keys, for --help (the TOML sections / --section.key=value overrides)."""
+    import dataclasses
+
+    from anyseek.train.config import DataConfig, ParallelConfig, TrainConfig, named_configs
+
+    def keys(cls) -> str:
+        return ", ".join(f.name for f in dataclasses.fields(cls))
+
+    return ("Config: --config NAME (" + ", ".join(named_configs()) + ", or a model flavor) or a .toml/.json file, "
+            "then overrides --section.key=value (values parse as TOML).\n"
+            "  [model]     flavor, and any ModelConfig field (hidden_size, num_hidden_layers, vocab_size, ...)\n"
+            f"  [data]      {keys(DataConfig)}\n"
+            f"  [train]     {keys(TrainConfig)}\n"
+            f"  [parallel]  {keys(ParallelConfig)}  (under torchrun; docs/distributed.md)\n"
+            "--print-config shows the resolved config.")
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -28,33 +50,36 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
     try:
         cfg = load_run_config(args.config, extra)
-        if args.print_config:
-            print(json.dumps(cfg.to_dict(), indent=2))
-            return 0
-        cfg.model_config()  # validate the model section before touching data
     except ConfigError as e:
         print(f"anyseek train: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    if args.resume_override and not args.resume:
+        print("anyseek train: error: --resume-override needs --resume", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     if args.nproc_per_node:
         from anyseek.distributed.launch import relaunch_with_torchrun
 
-        return relaunch_with_torchrun(args.nproc_per_node, ["--config", args.config, "--out", str(out),
-                                                            *(["--resume"] if args.resume else []), *extra])
+        resume = ["--resume"] if args.resume else []
+        resume += [f"--resume-override={key}" for key in args.resume_override]
+        return relaunch_with_torchrun(args.nproc_per_node, ["--config", args.config, "--out", str(out), *resume,
+                                                            *extra])
     from anyseek.distributed.env import shutdown_process_group
     from anyseek.train.trainer import Trainer, TrainingDiverged
 
     try:
-        summary = Trainer(cfg, out, resume=args.resume).run()
-    except (FileExistsError, FileNotFoundError) as e:
-        print(f"anyseek train: {e}", file=sys.stderr)
-        return 2
+        summary = Trainer(cfg, out, resume=args.resume, resume_overrides=tuple(args.resume_override)).run()
     except TrainingDiverged:
         return 3
     finally:
         shutdown_process_group()
     if "val_loss" in summary and os.environ.get("RANK", "0") == "0":
+        val = summary["val_loss"]
+        tail = (f"validation loss {val:.4f} (perplexity {summary['val_perplexity']:.2f})" if val == val
+                else "no validation data")
         print(f"done: {summary['step']} steps, {summary['tokens_seen']:,} tokens in {summary['wall_s'] / 60:.1f} min; "
-              f"validation loss {summary['val_loss']:.4f} (perplexity {summary['val_perplexity']:.2f}); "
-              f"checkpoint {summary['checkpoint']}")
+              f"{tail}; checkpoint {summary['checkpoint']}")
     return 0

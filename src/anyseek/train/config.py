@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -91,6 +92,10 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"train.{f.name} must be a finite number, got {value}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be positive, got {self.lr}")
         for name in ("mtp_loss_weight_schedule", "bias_update_speed_schedule"):

@@ -79,17 +79,21 @@ class TrainProgress:
         self.total, self.start, self.every = total, start, every
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
-        self.t0 = time.perf_counter()
+        self.first: tuple[int, float] | None = None  # (step, time) of the first update: the ETA starts after warm-up
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        done = step - self.start
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(done, 1) * (self.total - step)
+    def update(self, step: int, loss: float, tokens_per_s: float, parts: dict[str, float] | None = None) -> None:
+        """loss: the language-model loss (what validation and the plot show); parts: other terms shown beside it."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = (step, now)  # the first steps include compilation and allocator warm-up: not a rate
+        done = step - self.first[0]
+        eta = _hms((now - self.first[1]) / done * (self.total - step)) if done > 0 else "--:--"
         width = 24
         filled = int(width * step / max(self.total, 1))
+        extra = "".join(f" {name} {value:.4f}" for name, value in (parts or {}).items())
         line = (
-            f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} loss {loss:.4f} "
-            f"{tokens_per_s:,.0f} tok/s ETA {_hms(eta)}"
+            f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} lm loss {loss:.4f}{extra} "
+            f"{tokens_per_s:,.0f} tok/s ETA {eta}"
         )
         if self.tty:
             self.stream.write("\r" + line)

@@ -17,7 +17,8 @@ from anyseek.train.config import TrainConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not norms, not embeddings' biases); fused on CUDA."""
+    """AdamW; weight decay on every matrix (attention, MLPs, experts, embedding, head, router), none on vectors
+    (norm weights); fused on CUDA."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:

@@ -1,7 +1,8 @@
 """The loss-curve PNG written at the end of a run.
 
 Uses matplotlib when it is installed; otherwise draws the curve itself (pure Python + zlib) so a fresh machine still
-gets a picture: training loss in blue, validation loss as red squares, y-axis ticks labelled with a 3x5 digit font.
+gets a picture: training loss in blue, validation loss as red squares, with a title, axis labels, tick labels and a
+legend in a 3x5 pixel font (upper case).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import struct
 import zlib
 from pathlib import Path
 
-W, H, MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 800, 450, 60, 20, 20, 40
+W, H, MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 800, 450, 70, 20, 40, 50
 
 
 def write_loss_curve(path: Path, train: list[tuple[int, float]], val: list[tuple[int, float]], title: str = "") -> Path:
@@ -20,7 +21,7 @@ def write_loss_curve(path: Path, train: list[tuple[int, float]], val: list[tuple
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:
-        _write_png(path, _draw(train, val))
+        _write_png(path, _draw(train, val, title))
         return path
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     if train:
@@ -42,12 +43,31 @@ def write_loss_curve(path: Path, train: list[tuple[int, float]], val: list[tuple
 _FONT = {
     "0": [7, 5, 5, 5, 7], "1": [2, 6, 2, 2, 7], "2": [7, 1, 7, 4, 7], "3": [7, 1, 7, 1, 7], "4": [5, 5, 7, 1, 1],
     "5": [7, 4, 7, 1, 7], "6": [7, 4, 7, 5, 7], "7": [7, 1, 1, 1, 1], "8": [7, 5, 7, 5, 7], "9": [7, 5, 7, 1, 7],
-    ".": [0, 0, 0, 0, 2], "-": [0, 0, 7, 0, 0],
+    ".": [0, 0, 0, 0, 2], "-": [0, 0, 7, 0, 0], " ": [0, 0, 0, 0, 0], "/": [1, 1, 2, 4, 4], ":": [0, 2, 0, 2, 0],
+    "_": [0, 0, 0, 0, 7], "(": [1, 2, 2, 2, 1], ")": [4, 2, 2, 2, 4],
+    "A": [2, 5, 7, 5, 5], "B": [6, 5, 6, 5, 6], "C": [3, 4, 4, 4, 3], "D": [6, 5, 5, 5, 6], "E": [7, 4, 6, 4, 7],
+    "F": [7, 4, 6, 4, 4], "G": [3, 4, 5, 5, 3], "H": [5, 5, 7, 5, 5], "I": [7, 2, 2, 2, 7], "J": [1, 1, 1, 5, 2],
+    "K": [5, 5, 6, 5, 5], "L": [4, 4, 4, 4, 7], "M": [5, 7, 7, 5, 5], "N": [6, 5, 5, 5, 5], "O": [2, 5, 5, 5, 2],
+    "P": [6, 5, 6, 4, 4], "Q": [2, 5, 5, 6, 3], "R": [6, 5, 6, 5, 5], "S": [3, 4, 2, 1, 6], "T": [7, 2, 2, 2, 2],
+    "U": [5, 5, 5, 5, 7], "V": [5, 5, 5, 5, 2], "W": [5, 5, 7, 7, 5], "X": [5, 5, 2, 5, 5], "Y": [5, 5, 2, 2, 2],
+    "Z": [7, 1, 2, 4, 7],
 }
 
 
-def _draw(train: list[tuple[int, float]], val: list[tuple[int, float]]) -> list[bytearray]:
+def _draw(train: list[tuple[int, float]], val: list[tuple[int, float]], title: str = "") -> list[bytearray]:
     img = [bytearray(b"\xff" * (W * 3)) for _ in range(H)]
+    black, blue, red = (0, 0, 0), (31, 119, 180), (214, 39, 40)
+    _text(img, title.upper()[: (W - 20) // 8], 10, 8, black, scale=2)
+    _text(img, "STEP", (W - 4 * 12) // 2, H - 20, black)
+    _text(img, "LOSS", 4, MARGIN_T - 19, black, scale=2)
+    legend_u = W - MARGIN_R - 8 * 18 - 30  # legend, top right: a blue line for train, a red square for validation
+    for k in range(20):
+        _set(img, legend_u + k, MARGIN_T + 8, blue)
+    _text(img, "TRAIN LOSS", legend_u + 26, MARGIN_T + 4, black, scale=2)
+    for dv in range(-3, 4):
+        for du in range(-3, 4):
+            _set(img, legend_u + 10 + du, MARGIN_T + 26 + dv, red)
+    _text(img, "VALIDATION LOSS", legend_u + 26, MARGIN_T + 22, black, scale=2)
     points = train + val
     if not points:
         return img
@@ -71,7 +91,7 @@ def _draw(train: list[tuple[int, float]], val: list[tuple[int, float]]) -> list[
         for i in range(n + 1):
             dot(a[0] + (b[0] - a[0]) * i // n, a[1] + (b[1] - a[1]) * i // n, rgb)
 
-    grey, black = (200, 200, 200), (0, 0, 0)
+    grey = (200, 200, 200)
     for i in range(5):  # horizontal grid lines with labels
         y = y0 + (y1 - y0) * i / 4
         _, v = px(x0, y)
@@ -82,15 +102,20 @@ def _draw(train: list[tuple[int, float]], val: list[tuple[int, float]]) -> list[
     _text(img, str(x0), MARGIN_L, H - MARGIN_B + 8, black)
     _text(img, str(x1), W - MARGIN_R - 12 * len(str(x1)), H - MARGIN_B + 8, black)
     for a, b in zip(train, train[1:]):
-        line(px(*a), px(*b), (31, 119, 180))
+        line(px(*a), px(*b), blue)
     for p in val:
-        dot(*px(*p), (214, 39, 40), r=3)
+        dot(*px(*p), red, r=3)
     return img
+
+
+def _set(img: list[bytearray], x: int, y: int, rgb: tuple[int, int, int]) -> None:
+    if 0 <= x < W and 0 <= y < H:
+        img[y][3 * x: 3 * x + 3] = bytes(rgb)
 
 
 def _text(img: list[bytearray], s: str, u: int, v: int, rgb: tuple[int, int, int], scale: int = 3) -> None:
     for k, ch in enumerate(s):
-        for row, bits in enumerate(_FONT.get(ch, [0] * 5)):
+        for row, bits in enumerate(_FONT.get(ch.upper(), [7, 5, 5, 5, 7])):
             for col in range(3):
                 if bits >> (2 - col) & 1:
                     for dy in range(scale):

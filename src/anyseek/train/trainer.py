@@ -28,10 +28,19 @@ from anyseek.train import checkpoint as ckpt_lib
 from anyseek.train.config import RunConfig, piecewise
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer, lr_at, set_lr
+from anyseek.train.preflight import check_prepared, check_vocab, check_writable, describe_os_error
+from anyseek.train.resume import check_resume
 
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite losses in a row."""
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (full disk, read-only folder); the message says why in one line."""
+
+
+MAX_FAILED_SAVES = 3  # periodic saves that may fail in a row (training goes on) before the run stops
 
 
 @dataclass
@@ -43,12 +52,17 @@ class StepStats:
     expert_load: torch.Tensor | None = None
     tokens: int = 0
     flops: float = 0.0  # training FLOPs of the step, attention counted over each document's real length
+    stop_requested: bool = False  # a signal asked to stop (distributed: of any rank, after `Parallel.sum_step`)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, out_dir: Path, resume: bool = False, log: Callable[[str], None] = print):
+    def __init__(self, cfg: RunConfig, out_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
+                 resume_overrides: tuple[str, ...] = ()):
+        """resume_overrides: run-config keys (e.g. "train.lr") that may differ from the checkpoint's on --resume."""
         self.cfg, self.out_dir, self.resume, self.log = cfg, Path(out_dir), resume, log
+        self.resume_overrides = tuple(resume_overrides)
         self.stop_requested = False
+        self.stop_agreed = False  # distributed: the stop every rank saw in the step's all-reduce (`_stopping`)
         t = cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
@@ -74,12 +88,14 @@ class Trainer:
         from anyseek.data.tokenizer import load_tokenizer, tokenizer_files
 
         self.manifest = read_manifest(self.data_dir)  # first: its error says how to prepare the folder
+        self.has_val = check_prepared(self.data_dir, self.manifest, self.log)
         self.tokenizer = load_tokenizer(self.data_dir)
         self.tokenizer_files = tokenizer_files(self.data_dir)
 
         from anyseek.model.transformer import DeepSeekV3
 
         self.model_cfg = cfg.model_config(vocab_size=int(self.manifest["vocab_size"]))
+        check_vocab(self.data_dir, self.manifest, self.model_cfg.vocab_size)
         self.model = DeepSeekV3(self.model_cfg).to(self.device)
         self.model = self.par.parallelize(self.model, self.autocast_dtype)  # EP, FSDP2, checkpointing: from outside
         self.model.train()
@@ -111,28 +127,48 @@ class Trainer:
         return PackedLoader(self.data_dir, split=split, tokens_per_batch=d.tokens_per_batch, max_seqlen=d.max_seqlen,
                             seed=self.cfg.train.seed, loop=loop, **share)
 
+    def data_identity(self) -> dict[str, Any]:
+        """What the prepared data is, recorded in every checkpoint and compared on --resume."""
+        return {"fingerprint": self.manifest.get("fingerprint"), "vocab_size": int(self.manifest["vocab_size"])}
+
     def _resume(self) -> None:
-        for ckpt in reversed(ckpt_lib.list_checkpoints(self.out_dir)):
+        """Continue from the newest checkpoint that is intact and was written by this run on this data.
+        A damaged checkpoint (files not as recorded) falls back to the previous one; a mismatching or unloadable one
+        is an error that changes nothing; only a folder without any checkpoint starts from scratch."""
+        ckpts = ckpt_lib.list_checkpoints(self.out_dir)
+        if not ckpts:
+            self.log(f"--resume: {self.out_dir} holds no checkpoint yet; starting from scratch")
+            return
+        damaged = []
+        for ckpt in reversed(ckpts):
             try:
-                if self.par.loads(ckpt.path):  # sharded checkpoints, or any checkpoint into a sharded model
-                    state = self.par.load_checkpoint(ckpt.path, self.model, self.optimizer, self.train_loader)
-                else:
-                    state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer)
-            except ckpt_lib.CheckpointError as e:
-                self.log(f"warning: checkpoint {ckpt.path} is unusable ({e}); trying the previous one")
+                self.par.verify(ckpt.path)  # distributed: every rank the same verdict, each hashing a share
+            except ckpt_lib.CheckpointDamaged as e:
+                self.log(f"warning: {e}; trying the previous checkpoint")
+                damaged.append(ckpt.path.name)
                 continue
+            changes = check_resume(ckpt.path, self.cfg.to_dict(), self.data_identity(), self.resume_overrides,
+                                   world_size=self.par.env.world_size)
+            if self.par.loads(ckpt.path):  # sharded checkpoints, or any checkpoint into a sharded model (reshards)
+                state = self.par.load_checkpoint(ckpt.path, self.model, self.optimizer, self.train_loader)
+            else:
+                state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer)
             self.train_loader.load_state_dict(state["loader"])
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.bad_in_a_row = int(state.get("bad_in_a_row", 0))
-            self.log(f"resumed from {ckpt.path} at step {self.step}")
+            self.log(f"resumed from {ckpt.path} at step {self.step}" + (f" (changed: {'; '.join(changes)})"
+                                                                         if changes else ""))
             return
-        self.log(f"no usable checkpoint in {self.out_dir}; starting from scratch")
+        raise ckpt_lib.CheckpointDamaged(
+            f"every checkpoint in {self.out_dir} is damaged ({', '.join(damaged)}); nothing was changed. "
+            "Move them away to start over, or pass --out NEW_DIR"
+        )
 
     # ------------------------------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, Any]:
         t = self.cfg.train
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.par.on_main(lambda: check_writable(self.out_dir, self.log))  # rank 0 cleans up; every rank learns
         if self.resume:
             self._resume()
         elif ckpt_lib.list_checkpoints(self.out_dir):
@@ -150,7 +186,7 @@ class Trainer:
         window_t, window_tokens, window_flops = time.perf_counter(), 0, 0.0
         summary: dict[str, Any] = {}
         try:
-            while self.step < t.max_steps and not self.stop_requested:
+            while self.step < t.max_steps and not self._stopping():
                 lr = lr_at(self.step, t)
                 set_lr(self.optimizer, lr)
                 stats = self._accumulate(batches)
@@ -167,12 +203,12 @@ class Trainer:
                     self._log_step(metrics, progress, stats, loss, lr, grad_norm, window_tokens / elapsed,
                                    window_flops / elapsed, peak)
                     window_t, window_tokens, window_flops = time.perf_counter(), 0, 0.0
-                if self.step % t.eval_every == 0 and self.step < t.max_steps:
+                if self.step % t.eval_every == 0 and self.step < t.max_steps and self.has_val:
                     self._evaluate(metrics)
                 if self.step % t.save_every == 0 and self.step < t.max_steps:
-                    self._save()
+                    self._save(periodic=True)
             progress.close()
-            if self.stop_requested:
+            if self._stopping():
                 self.log(f"stop requested: saving step {self.step} and exiting")
                 self._save()
                 summary = {"stopped_early": True}
@@ -198,7 +234,10 @@ class Trainer:
         if peak:
             row["mfu"] = flops_per_s / peak
         metrics.write("train", self.step, row)
-        progress.update(self.step, loss, tokens_per_s)
+        shown = {"mtp": row["mtp_loss"]} if "mtp_loss" in row else {}
+        if "balance_loss" in row:
+            shown["balance"] = row["balance_loss"]
+        progress.update(self.step, row.get("lm_loss", loss), tokens_per_s, shown)
 
     def _accumulate(self, batches) -> StepStats:
         """Forward and backward over the step's micro-batches. The losses are normalised once for the whole step:
@@ -242,6 +281,11 @@ class Trainer:
             stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
         return stats
 
+    def _stopping(self) -> bool:
+        """Whether a signal asked the run to stop. Distributed: the request as all ranks agreed on it in the last
+        step's all-reduce (a signal reaches the ranks at different moments; acting on it alone would split them)."""
+        return self.stop_agreed if self.par.active else self.stop_requested
+
     def mtp_loss_weight(self) -> float:
         """lambda now: train.mtp_loss_weight_schedule at the tokens seen so far, else model.mtp_loss_weight."""
         return piecewise(self.cfg.train.mtp_loss_weight_schedule, self.tokens_seen, self.model_cfg.mtp_loss_weight)
@@ -256,7 +300,9 @@ class Trainer:
         t = self.cfg.train
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = self.par.clip_grad_norm_(self.model, max_norm)  # the global norm: every rank agrees to skip
-        self.par.sum_step(stats)  # losses, expert loads and tokens of every rank
+        stats.stop_requested = self.stop_requested
+        self.par.sum_step(stats)  # losses, expert loads, tokens and stop requests of every rank
+        self.stop_agreed = stats.stop_requested
         loss = float(stats.loss)  # the one host sync per step
         norm = float(grad_norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -266,8 +312,10 @@ class Trainer:
                      f"({self.bad_in_a_row} in a row)")
             if self.bad_in_a_row >= t.max_bad_steps:
                 raise TrainingDiverged(
-                    f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. The last good "
-                    f"checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
+                    f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. "
+                    + (f"The last good checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
+                       if ckpt_lib.latest_checkpoint(self.out_dir, log=lambda s: None) is not None
+                       else "No checkpoint was written yet; start again with a lower --train.lr.")
                 )
             return False, loss, norm
         self.bad_in_a_row = 0
@@ -308,17 +356,29 @@ class Trainer:
         self.log(f"step {self.step}: validation loss {loss:.4f}, perplexity {ppl:.2f} ({count:,} tokens)")
         return loss
 
-    def _save(self) -> Path:
+    def _save(self, periodic: bool = False) -> Path | None:
+        """Write step-N. A periodic save that fails (full disk, read-only folder) is reported in one line and
+        training goes on (the staging folder is already gone) until MAX_FAILED_SAVES fail in a row; any other
+        failed save raises SaveFailed."""
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
-                 "bad_in_a_row": self.bad_in_a_row}
+                 "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity()}
         save = self.par.save_checkpoint if self.par.active else ckpt_lib.save_checkpoint
-        path = save(self.out_dir, self.step, self.model, self.optimizer, state, self.cfg.to_dict(),
-                    self.tokenizer_files, self.cfg.train.keep_last)
+        try:  # distributed: a failure on any rank raises OSError on every rank, so all decide alike below
+            path = save(self.out_dir, self.step, self.model, self.optimizer, state, self.cfg.to_dict(),
+                        self.tokenizer_files, self.cfg.train.keep_last)
+        except OSError as e:
+            self.failed_saves = getattr(self, "failed_saves", 0) + 1
+            why = f"could not save step {self.step} in {self.out_dir}: {describe_os_error(e)}"
+            if periodic and self.failed_saves < MAX_FAILED_SAVES:
+                self.log(f"warning: {why}; training goes on and tries again at the next save")
+                return None
+            raise SaveFailed(why) from None
+        self.failed_saves = 0
         self.log(f"saved {path}")
         return path
 
     def _finish(self, metrics: MetricsLog) -> dict[str, Any]:
-        val_loss = self._evaluate(metrics)
+        val_loss = self._evaluate(metrics) if self.has_val else float("nan")
         path = self._save()
         from anyseek.train.metrics import read_metrics
         from anyseek.train.plot import write_loss_curve
@@ -337,13 +397,11 @@ class Trainer:
                 "checkpoint": str(path), "sample": sample}
 
     def sample(self) -> str:
-        from anyseek.infer.generate import generate
-
         t = self.cfg.train
         prompt = self.tokenizer.encode(t.sample_prompt).ids
-        with self._autocast():
-            new = generate(self.model, prompt, t.sample_tokens, eos_token_id=self.manifest.get("eos_token_id"),
-                           seed=t.seed)
+        with self._autocast():  # anyseek.generate; sharded, a lockstep twin every rank runs
+            new = self.par.generate(self.model, prompt, t.sample_tokens, eos_token_id=self.manifest.get("eos_token_id"),
+                                    seed=t.seed)
         return self.tokenizer.decode(new)
 
     # ------------------------------------------------------------------------------------------ helpers

@@ -10,4 +10,4 @@ try:  # moe.py is added by the model work; keep attention importable meanwhile
 except ImportError:  # pragma: no cover
     pass
 
-__all__ = ["mla_attention", "varlen_attention", "routed_experts"]
+__all__ = ["mla_attention", "routed_experts", "varlen_attention"]

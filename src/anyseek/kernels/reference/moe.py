@@ -23,7 +23,9 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int):
     """
     ids_M = topk_ids_TK.reshape(-1)
     order_M = torch.argsort(ids_M, stable=True)
-    counts_E = torch.bincount(ids_M, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads its input's max on the host (a device sync, no CUDA graphs)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_M.device).scatter_add_(
+        0, ids_M, torch.ones_like(ids_M, dtype=torch.int64))
     K = topk_ids_TK.shape[1]
     # index_select, not x[idx]: its backward is an index_add, much cheaper on CPU than an accumulating index_put
     return x_TD.index_select(0, order_M // K), order_M, counts_E

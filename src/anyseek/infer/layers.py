@@ -1,0 +1,125 @@
+"""The model's layers run against the paged latent cache, reading the model's own modules and weights.
+
+MLA in two forms (exactly the training forward's maths; only the order of the products changes):
+- prefill (`Step.cu_seqlens` set): new sequences attend to themselves through the training kernels
+  (`kernels.mla_attention`: kv_b_proj expands the latent to per-head k_nope and v), and their latents fill the cache;
+- absorbed (`Step.block_table` set): W_UK (kv_b_proj's k rows) is folded into the query, q_lat[h] = q_nope[h] @ W_UK[h],
+  each row attends over the cached latents with `kernels.mla_decode`, and W_UV is applied to the latent output.
+  Per token and head that reads L + R cached values instead of N + R keys and V values.
+
+Shape legend: T new tokens, D hidden, H heads, N nope dim, R rope dim, V v dim, L kv_lora_rank, M table width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from anyseek import kernels
+from anyseek.infer.cache import PagedLatentCache
+from anyseek.model.mla import MLA
+from anyseek.model.moe import MoE
+from anyseek.model.rope import apply_rope
+
+
+@dataclass
+class Step:
+    """Where the T new tokens of one forward sit: positions [T] (int64), cos/sin fp32 [T, R/2], slots [T] (flat cache
+    rows, int64), and either cu_seqlens/max_seqlen (prefill of whole new sequences) or block_table int32 [T, M] and
+    kv_lens int32 [T] = position + 1 (absorbed attention over the cache, the new tokens included)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    block_table: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
+
+
+def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache, layer: int) -> torch.Tensor:
+    """MLA of the new tokens x [T, D] -> [T, D]; writes their latents to attention layer `layer` of the cache."""
+    T, H, N, R, L = x_TD.shape[0], m.n_heads, m.nope, m.rope, m.kv_lora_rank
+    if hasattr(m, "q_proj"):
+        q_TQ = m.q_proj(x_TD)
+        kv_a_TX = m.kv_a_proj_with_mqa(x_TD)
+    else:
+        q_TQ = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x_TD)))
+        kv_a_TX = m.kv_a_proj_with_mqa(x_TD)
+    q_nope_THN, q_pe_THR = q_TQ.view(T, H, N + R).split([N, R], dim=-1)
+    q_pe_THR = apply_rope(q_pe_THR, step.cos, step.sin, m.rope_interleave)
+    latent_TL, k_pe_TR = kv_a_TX.split([L, R], dim=-1)
+    latent_TL = m.kv_a_layernorm(latent_TL)
+    k_pe_TR = apply_rope(k_pe_TR, step.cos, step.sin, m.rope_interleave)
+    cache.write(layer, step.slots, latent_TL, k_pe_TR)
+
+    if step.cu_seqlens is not None:  # prefill: the training path
+        k_nope_THN, v_THV = m.kv_b_proj(latent_TL).view(T, H, N + m.v_dim).split([N, m.v_dim], dim=-1)
+        q_THC = torch.cat([q_nope_THN, q_pe_THR], dim=-1)
+        out_THV = kernels.mla_attention(q_THC, k_nope_THN, k_pe_TR.contiguous(), v_THV, step.cu_seqlens,
+                                        step.max_seqlen, m.softmax_scale, True)  # fmt: skip
+    else:
+        w_HXL = m.kv_b_proj.weight.view(H, N + m.v_dim, L)
+        w_uk_HNL, w_uv_HVL = w_HXL[:, :N], w_HXL[:, N:]
+        q_lat_HTL = torch.bmm(q_nope_THN.transpose(0, 1), w_uk_HNL.to(q_nope_THN.dtype))
+        c = cache.layer(layer)
+        q_THX = torch.cat([q_lat_HTL.transpose(0, 1), q_pe_THR], dim=-1).to(c.dtype)
+        o_lat_THL = kernels.mla_decode(q_THX, c, step.block_table, step.kv_lens, L, m.softmax_scale)
+        o_lat_THL = o_lat_THL.to(q_nope_THN.dtype)
+        out_THV = torch.bmm(o_lat_THL.transpose(0, 1), w_uv_HVL.transpose(1, 2).to(o_lat_THL.dtype)).transpose(0, 1)
+    return m.o_proj(out_THV.reshape(T, H * m.v_dim))
+
+
+DENSE_MOE_TOKENS = 64  # decode batches up to this size run every expert on every token (below)
+
+
+def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP or MoE, for decoding: no host sync, so the step can be graph-captured.
+
+    Routed experts by batch size: T*K <= E/2 (small batches) reads only the chosen experts' weights (gathered);
+    T <= DENSE_MOE_TOKENS runs all E experts on all T tokens with zero weight for the unchosen ones (each weight read
+    once; the wasted FLOPs are cheap at decode sizes); larger T (prefill) goes through the routed_experts kernel seam.
+    """
+    if not isinstance(mlp, MoE):
+        return mlp(x_TD)
+    _, ids_TK, w_TK = mlp.gate(x_TD)
+    T, K = ids_TK.shape
+    if T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS:
+        y_TD = mlp.experts(x_TD, ids_TK, w_TK)
+    elif T * K * 2 > mlp.n_experts:
+        y_TD = _dense_experts(mlp, x_TD, ids_TK, w_TK)
+    else:
+        gate_up_MFD = mlp.experts.gate_up_proj.index_select(0, ids_TK.reshape(-1))
+        down_MDI = mlp.experts.down_proj.index_select(0, ids_TK.reshape(-1))
+        x_MD1 = x_TD.repeat_interleave(K, dim=0)[:, :, None]
+        h_MF = torch.bmm(gate_up_MFD, x_MD1)[..., 0]
+        I = down_MDI.shape[-1]
+        act_MI = F.silu(h_MF[:, :I]) * h_MF[:, I:]
+        act_MI = (act_MI * w_TK.reshape(-1, 1)).to(act_MI.dtype)
+        y_MD = torch.bmm(down_MDI, act_MI[:, :, None])[..., 0]
+        y_TD = y_MD.float().view(T, K, -1).sum(dim=1).to(x_TD.dtype)
+    if hasattr(mlp, "shared_experts"):
+        y_TD = y_TD + mlp.shared_experts(x_TD)
+    return y_TD
+
+
+def _dense_experts(mlp: MoE, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) as every expert on every token, weight 0 where not chosen."""
+    E = mlp.n_experts
+    w_ET = torch.zeros(x_TD.shape[0], E, device=x_TD.device, dtype=torch.float32).scatter_(1, ids_TK, w_TK.float()).T
+    gate_up_EFD, down_EDI = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    I = down_EDI.shape[-1]
+    h_ETF = torch.matmul(x_TD.to(gate_up_EFD.dtype), gate_up_EFD.transpose(1, 2))  # [E, T, 2I]
+    act_ETI = F.silu(h_ETF[..., :I]) * h_ETF[..., I:]
+    act_ETI = (act_ETI * w_ET[:, :, None]).to(act_ETI.dtype)
+    y_ETD = torch.bmm(act_ETI, down_EDI.transpose(1, 2))
+    return y_ETD.float().sum(dim=0).to(x_TD.dtype)
+
+
+def layer_forward(layer, h_TD: torch.Tensor, step: Step, cache: PagedLatentCache, index: int) -> torch.Tensor:
+    """One decoder layer (main or an MTP module's trunk) on the new tokens; `index` is its attention-cache layer."""
+    h_TD = h_TD + mla_forward(layer.self_attn, layer.input_layernorm(h_TD), step, cache, index)
+    return h_TD + ffn_forward(layer.mlp, layer.post_attention_layernorm(h_TD))

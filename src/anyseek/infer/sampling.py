@@ -1,0 +1,118 @@
+"""Choosing the next token from logits, on the device, without waiting for it.
+
+Order (as transformers applies them): repetition penalty, temperature, top-k, top-p, then a draw; temperature 0 is
+greedy (argmax, after the penalty). The draw is Gumbel-max with noise from a counter-based hash of (seed, request,
+token index, vocabulary id): a request's tokens depend on its prompt and the seed only, never on which other
+requests share its batch, the batch order, or whether speculative decoding ran. Shape legend: B rows, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 40  # 0: off
+    top_p: float = 1.0  # 1: off
+    repetition_penalty: float = 1.0  # 1: off; > 1 discourages tokens already in the prompt or the output
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Draws ids for rows of logits. `slots` rows of `seen` remember each running sequence's tokens (only with a
+    repetition penalty)."""
+
+    def __init__(self, params: SamplingParams, vocab: int, slots: int, device: torch.device):
+        self.params = params
+        self.seen = (
+            torch.zeros(slots, vocab, dtype=torch.bool, device=device) if params.repetition_penalty != 1 else None
+        )
+
+    def reset(self, slot: int, tokens: list[int]) -> None:
+        if self.seen is not None:
+            self.seen[slot] = False
+            self.seen[slot, torch.tensor(tokens, device=self.seen.device)] = True
+
+    def mark(self, slots: list[int], ids_B: torch.Tensor) -> None:
+        if self.seen is not None:
+            self.seen[torch.tensor(slots, device=ids_B.device), ids_B] = True
+
+    def __call__(self, logits_BV: torch.Tensor, slots: list[int], keys: list[tuple[int, int]]) -> torch.Tensor:
+        """fp32 logits [B, V] of the sequences in `slots`; keys[b] = (request number, index of the token drawn)
+        -> ids int64 [B] (on the device; marked as seen)."""
+        p = self.params
+        logits_BV = logits_BV.float()
+        if self.seen is not None:
+            seen_BV = self.seen[torch.tensor(slots, device=logits_BV.device)]
+            penalized = torch.where(logits_BV > 0, logits_BV / p.repetition_penalty, logits_BV * p.repetition_penalty)
+            logits_BV = torch.where(seen_BV, penalized, logits_BV)
+        if p.greedy:
+            ids_B = logits_BV.argmax(dim=-1)
+        else:
+            ids_B = self._draw(logits_BV / p.temperature, keys)
+        self.mark(slots, ids_B)
+        return ids_B
+
+    def _draw(self, logits_BV: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
+        p = self.params
+        if 0 < p.top_k < logits_BV.shape[-1]:
+            kth_B1 = torch.topk(logits_BV, p.top_k, dim=-1).values[:, -1:]
+            logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+        if p.top_p < 1:
+            sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
+            probs_BV = sorted_BV.softmax(dim=-1)
+            drop_BV = probs_BV.cumsum(dim=-1) - probs_BV > p.top_p  # keep the smallest prefix reaching top_p
+            drop_BV[:, 0] = False
+            logits_BV = logits_BV.scatter(1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
+        row_keys = [_mix(_mix(p.seed * 0x9E3779B9 + r) + i) for r, i in keys]
+        u_BV = uniform(torch.tensor(row_keys, dtype=torch.int64, device=logits_BV.device), logits_BV.shape[-1])
+        return (logits_BV - torch.log(-torch.log(u_BV))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(logits)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finalizer on Python ints (host side of the row keys)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    x = x ^ (x >> 31)
+    return x - (1 << 64) if x >= 1 << 63 else x  # as a signed int64
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def uniform(keys_B: torch.Tensor, V: int) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1), fp32 [B, V]: splitmix64 of key_b + (v + 1) * golden, on the device."""
+    x = keys_B[:, None] + torch.arange(1, V + 1, device=keys_B.device, dtype=torch.int64) * _signed(0x9E3779B97F4A7C15)
+    x = (x ^ _srl(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _srl(x, 27)) * _signed(0x94D049BB133111EB)
+    x = x ^ _srl(x, 31)
+    u = (_srl(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
+    return u

@@ -1,0 +1,248 @@
+"""Cached decoding (paged latent cache, absorbed MLA) against the uncached model and transformers, fp32 on CPU:
+logits equal the full forward's, greedy output equals transformers' greedy `generate`, sequences that finish at
+different times share the page pool, MTP speculative decoding gives exactly the plain output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import anyseek
+from anyseek.hf import config_to_hf
+from anyseek.infer.engine import Engine
+from anyseek.infer.generate import GenerationError, Generator
+from anyseek.infer.sampling import SamplingParams
+from anyseek.model.config import ModelConfig
+from anyseek.model.transformer import DeepSeekV3
+
+BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
+        "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_attention_heads": 4, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
+        "num_experts_per_tok": 3, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1,
+        "init_std": 0.08, "max_position_embeddings": 256}  # fmt: skip
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.9, "mscale_all_dim": 0.9}  # fmt: skip
+CASES = {
+    "qlora_yarn_interleave": {"q_lora_rank": 32, "n_group": 4, "topk_group": 2, "rope_scaling": YARN,
+                              "rope_interleave": True},
+    "no_qlora_halfsplit": {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "rope_interleave": False},
+}  # fmt: skip
+PROMPTS = [[5, 9, 2, 77, 31], list(range(40, 110)), [3]]
+
+
+def make_model(case: str, seed: int = 0) -> DeepSeekV3:
+    torch.manual_seed(seed)
+    model = DeepSeekV3(ModelConfig(**BASE, **CASES[case])).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
+    return model
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cached_decode_equals_uncached_forward(case):
+    """Prefill (training kernels) then absorbed decode steps over pages of 16 tokens: every step's logits equal a
+    full forward over the whole sequence; so do multi-token extensions (speculative verification)."""
+    model = make_model(case)
+    eng = Engine(model, max_batch=3, max_len=120, page=16)
+    logits, _, _ = eng.prefill([0, 1, 2], PROMPTS)
+    seqs = [list(p) for p in PROMPTS]
+    worst = 0.0
+    for _ in range(12):
+        nxt = logits.argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits = eng.decode([0, 1, 2], nxt)
+        with torch.no_grad():
+            for b, s in enumerate(seqs):
+                worst = max(worst, rel(logits[b], model(torch.tensor(s)).logits[-1]))
+    ext = [[7, 8, 9], [1], [200, 3]]
+    logits_TV, _ = eng.extend([0, 1, 2], ext)
+    rows = iter(logits_TV)
+    with torch.no_grad():
+        for s, e in zip(seqs, ext):
+            full = model(torch.tensor(s + e)).logits[-len(e) :]
+            for k in range(len(e)):
+                worst = max(worst, rel(next(rows), full[k]))
+    assert worst < 1e-5, worst
+
+
+def test_cache_holds_only_latents():
+    model = make_model("qlora_yarn_interleave")
+    eng = Engine(model, max_batch=1, max_len=64)
+    c = model.config
+    assert eng.cache.bytes_per_token() == (c.num_hidden_layers + 1) * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert eng.cache.kv.shape[-2:] == (64, c.kv_lora_rank + c.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_equals_transformers_generate(case):
+    transformers = pytest.importorskip("transformers")
+    model = make_model(case)
+    hf_config = transformers.DeepseekV3Config(**config_to_hf(model.config))
+    hf_config._attn_implementation = "eager"
+    theirs = transformers.DeepseekV3ForCausalLM(hf_config).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+    theirs.load_state_dict(state, strict=False)
+    ours = anyseek.generate(model, PROMPTS[:2], max_new_tokens=64, temperature=0)
+    for prompt, got in zip(PROMPTS[:2], ours):
+        with torch.no_grad():
+            out = theirs.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)  # fmt: skip
+        assert got == out[0, len(prompt) :].tolist()
+
+
+def test_sequences_finishing_at_different_times_share_pages():
+    """6 requests through 2 slots with pages of 16 tokens: each stops at its own length (a stop rule), the next
+    is admitted into the freed pages, and every output equals decoding that prompt alone; all pages return."""
+    model = make_model("no_qlora_halfsplit")
+    prompts = [[i + 1] * (3 + 7 * i) for i in range(6)]
+    want_len = [5, 40, 1, 17, 33, 2]
+    alone = [anyseek.generate(model, p, max_new_tokens=40, temperature=0)[:n] for p, n in zip(prompts, want_len)]
+    gen = Generator(model, max_batch=2, max_len=100)
+    gen.engine.cache.page = 16  # small pages: sequences span several
+    gen.engine = Engine(model, 2, 100, page=16)
+    free0 = gen.engine.cache.num_free_pages
+    reqs, stats = gen.run(prompts, 40, SamplingParams(temperature=0), stop=lambda i, toks: len(toks) >= want_len[i])
+    assert [r.tokens for r in reqs] == alone
+    assert [r.finish_reason for r in reqs] == ["stop"] * 6
+    assert gen.engine.cache.num_free_pages == free0 and not gen.engine.cache.seqs
+    assert stats.new_tokens == sum(want_len)
+
+
+class _OracleDrafts:
+    """Stands in for MTP: drafts the plain greedy continuation, wrong on every third draft."""
+
+    def __init__(self, gen: Generator, plain: list[list[int]], vocab: int):
+        self.gen, self.plain, self.vocab, self.calls = gen, plain, vocab, 0
+        self.reqs = None
+
+    def logits(self, seq_ids, position_of) -> torch.Tensor:
+        out = torch.zeros(len(seq_ids), self.vocab)
+        for b, i in enumerate(seq_ids):
+            self.calls += 1
+            k = position_of(i)
+            t = self.plain[i][k] if k < len(self.plain[i]) else 0
+            out[b, (t + (self.calls % 3 == 0)) % self.vocab] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "oracle"])
+def test_speculative_equals_plain(drafter, monkeypatch):
+    model = make_model("qlora_yarn_interleave")
+    plain = anyseek.generate(model, PROMPTS, max_new_tokens=30, temperature=0)
+    if drafter == "mtp":
+        spec, stats = anyseek.generate(model, PROMPTS, max_new_tokens=30, temperature=0, speculative="mtp",
+                                       return_stats=True)  # fmt: skip
+        assert spec == plain and stats.drafted > 0
+        return
+    gen = Generator(model, max_batch=3, max_len=120, speculative="mtp")
+    oracle = _OracleDrafts(gen, plain, model.config.vocab_size)
+    state = {}
+    real_run = gen.run
+
+    def run(*a, **kw):
+        return real_run(*a, **kw)
+
+    # the draft after prefill predicts plain[i][1]; later drafts predict the token after the newest
+    monkeypatch.setattr(
+        gen.engine, "mtp_prefill", lambda h, step, prompts, first: oracle.logits(list(range(len(prompts))), lambda i: 1)
+    )
+    orig_accept = gen._accept
+
+    def accept(reqs, i, token):
+        state["reqs"] = reqs
+        orig_accept(reqs, i, token)
+
+    monkeypatch.setattr(gen, "_accept", accept)
+    monkeypatch.setattr(
+        gen.engine,
+        "mtp_extend",
+        lambda seqs, starts, h, nxt: oracle.logits(seqs, lambda i: len(state["reqs"][i].tokens)),
+    )
+    reqs, stats = run(PROMPTS, 30, SamplingParams(temperature=0))
+    assert [r.tokens for r in reqs] == plain
+    assert 0.4 < stats.acceptance_rate < 0.9 and stats.steps < 30
+
+
+def test_sampling_seeded_and_consistent():
+    model = make_model("no_qlora_halfsplit")
+    kw = {"max_new_tokens": 20, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.3}
+    a = anyseek.generate(model, PROMPTS, seed=1, **kw)
+    assert a == anyseek.generate(model, PROMPTS, seed=1, **kw)
+    assert a != anyseek.generate(model, PROMPTS, seed=2, **kw)
+    assert a == anyseek.generate(model, PROMPTS, seed=1, speculative="mtp", **kw)  # draws only from the main model
+    greedy = anyseek.generate(model, PROMPTS, max_new_tokens=20, temperature=0)
+    assert anyseek.generate(model, PROMPTS, max_new_tokens=20, temperature=1.0, top_k=1) == greedy
+    assert anyseek.generate(model, PROMPTS, max_new_tokens=20, temperature=1.0, top_k=0, top_p=1e-6) == greedy
+    pen = anyseek.generate(model, PROMPTS, max_new_tokens=20, temperature=0, repetition_penalty=1e6)
+    for p, out in zip(PROMPTS, pen):  # an overwhelming penalty never repeats a token
+        assert len(set(out)) == len(out) and not set(out) & set(p)
+
+
+def test_eos_and_single_prompt_and_errors():
+    model = make_model("no_qlora_halfsplit")
+    out = anyseek.generate(model, PROMPTS[0], max_new_tokens=10, temperature=0)
+    assert isinstance(out[0], int) and len(out) == 10
+    cut = anyseek.generate(model, PROMPTS[0], max_new_tokens=10, temperature=0, eos_token_id=out[3])
+    assert cut == out[: out.index(out[3])]
+    with pytest.raises(GenerationError, match="empty prompt"):
+        anyseek.generate(model, [[]], max_new_tokens=3)
+    with pytest.raises(GenerationError, match="does not fit"):
+        anyseek.generate(model, [[1] * 256], max_new_tokens=3)
+    with pytest.raises(GenerationError, match="token ids"):
+        anyseek.generate(model, [[1, 999]], max_new_tokens=3)
+    with pytest.raises(GenerationError, match="tokenizer"):
+        anyseek.generate(model, "hello", max_new_tokens=3)
+    # the context limit ends a sequence
+    near = anyseek.generate(model, [[1] * 250], max_new_tokens=50, temperature=0)
+    assert len(near[0]) == 256 - 250
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_bf16_decode_within_2x_of_pytorch(case):
+    """bf16 cached decode (Triton kernel, CUDA graphs) vs an fp32 full forward: error at most 2x that of the bf16
+    full forward (the training path in PyTorch's low precision), over 16 steps of 3 sequences."""
+    ref = make_model(case).cuda()
+    low = make_model(case).cuda().to(torch.bfloat16)
+    eng = Engine(low, max_batch=3, max_len=160)
+    logits, _, _ = eng.prefill([0, 1, 2], PROMPTS)
+    seqs = [list(p) for p in PROMPTS]
+    err = err_pt = 0.0
+    for _ in range(16):
+        nxt = logits.argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits = eng.decode([0, 1, 2], nxt).clone()
+        with torch.no_grad():
+            for b, s in enumerate(seqs):
+                ids = torch.tensor(s, device="cuda")
+                r = ref(ids).logits[-1].float()
+                err = max(err, (logits[b] - r).abs().max().item())
+                err_pt = max(err_pt, (low(ids).logits[-1].float() - r).abs().max().item())
+    assert eng._graphs, "the decode step was not graph-captured"
+    assert err <= 2 * err_pt + 1e-3, (err, err_pt)
+
+
+@pytest.mark.cuda
+def test_gpu_graphs_equal_eager_and_speculative_equals_plain():
+    """fp32 on the GPU (IEEE dots in the kernel, no TF32): graph replay, eager steps and speculative decoding give
+    the same tokens, greedy and sampled."""
+    model = make_model("qlora_yarn_interleave").cuda()
+    graphs = anyseek.generate(model, PROMPTS, max_new_tokens=40, temperature=0)
+    eager = anyseek.generate(model, PROMPTS, max_new_tokens=40, temperature=0, cuda_graphs=False)
+    assert graphs == eager
+    sampled = anyseek.generate(model, PROMPTS, max_new_tokens=40, temperature=0.8, top_p=0.9, seed=5)
+    assert sampled == anyseek.generate(model, PROMPTS, max_new_tokens=40, temperature=0.8, top_p=0.9, seed=5,
+                                       cuda_graphs=False)  # fmt: skip
+    assert graphs == anyseek.generate(model, PROMPTS, max_new_tokens=40, temperature=0, speculative="mtp")
