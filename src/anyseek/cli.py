@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("anyseek.infer.cli", "generate text from a checkpoint (streams; --prompts FILE.jsonl; --interactive)"),
     "eval": ("anyseek.infer.cli_eval", "loss and perplexity of a checkpoint on prepared data"),
     "doctor": ("anyseek.doctor", "report what this machine supports and which kernels will run"),
+    "plan": ("anyseek.train.plan", "memory per GPU and communication for a config on N GPUs; suggests EP degree"),
+    # Stand-in until the `pretrained` branch's `export` (train/export.py: LoRA --merge/--peft) takes this name; that
+    # command dispatches to anyseek.distributed.cli_export.export_sharded when the source is a DCP checkpoint.
+    "export": ("anyseek.distributed.cli_export", "write a Hugging Face folder from a (sharded) training checkpoint"),
 }
 
 
