@@ -281,6 +281,13 @@ def test_lora_run_trains_adapters_keeps_base_and_exports(data_dir, base_dir, tmp
     # the decode paths read the stacked expert weights themselves: they get base + adapters too
     prompt = x.input_ids[:8].tolist()
     assert hf_generate(model, prompt) == hf_generate(merged, prompt) != hf_generate(folder, prompt)
+    # `anyseek export RUN --out DIR`: a LoRA run is merged (the same folder as export_merged's), with its tokenizer
+    from anyseek.cli import main
+
+    assert main(["export", str(out), "--out", str(tmp_path / "cli"), "--dtype", "fp32"]) == 0
+    from_cli = hf.load_pretrained(tmp_path / "cli", dtype=torch.float32)
+    assert all(torch.equal(p, q) for p, q in zip(from_cli.parameters(), merged.parameters()))
+    assert (tmp_path / "cli" / "tokenizer.json").read_text() == (step / "tokenizer.json").read_text()
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = x.input_ids[: x.cu_seqlens[1]][None]
@@ -383,8 +390,10 @@ def test_export_errors_are_one_line(tmp_path, capsys):
 
     assert main(["export", "--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "neither a LoRA step-N folder nor a run folder" in err
+    assert err.startswith("error: ") and "no complete checkpoint to export" in err
     assert err.count("\n") == 1 and not (tmp_path / "x").exists()
+    assert main(["export", "--out", str(tmp_path / "x")]) == 2
+    assert "one of RUN_OR_STEP, --merge RUN_OR_STEP or --peft RUN_OR_STEP" in capsys.readouterr().err
 
 
 def test_lora_checkpoint_refuses_another_base(data_dir, base_dir, tmp_path):
@@ -414,3 +423,37 @@ def test_memory_estimate_and_advice(monkeypatch):
     memory.report(mc, c, torch.device("cpu"), None, torch.float32, lines.append)
     text = "\n".join(lines)
     assert "expected peak memory" in text and "not fit" in text and "--train.lora_rank" in text
+
+
+# ---------------------------------------------------------------- distributed (2 ranks on the CPU, gloo)
+
+
+def _init_on_two_ranks(data: str, base: str, out: str, lora: bool) -> None:
+    from anyseek.train.config import ConfigError
+
+    over = [f"--train.init={json.dumps(base)}", "--train.max_steps=2", "--train.save_every=2",
+            *(["--train.lora_rank=4"] if lora else [])]
+    try:
+        Trainer(cfg(Path(data), *over), Path(out), log=lambda s: None).run()
+    except ConfigError as e:
+        if lora and "one process" in str(e):
+            raise SystemExit(7) from None
+        raise
+
+
+def test_init_trains_sharded_and_lora_is_refused_on_two_ranks(data_dir, base_dir, tmp_path):
+    from test_distributed import spawn
+
+    from anyseek.distributed.cli_export import export_sharded
+
+    out = tmp_path / "dp"
+    assert spawn(_init_on_two_ranks, str(data_dir), str(base_dir), str(out), False) == [0, 0]
+    step = out / "step-2"
+    assert (step / "dcp").is_dir()
+    assert json.loads((step / "train_state.json").read_text())["init"]["path"] == str(base_dir.resolve())
+    trained = hf.load_pretrained(export_sharded(step, tmp_path / "hf"), dtype=torch.float32)
+    base = hf.load_pretrained(base_dir, dtype=torch.float32)
+    # two AdamW steps away from the folder's weights (random ones would be ~0.1 away), and moved
+    gap = max((p - q).abs().max().item() for p, q in zip(trained.parameters(), base.parameters()))
+    assert 0 < gap < 0.02
+    assert spawn(_init_on_two_ranks, str(data_dir), str(base_dir), str(tmp_path / "lora"), True) == [7, 7]

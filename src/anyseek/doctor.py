@@ -109,6 +109,9 @@ def report(device: str | None = None) -> list[str]:
     lines.append(f"Backends on {dev.type} (op: backend - why):")
     for op, name, why in registry.describe(dev):
         lines.append(f"  {op:17s} {name:10s} {why}")
+    from anyseek.kernels.triton.moe_family import doctor_lines
+
+    lines += doctor_lines([b.name for b in registry.backends("routed_experts")])
     found = [f"{d} {_version(d)}" for d in OPTIONAL if _version(d)]
     lines.append(f"Optional    {', '.join(found) or 'none'}")
     env = [f"{k}={os.environ[k]}" for k in ENV if k in os.environ]

@@ -3,7 +3,8 @@
 For one backend function and one case: the fp32 reference (`reference.attention`), the same computation
 done by PyTorch in the low precision (the reference with compute_dtype=dtype), and the backend in the low
 precision. For the output and every gradient: err = max|backend - ref|, err_pt = max|pt - ref|; the backend
-passes when err <= 2 * err_pt + atol (atol covers fp32, where err_pt is ~0).
+passes when err <= 2 * err_pt + atol (atol covers fp32, where err_pt is ~0). The same rule serves the routed
+experts (`moe_error_table`, against `reference.moe`) and decoding (`decode_error_table`).
 """
 
 from __future__ import annotations
@@ -170,3 +171,64 @@ def decode_error_table(fn: Callable, kv_lens: list[int], H: int, L: int, R: int,
     pt = ref_fn(q, cache, table, lens, L, compute_dtype=dtype).float()
     got = fn(q, cache, table, lens, L, **kw).float()
     return [("out", (got - ref).abs().max().item(), (pt - ref).abs().max().item())]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# routed experts
+
+
+def moe_routing(T: int, E: int, K: int, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """topk_ids [T, K] (int64, K distinct experts per token) for a routing pattern:
+    balanced (uniform), skewed (expert e drawn with probability ~ 1/(e+1); the hottest gets several times the
+    mean), sparse (only a third of the experts receive tokens), one_expert (K = 1, every token on expert E//2)."""
+    if kind == "one_expert":
+        return torch.full((T, 1), E // 2, dtype=torch.long)
+    p_E = torch.ones(E)
+    if kind == "skewed":
+        p_E = 1.0 / torch.arange(1, E + 1, dtype=torch.float32)
+        p_E = p_E[torch.randperm(E, generator=generator)]
+    elif kind == "sparse":
+        p_E = torch.zeros(E)
+        p_E[torch.randperm(E, generator=generator)[: max(K, E // 3)]] = 1.0
+    elif kind != "balanced":
+        raise ValueError(f"unknown routing {kind!r}")
+    if T == 0:
+        return torch.zeros(0, K, dtype=torch.long)
+    return torch.multinomial(p_E.expand(T, E), K, replacement=False, generator=generator)
+
+
+def moe_inputs(T: int, D: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> list[torch.Tensor]:
+    """fp32 CPU tensors x [T, D], topk_ids [T, K], topk_weights [T, K], gate_up [E, 2I, D], down [E, D, I], dy."""
+    g = torch.Generator().manual_seed(seed)
+    ids = moe_routing(T, E, K, kind, g)
+    K = ids.shape[1]
+    x = torch.randn(T, D, generator=g)
+    w = torch.rand(T, K, generator=g) + 0.1
+    gu = torch.randn(E, 2 * I, D, generator=g) / D**0.5
+    dn = torch.randn(E, D, I, generator=g) / I**0.5
+    return [x, ids, w, gu, dn, torch.randn(T, D, generator=g)]
+
+
+def _run_moe(fn: Callable, inputs, dtype, device) -> list[torch.Tensor]:
+    x, ids, w, gu, dn, dy = (t.to(device) for t in inputs)
+    xs = [x.to(dtype), w, gu.to(dtype), dn.to(dtype)]  # routing weights stay fp32, as the router gives them
+    xs = [t.detach().requires_grad_() for t in xs]
+    y = fn(xs[0], ids, xs[1], xs[2], xs[3])
+    if y.requires_grad:
+        grads = torch.autograd.grad(y, xs, dy.to(y.dtype), allow_unused=True, materialize_grads=True)
+    else:  # no tokens: the reference returns a constant
+        grads = [torch.zeros_like(t) for t in xs]
+    return [y.float()] + [g.float() for g in grads]
+
+
+def moe_error_table(fn: Callable, inputs: list[torch.Tensor], dtype: torch.dtype, device) -> list[tuple[str, float, float]]:
+    """[(name, err, err_pt)] for y and the gradients of x, topk_weights, gate_up_proj, down_proj: `fn` in `dtype`
+    against the fp32 reference, next to the reference itself run in `dtype`."""
+    from anyseek.kernels.reference.moe import routed_experts as ref_fn
+
+    ref = _run_moe(ref_fn, inputs, torch.float32, device)
+    pt = _run_moe(ref_fn, inputs, dtype, device)
+    got = _run_moe(fn, inputs, dtype, device)
+    names = ["out", "dx", "dweights", "dgate_up", "ddown"]
+    return [(n, (a - r).abs().max().item() if r.numel() else 0.0, (b - r).abs().max().item() if r.numel() else 0.0)
+            for n, a, b, r in zip(names, got, pt, ref)]  # fmt: skip

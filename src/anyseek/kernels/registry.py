@@ -202,6 +202,9 @@ def _register_defaults() -> None:
         register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
     register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.torch_backends.grouped_mm_routed_experts"),
                                        _lazy_check("anyseek.kernels.torch_backends.grouped_mm_available"), ("cuda",)))
+    register("routed_experts", Backend("triton", _lazy("anyseek.kernels.triton.moe.routed_experts"),
+                                       _lazy_check("anyseek.kernels.triton.check.moe_available"), ("cuda",)),
+             before="grouped_mm")  # fmt: skip
     register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
     register("mla_decode", Backend("triton", _lazy("anyseek.kernels.triton.mla_decode.mla_decode"),
                                    _lazy_check("anyseek.kernels.triton.mla_decode.available"), ("cuda",)))

@@ -1,10 +1,11 @@
 """`anyseek train [--config FLAVOR_OR_TOML] [--init PATH] [--out DIR] [--resume [--resume-override KEY]]
-[--section.key=value ...]`"""
+[--nproc-per-node N] [--section.key=value ...]`"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="with --resume: allow KEY (e.g. train.lr) to differ from the checkpoint's config "
                              "(repeatable)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+                        help="train on N processes of this machine (one per GPU): launches torchrun for you")
     parser.epilog = _config_help()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -32,16 +35,17 @@ def _config_help() -> str:
     """The config sections and their keys, for --help (the TOML sections / --section.key=value overrides)."""
     import dataclasses
 
-    from anyseek.train.config import DataConfig, TrainConfig, named_configs
+    from anyseek.train.config import DataConfig, ParallelConfig, TrainConfig, named_configs
 
     def keys(cls) -> str:
         return ", ".join(f.name for f in dataclasses.fields(cls))
 
     return ("Config: --config NAME (" + ", ".join(named_configs()) + ", or a model flavor) or a .toml/.json file, "
             "then overrides --section.key=value (values parse as TOML).\n"
-            "  [model]  flavor, and any ModelConfig field (hidden_size, num_hidden_layers, vocab_size, ...)\n"
-            f"  [data]   {keys(DataConfig)}\n"
-            f"  [train]  {keys(TrainConfig)}\n"
+            "  [model]     flavor, and any ModelConfig field (hidden_size, num_hidden_layers, vocab_size, ...)\n"
+            f"  [data]      {keys(DataConfig)}\n"
+            f"  [train]     {keys(TrainConfig)}\n"
+            f"  [parallel]  {keys(ParallelConfig)}  (under torchrun; docs/distributed.md)\n"
             "--print-config shows the resolved config.")
 
 
@@ -64,13 +68,27 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         print("anyseek train: error: --resume-override needs --resume", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    if args.nproc_per_node:
+        if cfg.train.lora_rank:
+            print("anyseek train: error: LoRA (train.lora_rank) runs in one process for now; drop --nproc-per-node",
+                  file=sys.stderr)
+            return 2
+        from anyseek.distributed.launch import relaunch_with_torchrun
+
+        resume = ["--resume"] if args.resume else []
+        resume += [f"--resume-override={key}" for key in args.resume_override]
+        return relaunch_with_torchrun(args.nproc_per_node, ["--config", args.config, "--out", str(out), *resume,
+                                                            *extra])
+    from anyseek.distributed.env import shutdown_process_group
     from anyseek.train.trainer import Trainer, TrainingDiverged
 
     try:
         summary = Trainer(cfg, out, resume=args.resume, resume_overrides=tuple(args.resume_override)).run()
     except TrainingDiverged:
         return 3
-    if "val_loss" in summary:
+    finally:
+        shutdown_process_group()
+    if "val_loss" in summary and os.environ.get("RANK", "0") == "0":
         val = summary["val_loss"]
         tail = (f"validation loss {val:.4f} (perplexity {summary['val_perplexity']:.2f})" if val == val
                 else "no validation data")

@@ -69,7 +69,7 @@ class TrainConfig:
     compile: bool = False
     tune_allocator: bool = True  # CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime)
     attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, bmm, sdpa, reference, ...
-    moe_backend: str = "auto"  # for the routed experts: auto, grouped_mm, reference
+    moe_backend: str = "auto"  # for the routed experts: auto, triton, grouped_mm, reference
     log_every: int = 10
     eval_every: int = 250
     eval_tokens: int = 65536  # validation tokens per evaluation
@@ -116,6 +116,29 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """[parallel]: used when the run is launched by torchrun (one process per device); see docs/distributed.md."""
+
+    ep: int = 1  # expert parallelism: routed experts sharded over groups of this many ranks (divides world size)
+    backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
+    param_dtype: str = "auto"  # FSDP2 compute copy of the weights: auto (bf16 when autocast is bf16), bf16, fp32
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 or bf16
+    reshard_after_forward: bool = True  # ZeRO-3 (True) or keep gathered weights until backward (ZeRO-2-like)
+    activation_checkpointing: str = "none"  # none, full (recompute every decoder layer in backward)
+    timeout_s: int = 600  # a collective waiting longer than this (e.g. a rank died) fails with an error
+
+    def __post_init__(self) -> None:
+        if self.ep < 1:
+            raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
+        for name, allowed in (("backend", ("auto", "nccl", "gloo")), ("param_dtype", ("auto", "bf16", "fp32")),
+                              ("reduce_dtype", ("bf16", "fp32")), ("activation_checkpointing", ("none", "full"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"parallel.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass
 class ModelSection:
     """[model]: a flavor (tiny, small, 16B, 671B) plus overrides of ModelConfig fields, checked when the run config
     is loaded: an unknown key, a value of the wrong type or an invalid combination is a ConfigError naming it."""
@@ -156,18 +179,19 @@ class ModelSection:
 
 @dataclass
 class RunConfig:
-    """model (a flavor plus ModelConfig overrides, resolved by `model_config()`), data, train."""
+    """model (a flavor plus ModelConfig overrides, resolved by `model_config()`), data, train, parallel."""
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def model_config(self, vocab_size: int | None = None):
         return self.model.resolve(vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model.to_dict(), "data": dataclasses.asdict(self.data),
-                "train": dataclasses.asdict(self.train)}
+                "train": dataclasses.asdict(self.train), "parallel": dataclasses.asdict(self.parallel)}
 
 
 def named_configs() -> dict[str, Path]:
@@ -187,9 +211,10 @@ def load_run_config(config: str | None = None, overrides: list[str] | None = Non
 
 
 def from_dict(raw: dict[str, Any], origin: str = "<dict>") -> RunConfig:
-    unknown = set(raw) - {"model", "data", "train"}
+    unknown = set(raw) - {"model", "data", "train", "parallel"}
     if unknown:
-        raise ConfigError(f"{origin}: unknown section(s) {sorted(unknown)}; valid sections: model, data, train")
+        raise ConfigError(f"{origin}: unknown section(s) {sorted(unknown)}; valid sections: model, data, train, "
+                          "parallel")
     model = dict(raw.get("model") or {})
     flavor = model.pop("flavor", "tiny")
     if not isinstance(flavor, str):
@@ -198,6 +223,7 @@ def from_dict(raw: dict[str, Any], origin: str = "<dict>") -> RunConfig:
         model=ModelSection(flavor, model),
         data=_build(DataConfig, raw.get("data") or {}, "data"),
         train=_build(TrainConfig, raw.get("train") or {}, "train"),
+        parallel=_build(ParallelConfig, raw.get("parallel") or {}, "parallel"),
     )
 
 

@@ -1,10 +1,17 @@
-"""`anyseek export --merge RUN_OR_STEP --out DIR` and `anyseek export --peft RUN_OR_STEP --out DIR`.
+"""`anyseek export RUN_OR_STEP --out DIR`: a Hugging Face folder (safetensors, config, tokenizer) from a training
+checkpoint, written atomically through anyseek.hf's writer; and `--peft` for LoRA runs.
 
-A LoRA checkpoint holds only adapters (adapters.safetensors) and a reference to its base (lora.json). --merge loads
-the base, adds s * B A to every adapted weight in fp32 and writes a full Hugging Face folder (with the tokenizer)
-that `anyseek.load_pretrained` and transformers load. --peft writes a PEFT adapter folder (adapter_config.json +
-adapter_model.safetensors, PEFT's key names) for `peft.PeftModel.from_pretrained(transformers_model, DIR)` holding
-the attention projections' adapters of the main layers. Left out, with a warning (--merge keeps all of them):
+RUN_OR_STEP is a step-N folder, or a run folder (its newest complete checkpoint). What is written depends on it:
+- a LoRA checkpoint (adapters.safetensors + lora.json): the base (from lora.json, or --base) with s * B A added to
+  every adapted weight in fp32 (`--merge RUN_OR_STEP` says the same explicitly);
+- a sharded checkpoint of a distributed run (dcp/): gathered in one process on the CPU
+  (`anyseek.distributed.cli_export.export_sharded`);
+- a one-process checkpoint: it already is a Hugging Face folder; its model is rewritten (e.g. in --dtype).
+The folder loads in `anyseek.load_pretrained` and transformers.
+
+`--peft RUN_OR_STEP` writes a PEFT adapter folder (adapter_config.json + adapter_model.safetensors, PEFT's key
+names) for `peft.PeftModel.from_pretrained(transformers_model, DIR)` holding the attention projections' adapters of
+the main layers. Left out, with a warning (the merged export keeps all of them):
 - dense-MLP and shared-expert adapters: PEFT (0.21) rewrites `gate_proj` / `up_proj` / `down_proj` targets of a
   transformers-5 DeepseekV3 into leaf names and onto the fused routed experts, so it would not load them where they
   were trained (checked: attention-only folders load and give our logits; with MLP targets they do not);
@@ -16,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,42 +31,86 @@ import torch
 from anyseek.storage import CheckpointError
 
 PEFT_PREFIX = "base_model.model."
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--merge", metavar="RUN_OR_STEP", help="write the base with the adapters merged (HF folder)")
-    what.add_argument("--peft", metavar="RUN_OR_STEP", help="write a PEFT adapter folder")
-    parser.add_argument("--out", required=True, help="the folder to write")
-    parser.add_argument("--base", default=None, help="the base model folder (default: the one lora.json names)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="--merge: dtype of the written weights (default: the base's config.json dtype)")
+    parser.add_argument("checkpoint", nargs="?", metavar="RUN_OR_STEP",
+                        help="a step-N folder or a run folder (its newest complete checkpoint): LoRA checkpoints are "
+                             "merged into their base, sharded ones gathered, one-process ones rewritten")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--merge", metavar="RUN_OR_STEP", help="a LoRA run: its base with the adapters merged (what "
+                                                             "RUN_OR_STEP does for a LoRA checkpoint)")
+    what.add_argument("--peft", metavar="RUN_OR_STEP", help="a LoRA run: a PEFT adapter folder (attention adapters)")
+    parser.add_argument("--out", required=True, help="the folder to write (replaced only once the new one is complete)")
+    parser.add_argument("--base", default=None, help="LoRA: the base model folder (default: the one lora.json names)")
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
+                        help="dtype of the written weights (default: as trained; LoRA: the base's config.json dtype)")
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
-    """A bad folder or a base that does not match raises CheckpointError (a ValueError): `anyseek.cli` prints it as
-    one `error:` line and exits 2."""
-    if args.merge:
-        out = export_merged(args.merge, args.out, args.base, getattr(torch, args.dtype) if args.dtype else None)
-    else:
+    """A missing or damaged checkpoint, or a base that does not match, raises CheckpointError (a ValueError):
+    `anyseek.cli` prints it as one `error:` line and exits 2."""
+    given = [x for x in (args.checkpoint, args.merge, args.peft) if x]
+    if len(given) != 1:
+        raise ValueError("anyseek export takes one of RUN_OR_STEP, --merge RUN_OR_STEP or --peft RUN_OR_STEP")
+    dtype = DTYPES.get(args.dtype)
+    if args.peft:
         out = export_peft(args.peft, args.out)
+    elif args.merge:
+        out = export_merged(args.merge, args.out, args.base, dtype)
+    else:
+        out = export_checkpoint(args.checkpoint, args.out, dtype, args.base)
     print(f"wrote {out}")
     return 0
 
 
-def find_lora_checkpoint(run_or_step: str | Path) -> Path:
-    """A LoRA step-N folder itself, or the newest complete one in a run folder."""
-    from anyseek.train.checkpoint import latest_checkpoint
-    from anyseek.train.lora import LORA_JSON
+def find_checkpoint(run_or_step: str | Path) -> tuple[Path, bool]:
+    """(the step-N folder, whether it was verified): `run_or_step` itself when it is a step-N folder, else the newest
+    complete checkpoint in that run folder (verified on the way)."""
+    from anyseek.train.checkpoint import STEP_DIR, latest_checkpoint
 
     path = Path(run_or_step)
+    if STEP_DIR.match(path.name) and path.is_dir():
+        return path, False
+    ckpt = latest_checkpoint(path, log=lambda s: print(s, file=sys.stderr))
+    if ckpt is None:
+        raise CheckpointError(f"{path}: no complete checkpoint to export (a step-N folder, or a run folder with one)")
+    return ckpt.path, True
+
+
+def export_checkpoint(run_or_step, out, dtype: torch.dtype | None = None, base=None) -> Path:
+    """`anyseek export RUN_OR_STEP`: a LoRA checkpoint merged, a sharded one gathered, a one-process one rewritten."""
+    from anyseek.distributed.checkpoint import is_sharded
+    from anyseek.distributed.cli_export import export_sharded, write_hf_folder
+    from anyseek.train.lora import LORA_JSON
+
+    step, verified = find_checkpoint(run_or_step)
+    if (step / LORA_JSON).is_file():
+        return export_merged(step, out, base, dtype)
+    if base is not None:
+        raise ValueError(f"--base is for LoRA checkpoints; {step} holds a whole model")
+    if is_sharded(step):
+        return export_sharded(step, out, dtype)  # verifies
+    from anyseek.hf import load_pretrained
+    from anyseek.train.checkpoint import verify
+
+    if not verified:
+        verify(step)
+    return write_hf_folder(load_pretrained(step, device="cpu"), step, Path(out), dtype)
+
+
+def find_lora_checkpoint(run_or_step: str | Path) -> Path:
+    """A LoRA step-N folder (verified), itself or the newest complete checkpoint of a run folder."""
+    from anyseek.train.checkpoint import verify
+    from anyseek.train.lora import LORA_JSON
+
+    path, verified = find_checkpoint(run_or_step)
     if not (path / LORA_JSON).is_file():
-        ckpt = latest_checkpoint(path) if path.is_dir() else None
-        if ckpt is None:
-            raise CheckpointError(f"{path}: neither a LoRA step-N folder nor a run folder with a complete checkpoint")
-        path = ckpt.path
-    if not (path / LORA_JSON).is_file():
-        raise CheckpointError(f"{path}: not a LoRA checkpoint (no {LORA_JSON}); it already is a full model folder")
+        raise CheckpointError(f"{path}: not a LoRA checkpoint (no {LORA_JSON}); export it as `anyseek export {path} "
+                              "--out DIR`")
+    if not verified:
+        verify(path)
     return path
 
 
@@ -81,9 +131,8 @@ def load_lora_model(step: Path, base: str | Path | None = None, dtype: torch.dty
 def export_merged(run_or_step, out, base=None, dtype: torch.dtype | None = None) -> Path:
     """The base with the adapters merged, as a Hugging Face folder with the run's tokenizer, written atomically
     (`anyseek.storage.atomic_folder`: an existing `out` is replaced only once the new folder is complete)."""
-    from anyseek.hf import write_model_files
+    from anyseek.distributed.cli_export import write_hf_folder
     from anyseek.hf.pretrained import _config_dtype
-    from anyseek.storage import atomic_folder
     from anyseek.train.lora import merge_lora, read_lora_json
 
     step = find_lora_checkpoint(run_or_step)
@@ -92,13 +141,7 @@ def export_merged(run_or_step, out, base=None, dtype: torch.dtype | None = None)
     model = merge_lora(load_lora_model(step, base))
     if dtype is None:
         dtype = _config_dtype(json.loads((base_folder / "config.json").read_text()))
-    out = Path(out)
-    with atomic_folder(out) as tmp:
-        write_model_files(model, tmp, dtype)  # config.json, generation_config.json, safetensors
-        for f in sorted(step.iterdir()):  # the run's tokenizer (the base's, by construction)
-            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens_map")):
-                shutil.copy2(f, tmp / f.name)
-    return out
+    return write_hf_folder(model, step, Path(out), dtype)  # the run's tokenizer (the base's, by construction)
 
 
 def export_peft(run_or_step, out) -> Path:
@@ -114,7 +157,8 @@ def export_peft(run_or_step, out) -> Path:
         raise ValueError(f"{step}: none of its adapters can be written for PEFT (targets {list(spec.targets)})")
     if left_out:
         print("anyseek export: warning: left out of the PEFT folder (PEFT cannot place them on transformers' "
-              f"DeepseekV3): {len(left_out)} adapters, e.g. {left_out[0]}; `--merge` keeps them", file=sys.stderr)
+              f"DeepseekV3): {len(left_out)} adapters, e.g. {left_out[0]}; the merged export keeps them",
+              file=sys.stderr)
     modules = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for k in tensors})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": ref["path"],

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from anyseek.constants import IGNORE_INDEX
+from anyseek.distributed.parallel import Parallel, Silent
 from anyseek.model.mtp import count_targets
 from anyseek.train import checkpoint as ckpt_lib
-from anyseek.train.config import RunConfig, piecewise
+from anyseek.train.config import ConfigError, RunConfig, piecewise
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer, lr_at, set_lr
 from anyseek.train.preflight import check_prepared, check_vocab, check_writable, describe_os_error
@@ -52,6 +53,7 @@ class StepStats:
     expert_load: torch.Tensor | None = None
     tokens: int = 0
     flops: float = 0.0  # training FLOPs of the step, attention counted over each document's real length
+    stop_requested: bool = False  # a signal asked to stop (distributed: of any rank, after `Parallel.sum_step`)
 
 
 class Trainer:
@@ -61,10 +63,14 @@ class Trainer:
         self.cfg, self.out_dir, self.resume, self.log = cfg, Path(out_dir), resume, log
         self.resume_overrides = tuple(resume_overrides)
         self.stop_requested = False
+        self.stop_agreed = False  # distributed: the stop every rank saw in the step's all-reduce (`_stopping`)
         t = cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
-        self.device = _pick_device(t.device)
+        self.par = Parallel.from_torchrun(cfg.parallel, t.device)  # inactive unless launched by torchrun
+        if not self.par.env.is_main:
+            self.log = lambda message: None  # rank 0 prints and writes; every rank computes
+        self.device = self.par.device if self.par.active else _pick_device(t.device)
         self.allocator = "allocator left as is"
         if self.device.type == "cpu" and t.tune_allocator:
             from anyseek.runtime import tune_cpu_allocator
@@ -78,6 +84,9 @@ class Trainer:
         registry.set_backend("attention", t.attention_backend)  # an unknown name raises here, naming it
         registry.set_backend("moe", t.moe_backend)
 
+        if t.lora_rank and self.par.active:
+            raise ConfigError("train.lora_rank: LoRA runs in one process for now (its checkpoints hold adapters, "
+                              "sharded ones the whole model); launch without torchrun / --nproc-per-node")
         self.start = Start(cfg, self.device, self.autocast_dtype, self.log)  # --init and LoRA (train/start.py)
         self.data_dir = self._prepare_data()
         from anyseek.data.shards import read_manifest
@@ -94,9 +103,11 @@ class Trainer:
         if self.model_cfg is None:
             self.model_cfg = cfg.model_config(vocab_size=int(self.manifest["vocab_size"]))
             check_vocab(self.data_dir, self.manifest, self.model_cfg.vocab_size)
-        self.start.report_memory(self.model_cfg)
+        if not self.par.active:  # sharded runs: `anyseek plan` estimates the memory per GPU
+            self.start.report_memory(self.model_cfg)
         self.model = self.start.build_model() or DeepSeekV3(self.model_cfg).to(self.device)
         self.model_cfg = self.start.adapt(self.model)  # LoRA: wraps targets, freezes the base
+        self.model = self.par.parallelize(self.model, self.autocast_dtype)  # EP, FSDP2, checkpointing: from outside
         self.model.train()
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
@@ -124,8 +135,9 @@ class Trainer:
         from anyseek.data.loader import PackedLoader
 
         d = self.cfg.data
+        share = self.par.loader_args() if loop else {}  # every rank validates on the same batches
         return PackedLoader(self.data_dir, split=split, tokens_per_batch=d.tokens_per_batch, max_seqlen=d.max_seqlen,
-                            seed=self.cfg.train.seed, loop=loop)
+                            seed=self.cfg.train.seed, loop=loop, **share)
 
     def data_identity(self) -> dict[str, Any]:
         """What the prepared data is, recorded in every checkpoint and compared on --resume."""
@@ -142,14 +154,17 @@ class Trainer:
         damaged = []
         for ckpt in reversed(ckpts):
             try:
-                ckpt_lib.verify(ckpt.path)
+                self.par.verify(ckpt.path)  # distributed: every rank the same verdict, each hashing a share
             except ckpt_lib.CheckpointDamaged as e:
                 self.log(f"warning: {e}; trying the previous checkpoint")
                 damaged.append(ckpt.path.name)
                 continue
             changes = check_resume(ckpt.path, self.cfg.to_dict(), self.data_identity(), self.resume_overrides,
-                                   init_identity=self.start.ref)
-            state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer, self.start.load_model)
+                                   world_size=self.par.env.world_size, init_identity=self.start.ref)
+            if self.par.loads(ckpt.path):  # sharded checkpoints, or any checkpoint into a sharded model (reshards)
+                state = self.par.load_checkpoint(ckpt.path, self.model, self.optimizer, self.train_loader)
+            else:  # LoRA: start.load_model reads the adapters
+                state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer, self.start.load_model)
             self.train_loader.load_state_dict(state["loader"])
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.bad_in_a_row = int(state.get("bad_in_a_row", 0))
@@ -165,7 +180,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         t = self.cfg.train
-        check_writable(self.out_dir, self.log)
+        self.par.on_main(lambda: check_writable(self.out_dir, self.log))  # rank 0 cleans up; every rank learns
         if self.resume:
             self._resume()
         elif ckpt_lib.list_checkpoints(self.out_dir):
@@ -173,8 +188,9 @@ class Trainer:
                 f"{self.out_dir} already holds checkpoints; pass --resume to continue that run or --out NEW_DIR"
             )
         self._describe()
-        metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard)
-        progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every)
+        main = self.par.env.is_main
+        metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard) if main else Silent()
+        progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every) if main else Silent()
         old_handlers = self._install_signal_handlers()
         peak = peak_flops(self.device)
         batches = iter(self.train_loader)
@@ -182,7 +198,7 @@ class Trainer:
         window_t, window_tokens, window_flops = time.perf_counter(), 0, 0.0
         summary: dict[str, Any] = {}
         try:
-            while self.step < t.max_steps and not self.stop_requested:
+            while self.step < t.max_steps and not self._stopping():
                 lr = lr_at(self.step, t)
                 set_lr(self.optimizer, lr)
                 stats = self._accumulate(batches)
@@ -204,7 +220,7 @@ class Trainer:
                 if self.step % t.save_every == 0 and self.step < t.max_steps:
                     self._save(periodic=True)
             progress.close()
-            if self.stop_requested:
+            if self._stopping():
                 self.log(f"stop requested: saving step {self.step} and exiting")
                 self._save()
                 summary = {"stopped_early": True}
@@ -247,6 +263,7 @@ class Trainer:
         per_batch = [count_targets(b.targets, b.cu_seqlens, depths) for b in micro]
         step_counts = [sum(c[i] for c in per_batch) for i in range(depths + 1)]
         num_targets = torch.tensor(step_counts, dtype=torch.float32).to(self.device, non_blocking=True)
+        num_targets = self.par.sum_(num_targets)  # the global batch's targets: every rank divides by the same count
         mtp_weight = self.mtp_loss_weight()
         alpha = self.model_cfg.aux_loss_alpha
         for batch in micro:
@@ -260,7 +277,8 @@ class Trainer:
                 parts["mtp_loss"] = out.mtp_loss
                 loss = loss + mtp_weight * out.mtp_loss
             if out.balance_loss is not None:
-                parts["balance_loss"] = out.balance_loss / t.grad_accum  # a mean over the step's micro-batches
+                # a mean over the step's micro-batches (of every rank)
+                parts["balance_loss"] = out.balance_loss / (t.grad_accum * self.par.env.world_size)
                 loss = loss + alpha * parts["balance_loss"]
             loss.backward()
             stats.loss = stats.loss + loss.detach()
@@ -275,6 +293,11 @@ class Trainer:
             stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
         return stats
 
+    def _stopping(self) -> bool:
+        """Whether a signal asked the run to stop. Distributed: the request as all ranks agreed on it in the last
+        step's all-reduce (a signal reaches the ranks at different moments; acting on it alone would split them)."""
+        return self.stop_agreed if self.par.active else self.stop_requested
+
     def mtp_loss_weight(self) -> float:
         """lambda now: train.mtp_loss_weight_schedule at the tokens seen so far, else model.mtp_loss_weight."""
         return piecewise(self.cfg.train.mtp_loss_weight_schedule, self.tokens_seen, self.model_cfg.mtp_loss_weight)
@@ -287,9 +310,11 @@ class Trainer:
     def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
         """Clip and step, or skip a non-finite step. Returns (stepped, mean loss, grad norm)."""
         t = self.cfg.train
-        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = self.par.clip_grad_norm_(self.model, max_norm)  # the global norm: every rank agrees to skip
+        stats.stop_requested = self.stop_requested
+        self.par.sum_step(stats)  # losses, expert loads, tokens and stop requests of every rank
+        self.stop_agreed = stats.stop_requested
         loss = float(stats.loss)  # the one host sync per step
         norm = float(grad_norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -349,10 +374,13 @@ class Trainer:
         failed save raises SaveFailed."""
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
                  "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity(), **self.start.record()}
-        try:
-            path = ckpt_lib.save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, state,
-                                            self.cfg.to_dict(), self.tokenizer_files, self.cfg.train.keep_last,
-                                            self.start.write_model)
+        args = (self.out_dir, self.step, self.model, self.optimizer, state, self.cfg.to_dict(), self.tokenizer_files,
+                self.cfg.train.keep_last)
+        try:  # distributed: a failure on any rank raises OSError on every rank, so all decide alike below
+            if self.par.active:
+                path = self.par.save_checkpoint(*args)
+            else:  # LoRA: the adapters (start.write_model) in place of the model files
+                path = ckpt_lib.save_checkpoint(*args, write_model=self.start.write_model)
         except OSError as e:
             self.failed_saves = getattr(self, "failed_saves", 0) + 1
             why = f"could not save step {self.step} in {self.out_dir}: {describe_os_error(e)}"
@@ -370,13 +398,13 @@ class Trainer:
         from anyseek.train.metrics import read_metrics
         from anyseek.train.plot import write_loss_curve
 
-        rows = read_metrics(metrics.path)
+        rows = read_metrics(metrics.path) if self.par.env.is_main else []
         curve = write_loss_curve(
             self.out_dir / "loss.png",
             [(r["step"], r.get("lm_loss", r["loss"])) for r in rows if r["kind"] == "train"],
             [(r["step"], r["loss"]) for r in rows if r["kind"] == "val"],
             title=f"{self.cfg.model.flavor} on {self.cfg.data.path or self.cfg.data.source}",
-        )
+        ) if self.par.env.is_main else None
         sample = self.sample()
         self.log(f"loss curve: {curve}")
         self.log(f"sample: {self.cfg.train.sample_prompt}{sample}")
@@ -384,13 +412,11 @@ class Trainer:
                 "checkpoint": str(path), "sample": sample}
 
     def sample(self) -> str:
-        from anyseek.infer.generate import generate
-
         t = self.cfg.train
         prompt = self.tokenizer.encode(t.sample_prompt).ids
-        with self._autocast():
-            new = generate(self.model, prompt, t.sample_tokens, eos_token_id=self.manifest.get("eos_token_id"),
-                           seed=t.seed)
+        with self._autocast():  # anyseek.generate; sharded, a lockstep twin every rank runs
+            new = self.par.generate(self.model, prompt, t.sample_tokens, eos_token_id=self.manifest.get("eos_token_id"),
+                                    seed=t.seed)
         return self.tokenizer.decode(new)
 
     # ------------------------------------------------------------------------------------------ helpers

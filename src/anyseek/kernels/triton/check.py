@@ -35,3 +35,13 @@ def available(example: torch.Tensor) -> tuple[bool, str]:
             return False, f"compute capability {major}.{minor} < 8.0 (needs Ampere or newer)"
         return True, f"Triton {triton.__version__} kernel on sm_{major}{minor}"
     return True, f"Triton {triton.__version__} interpreter (TRITON_INTERPRET=1)"
+
+
+def moe_available(example: torch.Tensor) -> tuple[bool, str]:
+    """(ok, reason) for the Triton routed-experts kernels on tensors like `example` (x [T, D]; no width limit)."""
+    ok, reason = available(example.reshape(-1)[:1])
+    if not ok or example.device.type != "cuda":
+        return ok, reason
+    from anyseek.kernels.triton.moe_family import why
+
+    return True, f"{reason}: {why(torch.cuda.get_device_capability(example.device))}"

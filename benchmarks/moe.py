@@ -1,0 +1,269 @@
+"""Routed experts (permute + grouped SwiGLU experts + combine) on one GPU: correctness, launch settings, peers.
+
+    python benchmarks/moe.py --check      # worst error ratios vs the fp32 reference (2x rule), bf16 and fp16
+    python benchmarks/moe.py --tune       # the triton backend under several launch settings (16B, 671B shapes)
+    python benchmarks/moe.py --bench      # forward and forward+backward: triton, torch._grouped_mm, loop, reference
+    --out DIR writes check.md / tune.md / bench.md there as well as printing them.
+
+Shapes (E experts, I expert width, K experts per token, D hidden): small 32/512/4/1024, 16B (Moonlight)
+64/1408/6/2048, 671B (DeepSeek-V3, one layer) 256/2048/8/7168; balanced routing (K distinct experts drawn
+uniformly per token) and skewed routing (expert popularity ~ 1/rank, `accuracy.moe_routing`). Peers, each given
+the same bf16 inputs and fp32 routing weights:
+  grouped_mm  anyseek's torch._grouped_mm backend (CUTLASS grouped GEMM on sm_90/sm_100, bf16 only);
+  loop        what torch._grouped_mm does on every other GPU (sm_80/86/89/120): offsets copied to the host, one
+              matmul per expert (written as PyTorch's fallback does), autograd through it;
+  reference   anyseek's pure-PyTorch reference (also a per-expert loop, routing weight on the activation).
+TFLOP/s count the routed matmuls only: forward 6*M*D*I (M = T*K), forward+backward 18*M*D*I. Times are medians
+of triton.testing.do_bench (CUDA events), random non-zero inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+import itertools
+
+from anyseek.kernels import accuracy, torch_backends
+from anyseek.kernels.reference import moe as ref_moe
+
+SHAPES = {  # name: (E, I, K, D)
+    "small": (32, 512, 4, 1024),
+    "16B": (64, 1408, 6, 2048),
+    "671B": (256, 2048, 8, 7168),
+}
+TOKENS = {"small": (8192, 32768), "16B": (8192, 32768), "671B": (8192, 16384)}
+
+
+def env_line() -> str:
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return (
+        f"{p.name} ({p.multi_processor_count} SMs), PyTorch {torch.__version__}, Triton {triton.__version__}, "
+        f"{platform.system()}, {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}"
+    )
+
+
+def emit(lines: list[str], out_dir: str | None, name: str) -> None:
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# peers
+
+
+def _loop_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm as PyTorch computes it without the fused kernel: offsets to the host, a matmul per group."""
+    bounds = [0] + offs_E.tolist()  # host sync
+    # split/unbind, not a[s:e] / b[g]: each slice's backward would build a full-size gradient (E of them), which
+    # PyTorch's fallback (its backward is _grouped_mm again, looping into one output) does not do
+    a_parts, b_KN = a_MK.split([e - s for s, e in itertools.pairwise(bounds)]), b_EKN.unbind(0)
+    outs = [a @ b for a, b in zip(a_parts, b_KN)]
+    return torch.cat(outs)
+
+
+def loop_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
+    """grouped_mm_routed_experts with torch._grouped_mm replaced by its per-expert fallback."""
+    E, I = gate_up_EFD.shape[0], down_EDI.shape[-1]
+    x_MD, order_M, counts_E = ref_moe.permute(x_TD, topk_ids_TK, E)
+    offs_E = counts_E.cumsum(0)
+    h_MF = _loop_mm(x_MD, gate_up_EFD.transpose(1, 2), offs_E)
+    act_MI = F.silu(h_MF[:, :I]) * h_MF[:, I:]
+    y_MD = _loop_mm(act_MI, down_EDI.transpose(1, 2), offs_E)
+    return ref_moe.unpermute(y_MD, order_M, topk_weights_TK).to(x_TD.dtype)
+
+
+def backends() -> dict:
+    from anyseek.kernels.triton import moe
+
+    fns = {"triton": moe.routed_experts}
+    ok, _ = torch_backends.grouped_mm_available(torch.empty(1, device="cuda", dtype=torch.bfloat16))
+    if ok:
+        fns["grouped_mm"] = torch_backends.grouped_mm_routed_experts
+    fns["loop"] = loop_routed_experts
+    fns["reference"] = ref_moe.routed_experts
+    return fns
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# timing
+
+
+def make(shape: str, T: int, routing: str, seed: int = 0):
+    E, I, K, D = SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    ids = accuracy.moe_routing(T, E, K, routing, g).cuda()
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    w = (torch.rand(T, K, device="cuda") + 0.1) / K
+    gu = (torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) / D**0.5).requires_grad_()
+    dn = (torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) / I**0.5).requires_grad_()
+    return x.requires_grad_(), ids, w.requires_grad_(), gu, dn, torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+
+
+def time_ms(fn, inputs, backward: bool, rep: int = 120) -> float:
+    import triton
+
+    x, ids, w, gu, dn, dy = inputs
+    leaves = [x, w, gu, dn]
+
+    def step():
+        y = fn(x, ids, w, gu, dn)
+        if backward:
+            torch.autograd.grad(y, leaves, dy)
+
+    if not backward:
+        with torch.no_grad():
+            return triton.testing.do_bench(step, warmup=25, rep=rep, return_mode="median")
+    return triton.testing.do_bench(step, warmup=25, rep=rep, return_mode="median")
+
+
+def flops(shape: str, T: int, backward: bool) -> float:
+    _E, I, K, D = SHAPES[shape]
+    return (18 if backward else 6) * T * K * D * I
+
+
+def bench(out_dir: str | None, shapes: list[str], tokens: dict) -> list[dict]:
+    fns = backends()
+    rows = []
+    lines = [f"Routed experts, {env_line()}", "",
+             "| shape | tokens | routing | mode | " + " | ".join(f"{n} ms (TFLOP/s)" for n in fns) +
+             " | triton vs grouped_mm | triton vs loop |",
+             "|" + "---|" * (6 + len(fns))]  # fmt: skip
+    for shape in shapes:
+        for T in tokens[shape]:
+            for routing in ("balanced", "skewed"):
+                inputs = make(shape, T, routing)
+                for backward in (False, True):
+                    times = {}
+                    for name, fn in fns.items():
+                        try:
+                            times[name] = time_ms(fn, inputs, backward, rep=60 if name in ("loop", "reference") else 120)
+                        except torch.OutOfMemoryError:
+                            times[name] = float("nan")
+                        torch.cuda.empty_cache()
+                    fl = flops(shape, T, backward)
+                    cells = [f"{t:.2f} ({fl / t / 1e9:.0f})" for t in times.values()]
+                    vs_g = times.get("grouped_mm", float("nan")) / times["triton"]
+                    vs_l = times["loop"] / times["triton"]
+                    what = "fwd+bwd" if backward else "fwd"
+                    lines.append(f"| {shape} | {T} | {routing} | {what} | " + " | ".join(cells) +
+                                 f" | {vs_g:.2f}x | {vs_l:.2f}x |")  # fmt: skip
+                    print(lines[-1], flush=True)
+                    rows.append(dict(shape=shape, T=T, routing=routing, backward=backward, **times))
+                del inputs
+                torch.cuda.empty_cache()
+    emit(lines, out_dir, "bench.md")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# correctness
+
+
+def check(out_dir: str | None) -> bool:
+    from anyseek.kernels.triton import moe
+
+    cases = [  # (T, D, I, E, K, routing)
+        (4096, 1024, 512, 32, 4, "balanced"), (4096, 1024, 512, 32, 4, "skewed"),
+        (2000, 2048, 1408, 64, 6, "skewed"), (1536, 7168, 2048, 32, 8, "balanced"),
+        (999, 200, 136, 16, 3, "sparse"), (513, 256, 96, 8, 1, "one_expert"), (1, 512, 256, 16, 8, "balanced"),
+    ]  # fmt: skip
+    lines = [f"Routed experts correctness, {env_line()}", "", "| case | dtype | pass | worst err/pt | errors |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    ok = True
+    for T, D, I, E, K, routing in cases:
+        inputs = accuracy.moe_inputs(T, D, I, E, K, routing, seed=T)
+        for dtype in (torch.bfloat16, torch.float16):
+            table = accuracy.moe_error_table(moe.routed_experts, inputs, dtype, "cuda")
+            good = accuracy.passes(table, dtype)
+            ok &= good
+            errs = " ".join(f"{n} {e:.1e}/{p:.1e}" for n, e, p in table)
+            lines.append(f"| T={T} D={D} I={I} E={E} K={K} {routing} | {str(dtype)[6:]} | {'PASS' if good else 'FAIL'}"
+                         f" | {accuracy.worst_ratio(table):.2f} | {errs} |")  # fmt: skip
+            print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    emit(lines, out_dir, "check.md")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launch settings
+
+
+TUNE = {
+    "swiglu": [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
+    "gemm": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)],
+    "wgrad": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+              (128, 128, 32, 8, 4), (128, 128, 64, 4, 4)],
+}  # fmt: skip
+
+
+def tune(out_dir: str | None) -> None:
+    from anyseek.kernels.triton import moe
+
+    row = moe.family(torch.device("cuda"))
+    base = dict(moe._TABLE[row])
+    lines = [f"Launch settings (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), fwd+bwd ms, {env_line()}", "",
+             "| kernel | setting | 16B 16k balanced | 671B 16k balanced |", "|---|---|---|---|"]
+    cases = [("16B", 16384, "balanced"), ("671B", 16384, "balanced")]
+    inputs = {c: make(*c) for c in cases}
+    for kind, settings in TUNE.items():
+        for s in settings:
+            table = dict(base, **{kind: s})
+            if kind == "gemm" and s[0] != base["swiglu"][0]:
+                table["swiglu"] = (s[0],) + base["swiglu"][1:]
+            if kind == "swiglu" and s[0] != base["gemm"][0]:
+                table["gemm"] = (s[0],) + base["gemm"][1:]
+            moe._TABLE[row] = table
+            cells = []
+            for c in cases:
+                try:
+                    cells.append(f"{time_ms(moe.routed_experts, inputs[c], True, rep=250):.3f}")
+                except Exception as e:  # noqa: BLE001 - a sweep: report and go on
+                    cells.append(type(e).__name__)
+            lines.append(f"| {kind} | {s} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    moe._TABLE[row] = base
+    emit(lines, out_dir, "tune.md")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--tune", action="store_true")
+    p.add_argument("--bench", action="store_true")
+    p.add_argument("--shapes", default="small,16B,671B")
+    p.add_argument("--tokens", default=None, help="token counts for every shape, comma-separated (default: per shape)")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    args = p.parse_args(argv)
+    ok = True
+    t0 = time.time()
+    if args.check:
+        ok = check(args.out)
+    if args.tune:
+        tune(args.out)
+    if args.bench:
+        shapes = args.shapes.split(",")
+        tokens = {s: tuple(int(t) for t in args.tokens.split(",")) for s in shapes} if args.tokens else TOKENS
+        bench(args.out, shapes, tokens)
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Sharded training checkpoints (torch.distributed.checkpoint), written by every rank at once, read back by any
+number of ranks (one process without torchrun included), and exported to a Hugging Face folder.
+
+    step-N/
+      dcp/shard-*.safetensors      model + optimizer state: each rank writes its own shards (DCP's Hugging Face
+                                   storage: safetensors whose headers carry the sharding; nothing is pickled)
+      config.json                  the model config (Hugging Face form), for `export_sharded` (`anyseek export`)
+      tokenizer files, run_config.json
+      train_state.json             step, tokens, data fingerprint, every rank's loader position, world size
+      checkpoint.json              written last by rank 0: every file with its size and sha256 (the ranks share the
+                                   hashing), as for one-process checkpoints; `verify_agreed` checks it on resume
+
+Atomic as one-process checkpoints: all ranks write into rank 0's staging folder (`anyseek.storage.atomic_folder`),
+which rank 0 renames into place only after every rank has finished; a crash leaves the previous checkpoint intact.
+Loading reshards: DCP reads each rank's slices from whatever shards the writers held. A checkpoint written by one
+process (a Hugging Face folder) loads on N ranks through the full state dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from anyseek.distributed.env import DistEnv, agree, all_gather_json, broadcast_json
+from anyseek.storage import CheckpointError, atomic_folder, fsync_tree
+
+DCP_DIR = "dcp"
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return (Path(ckpt) / DCP_DIR).is_dir()
+
+
+def save_sharded(
+    out_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    run_config: dict[str, Any],
+    tokenizer_files: list[Path],
+    keep_last: int,
+    env: DistEnv,
+) -> Path:
+    """Collective: every rank calls it. `train_state["loader"]` is this rank's loader state; all are kept.
+    A failure on any rank (full disk, read-only folder) raises on every rank, an OSError with the failing rank's
+    errno (the trainer's periodic-save logic then takes the same decision everywhere); the staging folder is gone."""
+    from anyseek.hf import write_config_json
+    from anyseek.train.checkpoint import MARKER, _prune, file_sha256
+
+    final = Path(out_dir) / f"step-{step}"
+    loaders = all_gather_json(train_state["loader"], env)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+    with contextlib.ExitStack() as staging:  # rank 0's atomic_folder: left with an exception, it removes the staging
+        error = None
+        if env.is_main:
+            try:
+                tmp = staging.enter_context(atomic_folder(final))
+                (tmp / DCP_DIR).mkdir()
+            except OSError as e:
+                error = e
+        agree(error, env)
+        tmp = Path(broadcast_json(str(tmp) if env.is_main else None, env))
+        agree(_run(lambda: dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp / DCP_DIR),
+                                                                                   save_distributed=True))), env)
+        # every rank's shards are on disk (fsynced by DCP's writer); the ranks share the hashing
+        shards = broadcast_json(sorted(str(p.relative_to(tmp)) for p in (tmp / DCP_DIR).rglob("*") if p.is_file())
+                                if env.is_main else None, env)
+        mine: dict[str, Any] = {}
+        error = _run(lambda: mine.update({name: {"size": (tmp / name).stat().st_size,
+                                                 "sha256": file_sha256(tmp / name)}
+                                          for name in shards[env.rank::env.world_size]}))
+        agree(error, env)
+        hashed = all_gather_json(mine, env)
+        error = None
+        if env.is_main:
+            try:
+                fsync_tree(tmp / DCP_DIR)
+                write_config_json(model.config, tmp / "config.json")
+                for f in tokenizer_files:
+                    shutil.copy2(f, tmp / f.name)
+                (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
+                saved = {**train_state, "loader": loaders, "world_size": env.world_size, "step": step,
+                         "saved_at": time.time()}
+                (tmp / "train_state.json").write_text(json.dumps(saved, indent=1))
+                files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())
+                         if p.is_file()}
+                for part in hashed:
+                    files.update(part)
+                (tmp / MARKER).write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=1))
+            except OSError as e:
+                error = e
+        agree(error, env)
+        if env.is_main:
+            try:
+                staging.close()  # fsync, rename into place
+            except OSError as e:
+                error = e
+    agree(error, env)  # the rename is done (or failed everywhere) before anyone looks for the checkpoint
+    if env.is_main:
+        _prune(Path(out_dir), keep_last)
+    return final
+
+
+def _run(fn) -> BaseException | None:
+    """fn() -> None, or the OSError it raised (one inside DCP's CheckpointException included, which DCP raises on
+    every rank when any rank fails); other exceptions propagate."""
+    try:
+        fn()
+    except OSError as e:
+        return e
+    except CheckpointException as e:
+        for exc, _trace in e.failures.values():
+            if isinstance(exc, OSError):
+                return exc
+        raise
+    return None
+
+
+def verify_agreed(ckpt: Path, env: DistEnv) -> None:
+    """`anyseek.train.checkpoint.verify` shared out: each rank hashes every world_size-th file, and all raise the same
+    CheckpointDamaged when any file is damaged (the ranks must fall back to the same previous checkpoint)."""
+    from anyseek.train.checkpoint import CheckpointDamaged, verify
+
+    try:
+        verify(ckpt, part=(env.rank, env.world_size))
+        message = None
+    except CheckpointDamaged as e:
+        message = str(e)
+    found = [m for m in all_gather_json(message, env) if m is not None]
+    if found:
+        raise CheckpointDamaged(found[0])
+
+
+def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv) -> dict:
+    """Load model (and optimizer) state into the live, possibly sharded, objects from a checkpoint of any world
+    size; returns train_state.json with `loader` set to this rank's state (or None when the world size changed).
+    The caller has verified the files (`verify_agreed`)."""
+    ckpt = Path(ckpt)
+    try:
+        model_sd = get_model_state_dict(model)
+        state: dict[str, Any] = {"model": model_sd}
+        if optimizer is not None:
+            optim_sd = get_optimizer_state_dict(model, optimizer)  # creates the AdamW state to load into
+            state["optim"] = optim_sd["state"]
+        with warnings.catch_warnings():  # one process without a process group is a supported reader
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, {"state": state["optim"],
+                                                        "param_groups": optim_sd["param_groups"]})
+        train_state = json.loads((ckpt / "train_state.json").read_text())
+    except Exception as e:
+        raise CheckpointError(f"{ckpt}: cannot be loaded: {type(e).__name__}: {e}") from e
+    loaders = train_state["loader"]
+    train_state["loader"] = loaders[env.rank] if len(loaders) == env.world_size else None
+    train_state["saved_loaders"] = loaders
+    return train_state
+
+
+def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict:
+    """A one-process checkpoint (a Hugging Face folder plus optimizer.safetensors) into a sharded model: every rank
+    reads the full tensors on the CPU and keeps its shards. The caller has verified the files (`verify_agreed`)."""
+    from anyseek.hf import load_pretrained
+    from anyseek.train.optim import load_optimizer
+
+    ckpt = Path(ckpt)
+    try:
+        full = load_pretrained(ckpt, device="cpu")
+        plain_optim = torch.optim.AdamW([{"params": g["params"]} for g in _groups_by_name(full, model, optimizer)])
+        load_optimizer(plain_optim, full, ckpt)
+        names = {id(p): n for n, p in full.named_parameters()}
+        optim_sd = {"state": {names[id(p)]: s for p, s in plain_optim.state.items()},
+                    "param_groups": get_optimizer_state_dict(model, optimizer)["param_groups"]}
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, full.state_dict(), options=opts)
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+        train_state = json.loads((ckpt / "train_state.json").read_text())
+        del full, plain_optim
+    except Exception as e:
+        raise CheckpointError(f"{ckpt}: cannot be loaded: {type(e).__name__}: {e}") from e
+    loader = train_state["loader"]
+    train_state["saved_loaders"] = [loader]
+    train_state["loader"] = loader if env.world_size == 1 else None
+    return train_state
+
+
+def _groups_by_name(full: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """`optimizer`'s parameter groups, with the same-named parameters of the unsharded `full` model."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = dict(full.named_parameters())
+    return [{"params": [params[names[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def load_consolidated(ckpt: Path) -> nn.Module:
+    """The whole model of a sharded checkpoint, in one process on the CPU (fp32 master weights, every expert), in
+    eval mode; `anyseek.distributed.cli_export.export_sharded` writes it as a Hugging Face folder."""
+    from anyseek.hf import read_config_json
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.checkpoint import verify
+
+    ckpt = Path(ckpt)
+    verify(ckpt)
+    try:
+        config = read_config_json(ckpt / "config.json")
+        model = DeepSeekV3(config, device="meta").to_empty(device="cpu")
+        sd = model.state_dict()
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": yes
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": sd}, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
+        model.load_state_dict(sd)
+    except Exception as e:
+        raise CheckpointError(f"{ckpt}: cannot be loaded: {type(e).__name__}: {e}") from e
+    return model.eval()

@@ -1,0 +1,116 @@
+"""Who am I among the ranks: process-group setup from torchrun's environment, and the few collectives the trainer
+needs (sums of small tensors, a barrier, one object from rank 0).
+
+    env = init_from_torchrun("cpu", timeout_s=600)   # DistEnv(rank=0, world_size=1) when not under torchrun
+    all_reduce_sum(load_LE, env)                      # in place; a no-op for one process
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; we read only those. A plain `python -m
+anyseek train` has none of them and never touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """rank / world_size / local_rank of this process; `active` when a process group is up (even of one rank)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    active: bool = False
+    device: str = "cpu"  # where collective buffers live: the rank's GPU under NCCL, else the CPU
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def init_from_torchrun(device_type: str, backend: str = "auto", timeout_s: float = 600) -> DistEnv:
+    """Start the default process group from torchrun's variables (once); DistEnv() when not launched by torchrun.
+    On CUDA each process takes the GPU of its LOCAL_RANK. `timeout_s` bounds every collective, so a dead rank makes
+    the others fail with an error instead of hanging."""
+    if not launched_by_torchrun():
+        return DistEnv()
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistEnv(rank, world, local, active=True, device=f"cuda:{local}" if backend == "nccl" else "cpu")
+
+
+def shutdown_process_group() -> None:
+    """End of a run: release the process group (if one was started)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, env: DistEnv, group: Any = None) -> torch.Tensor:
+    """Sum `t` over every rank (of `group`), in place; returns it. No-op for one process."""
+    if env.active and env.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def barrier(env: DistEnv) -> None:
+    if env.active and env.world_size > 1:
+        dist.barrier()
+
+
+def all_gather_json(obj: Any, env: DistEnv) -> list[Any]:
+    """Every rank's JSON-able `obj`, in rank order (as UTF-8 bytes in tensors: nothing is pickled)."""
+    if not env.active or env.world_size == 1:
+        return [obj]
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=env.device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=env.device) for _ in range(env.world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=env.device))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=env.device)
+    padded[: data.numel()] = data
+    out = [torch.empty_like(padded) for _ in range(env.world_size)]
+    dist.all_gather(out, padded)
+    return [json.loads(bytes(o[: int(s.item())].tolist()).decode()) for o, s in zip(out, sizes)]
+
+
+def broadcast_json(obj: Any, env: DistEnv) -> Any:
+    """Rank 0's JSON-able `obj` on every rank."""
+    return all_gather_json(obj, env)[0]
+
+
+def agree(error: BaseException | None, env: DistEnv) -> None:
+    """Collective: raise on every rank when any rank failed, so that all ranks take the same branch next (a rank that
+    went on alone would wait forever in the next collective). The failing rank re-raises its own exception; the
+    others raise an OSError with the same errno (a full disk stays a full disk for the trainer's save logic) or a
+    RuntimeError, naming the rank. One process: raises `error` if there is one."""
+    if not env.active or env.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else {"type": type(error).__name__, "errno": getattr(error, "errno", None),
+                                       "strerror": getattr(error, "strerror", None) or str(error),
+                                       "filename": str(getattr(error, "filename", None) or "") or None}
+    everyone = all_gather_json(mine, env)
+    if error is not None:
+        raise error
+    rank, first = next(((r, d) for r, d in enumerate(everyone) if d is not None), (None, None))
+    if first is None:
+        return
+    if first["errno"] is not None:
+        raise OSError(first["errno"], f"{first['strerror']} (on rank {rank})", first["filename"])
+    raise RuntimeError(f"rank {rank} failed: {first['type']}: {first['strerror']}")

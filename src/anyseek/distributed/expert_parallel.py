@@ -1,0 +1,131 @@
+"""Expert parallelism: each MoE layer's routed experts split over the `ep` ranks of an expert group; tokens travel
+to the rank that holds their expert and back with two `all_to_all_single`s (counts first, then the rows).
+
+    rank r, E experts, ep ranks, E_loc = E / ep experts here (E_loc*r ... E_loc*(r+1)-1)
+    x [T, D], topk_ids [T, K] --sort the T*K slots by expert--> rows for rank 0 | rows for rank 1 | ...
+        counts per expert  --all_to_all-->  how many rows each source sends for each of my experts   (host sync)
+        rows [M, D], routing weights [M]  --all_to_all-->  received rows [N, D] (source-major, then expert)
+        kernels.routed_experts(rows, local expert ids [N, 1], weights [N, 1], my experts)  (the unchanged seam)
+        outputs [N, D]  --all_to_all (reverse splits)-->  [M, D]  --sum each token's K rows in fp32-->  y [T, D]
+
+Backward is the same exchange with the splits swapped (`_AllToAll`). The one host sync per MoE layer and forward is
+the split sizes: `all_to_all_single` takes them as Python ints. The expert weights are DTensors on the expert
+mesh ("edp", "ep"): Shard(0) over "ep", Replicate over "edp" (the copies held by the other expert groups); their
+gradients are summed over "edp" by `sync_expert_grads` before clipping (a no-op when ep == world size).
+
+Shape legend: T tokens, K experts per token, M = T*K routed slots, N rows received, D hidden, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from anyseek import kernels
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of one or more row-aligned tensors with the same split sizes; backward sends the gradients
+    back the same way. Every rank runs the same exchanges in the same order, forward and backward: a gradient that
+    is None here (say, no rows arrived) travels as zeros, so no rank skips a collective the others wait in."""
+
+    @staticmethod
+    def forward(ctx, out_splits: list[int], in_splits: list[int], group, *tensors: torch.Tensor):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        ctx.shapes = [(t.shape[1:], t.dtype, t.device) for t in tensors]
+        return tuple(_exchange(t, out_splits, in_splits, group) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        out_splits, in_splits = ctx.splits
+        back = []
+        for g, (shape, dtype, device) in zip(grads, ctx.shapes):
+            if g is None:
+                g = torch.zeros((sum(out_splits), *shape), dtype=dtype, device=device)
+            back.append(_exchange(g, in_splits, out_splits, ctx.group))
+        return (None, None, None, *back)
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def dispatch_combine(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    gate_up_local: torch.Tensor,
+    down_local: torch.Tensor,
+    group,
+) -> torch.Tensor:
+    """The routed experts of a whole expert group, this rank holding experts [E_loc*r, E_loc*(r+1)) (gate_up_local
+    [E_loc, 2I, D], down_local [E_loc, D, I]). Same maths as `kernels.routed_experts` on all E experts; y [T, D] in
+    x's dtype. Every rank of `group` must call it (with its own tokens, possibly none)."""
+    T, K = topk_ids_TK.shape
+    ep, E_loc = dist.get_world_size(group), gate_up_local.shape[0]
+    ids_M = topk_ids_TK.reshape(-1)
+    order_M = torch.argsort(ids_M, stable=True)  # slots grouped by expert, hence by owning rank
+    counts_E = torch.zeros(ep * E_loc, dtype=torch.int64, device=x_TD.device)
+    counts_E.index_add_(0, ids_M, torch.ones_like(ids_M))
+    recv_counts_E = torch.empty_like(counts_E)  # [ep sources x E_loc of my experts]
+    dist.all_to_all_single(recv_counts_E, counts_E, group=group)
+    splits = torch.stack([counts_E.view(ep, E_loc).sum(1), recv_counts_E.view(ep, E_loc).sum(1)]).tolist()
+    in_splits, out_splits = splits  # the host sync: Python ints for the row exchange
+    rows_MD = x_TD.index_select(0, order_M // K)
+    w_M = topk_weights_TK.reshape(-1).index_select(0, order_M)
+    rows_ND, w_N = _AllToAll.apply(out_splits, in_splits, group, rows_MD, w_M)
+    N = rows_ND.shape[0]
+    local_ids_N = torch.arange(E_loc, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts_E, output_size=N)
+    y_ND = kernels.routed_experts(rows_ND, local_ids_N[:, None], w_N[:, None], gate_up_local, down_local)
+    if N == 0:  # nothing arrived: keep the exchanges in the autograd graph, or this rank's backward would skip them
+        y_ND = rows_ND * w_N[:, None].to(rows_ND.dtype) + 0 * (gate_up_local.sum() + down_local.sum())
+    (y_MD,) = _AllToAll.apply(in_splits, out_splits, group, y_ND)
+    out_TD = torch.zeros(T, x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
+    return out_TD.index_add(0, order_M // K, y_MD.float()).to(x_TD.dtype)
+
+
+class ExpertParallelExperts(nn.Module):
+    """Drop-in for `model.moe.Experts` (same parameter names, so state dicts and checkpoints keep their keys)
+    holding this rank's slice of the experts as DTensors on `mesh` ("edp", "ep")."""
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, mesh: DeviceMesh):
+        super().__init__()
+        self.mesh = mesh
+        placements = [Replicate(), Shard(0)]
+        self.gate_up_proj = nn.Parameter(distribute_tensor(gate_up_proj.detach(), mesh, placements))
+        self.down_proj = nn.Parameter(distribute_tensor(down_proj.detach(), mesh, placements))
+
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj.to_local(grad_placements=self.gate_up_proj.placements)
+        down = self.down_proj.to_local(grad_placements=self.down_proj.placements)
+        return dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, self.mesh.get_group("ep"))
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Replace every MoE layer's `experts` with its expert-parallel twin on `mesh` ("edp", "ep"); the model's full
+    expert weights (identical on every rank) are split by `distribute_tensor`. Returns the new expert parameters
+    (for FSDP to leave alone)."""
+    ep = mesh["ep"].size()
+    params: list[nn.Parameter] = []
+    for moe in model.moe_layers():
+        E = moe.experts.gate_up_proj.shape[0]
+        if E % ep:
+            raise ValueError(f"parallel.ep={ep} must divide the number of routed experts ({E})")
+        moe.experts = ExpertParallelExperts(moe.experts.gate_up_proj, moe.experts.down_proj, mesh)
+        params += [moe.experts.gate_up_proj, moe.experts.down_proj]
+    return params
+
+
+def sync_expert_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+    """Sum the expert gradients over the expert groups ("edp": ranks holding the same experts)."""
+    if mesh["edp"].size() == 1:
+        return
+    group = mesh.get_group("edp")
+    for p in params:  # every rank reduces every expert weight, in the same order
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(g, group=group)

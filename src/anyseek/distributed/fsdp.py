@@ -1,0 +1,59 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank, applied to a built model from outside.
+
+Units (each gathers its weights just before its forward and frees them after, ZeRO-3 by default):
+    every decoder layer model.layers[i], every MTP module mtp[k] (and, alone, its shared_head.norm: the model
+    calls that norm outside the module's forward), then the root (embedding, final norm, lm_head).
+
+Gradients are reduce-scattered as sums, not means (`set_gradient_divide_factor(1.0)`): each rank's loss is already
+divided by the whole step's target count over every rank, so the sum over ranks is the loss of the global batch.
+Routed-expert weights under expert parallelism are DTensors of their own mesh and are left to `ignored_params`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mixed_precision(param_dtype: str, reduce_dtype: str, autocast_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """bf16 (or fp32) copies of the weights for compute, fp32 (or bf16) gradient reduction; the fp32 sharded
+    parameters stay the optimizer's master weights. Inputs are never cast (num_targets is fp32 and must stay so)."""
+    compute = autocast_dtype if param_dtype == "auto" else _DTYPES[param_dtype]
+    if compute in (None, torch.float32):
+        return MixedPrecisionPolicy(cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=_DTYPES[reduce_dtype], cast_forward_inputs=False)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module:
+    kw = dict(mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params or None)
+    for module in model.mtp:
+        fully_shard(module.shared_head.norm, reshard_after_forward=reshard_after_forward, **kw)
+    for layer in [*model.model.layers, *model.mtp]:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=False, **kw)  # the root's weights are needed again at once in backward
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer and MTP module in backward instead of keeping its activations (non-reentrant
+    torch.utils.checkpoint; routing is deterministic, so the recompute picks the same experts). Parameter names are
+    unchanged: the layer's forward is wrapped, the module is not."""
+    for layer in [*model.model.layers, *model.mtp]:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)

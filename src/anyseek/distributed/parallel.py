@@ -1,0 +1,233 @@
+"""`Parallel`: the trainer's one handle on distribution. For a plain one-process run it is inactive and every
+method leaves things exactly as before; under torchrun it shards the model (expert parallelism, then FSDP2) and sums
+what must be global: target counts, losses, expert loads, the gradient norm.
+
+    par = Parallel.from_torchrun(cfg.parallel, device)    # after this, par.env.rank / world_size are known
+    model = par.parallelize(model, autocast_dtype)          # before the optimizer is built
+    num_targets = par.sum_(num_targets)                     # the global step's denominators
+    grad_norm = par.clip_grad_norm_(model, max_norm)        # the norm of the whole (sharded) gradient
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from anyseek.distributed.env import DistEnv, all_reduce_sum, init_from_torchrun
+
+
+class Silent:
+    """Stands in for the metrics log and the progress line on ranks other than 0."""
+
+    def write(self, *args, **kwargs) -> None:
+        pass
+
+    update = close = write
+
+
+class Parallel:
+    def __init__(self, cfg, env: DistEnv, device: torch.device):
+        self.cfg, self.env, self.device = cfg, env, device
+        self.mesh = self.ep_mesh = None
+        self.expert_params: list[nn.Parameter] = []
+        if cfg.ep > 1 and not env.active:
+            raise ValueError(f"parallel.ep={cfg.ep} needs several processes: launch with torchrun or "
+                             "`anyseek train --nproc-per-node N`")
+        if env.active:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if env.world_size % cfg.ep:
+                raise ValueError(f"parallel.ep={cfg.ep} must divide the number of ranks ({env.world_size})")
+            self.mesh = init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("dp",))
+            if cfg.ep > 1:
+                self.ep_mesh = init_device_mesh(device.type, (env.world_size // cfg.ep, cfg.ep),
+                                                mesh_dim_names=("edp", "ep"))
+
+    @classmethod
+    def from_torchrun(cls, cfg, device_name: str) -> Parallel:
+        """Start the process group when launched by torchrun (the device becomes this rank's GPU)."""
+        device_type = "cuda" if device_name.startswith("cuda") or (device_name == "auto" and
+                                                                   torch.cuda.is_available()) else "cpu"
+        env = init_from_torchrun(device_type, cfg.backend, cfg.timeout_s)
+        device = torch.device(f"cuda:{env.local_rank}") if device_type == "cuda" and env.active else None
+        return cls(cfg, env, device or torch.device(device_type))
+
+    @property
+    def active(self) -> bool:
+        return self.env.active
+
+    def loader_args(self) -> dict[str, int]:
+        """The packed loader's share: every rank a disjoint, deterministic stride of each epoch's documents."""
+        return {"rank": self.env.rank, "world_size": self.env.world_size}
+
+    def parallelize(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
+        """Activation checkpointing, expert parallelism, then FSDP2 over every rank. Inactive: only checkpointing."""
+        from anyseek.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, mixed_precision
+
+        if self.cfg.activation_checkpointing == "full":
+            apply_activation_checkpointing(model)
+        if not self.active:
+            return model
+        if self.ep_mesh is not None:
+            from anyseek.distributed.expert_parallel import apply_ep
+
+            self.expert_params = apply_ep(model, self.ep_mesh)
+        mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype)
+        return apply_fsdp(model, self.mesh, mp, self.cfg.reshard_after_forward, set(self.expert_params))
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over every rank, in place (a no-op for one process)."""
+        return all_reduce_sum(t, self.env)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so their global L2 norm is at most max_norm; return that norm (fp32 scalar).
+        One process: torch.nn.utils.clip_grad_norm_. Sharded: each element's square counted once over the world
+        (a DTensor's local shard, divided by how many ranks hold a replica of it), one all-reduce."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not self.active:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        from torch.distributed.tensor import DTensor
+        if self.ep_mesh is not None:
+            from anyseek.distributed.expert_parallel import sync_expert_grads
+
+            sync_expert_grads(self.expert_params, self.ep_mesh)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p, g in zip(params, grads):
+            sq += g.float().pow(2).sum() / _replicas(p.grad, self.env.world_size)
+        norm = self.sum_(sq).sqrt()
+        if math.isfinite(max_norm):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return norm
+
+    def sum_step(self, stats) -> None:
+        """A step's StepStats (loss, loss parts, expert load, tokens, stop requests) summed over every rank, in one
+        all-reduce. After it every rank holds the same numbers: the same NaN verdict, the same routing-bias update,
+        the same decision to stop."""
+        if not self.active:
+            return
+        parts = list(stats.parts)
+        values = [torch.as_tensor(stats.loss, device=self.device).double().reshape(1)]
+        values += [torch.as_tensor(stats.parts[k], device=self.device).double().reshape(1) for k in parts]
+        values.append(torch.tensor([stats.tokens, float(stats.stop_requested)], dtype=torch.float64,
+                                   device=self.device))
+        if stats.expert_load is not None:
+            values.append(stats.expert_load.double().reshape(-1))
+        flat = self.sum_(torch.cat(values))
+        stats.loss = flat[0].float()
+        for i, k in enumerate(parts):
+            stats.parts[k] = flat[1 + i].float()
+        tokens, stop = flat[1 + len(parts):3 + len(parts)].tolist()  # host sync: tokens_seen drives the schedules
+        stats.tokens, stats.stop_requested = int(tokens), stop > 0
+        if stats.expert_load is not None:
+            stats.expert_load = flat[3 + len(parts):].view_as(stats.expert_load).to(stats.expert_load.dtype)
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+                 seed: int = 0) -> list[int]:
+        """The trainer's sample. One process: `anyseek.infer.generate` (latent-cached decoding). Sharded, where that
+        engine cannot read the weights (FSDP gathers them only inside each module's forward): every rank runs one
+        cache-free forward per token in lockstep, rank 0 draws the token with generate's sampler (its defaults and
+        its noise keys, so the draws are those of one process) and broadcasts it, so no rank's sequence differs."""
+        if not self.active:
+            from anyseek.infer.generate import generate
+
+            return generate(model, prompt, max_new_tokens, eos_token_id=eos_token_id, seed=seed)
+        import torch.distributed as dist
+
+        from anyseek.infer.sampling import Sampler, SamplingParams
+
+        vocab, context = model.config.vocab_size, model.config.max_position_embeddings
+        sampler = Sampler(SamplingParams(seed=seed), vocab, 1, self.device)
+        ids, new = list(prompt), []
+        was_training = model.training
+        model.eval()
+        try:
+            while len(new) < max_new_tokens and len(ids) < context:
+                logits = model(torch.tensor([ids], device=self.device)).logits[0, -1:].float()
+                token = sampler(logits, [0], [(0, len(new))]) if self.env.is_main else torch.zeros(1, dtype=torch.long,
+                                                                                                    device=self.device)
+                dist.broadcast(token, src=0)
+                t = int(token.item())
+                if t == eos_token_id:
+                    break
+                ids.append(t)
+                new.append(t)
+        finally:
+            model.train(was_training)
+        return new
+
+    def on_main(self, fn) -> None:
+        """fn() on rank 0 only (say, cleaning up the output folder), the others waiting; an exception raised there is
+        raised on every rank (`env.agree`)."""
+        from anyseek.distributed.env import agree
+
+        if not self.active:
+            fn()
+            return
+        error = None
+        if self.env.is_main:
+            try:
+                fn()
+            except Exception as e:
+                error = e
+        agree(error, self.env)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def verify(self, ckpt: Path) -> None:
+        """`anyseek.train.checkpoint.verify`, with every rank reaching the same verdict (the ranks share the hashing).
+        """
+        if not self.active:
+            from anyseek.train.checkpoint import verify
+
+            verify(ckpt)
+            return
+        from anyseek.distributed.checkpoint import verify_agreed
+
+        verify_agreed(ckpt, self.env)
+
+    def loads(self, ckpt: Path) -> bool:
+        """Whether a checkpoint goes through `load_checkpoint` (sharded, or into a sharded model)."""
+        from anyseek.distributed.checkpoint import is_sharded
+
+        return self.active or is_sharded(ckpt)
+
+    def load_checkpoint(self, ckpt: Path, model: nn.Module, optimizer, loader) -> dict[str, Any]:
+        """train_state of `ckpt` with its weights and optimizer state loaded (resharded as needed); `loader` is
+        where this rank's loader state goes: exact for the same world size, else see `_remap_loader`."""
+        from anyseek.distributed.checkpoint import is_sharded, load_full, load_sharded
+
+        load = load_sharded if is_sharded(ckpt) else load_full
+        state = load(ckpt, model, optimizer, self.env)
+        if state["loader"] is None:
+            state["loader"] = _remap_loader(state["saved_loaders"], loader.state_dict(), self.env.world_size)
+        return state
+
+    def save_checkpoint(self, out_dir, step, model, optimizer, train_state, run_config, tokenizer_files, keep_last):
+        from anyseek.distributed.checkpoint import save_sharded
+
+        return save_sharded(out_dir, step, model, optimizer, train_state, run_config, tokenizer_files, keep_last,
+                            self.env)
+
+
+def _remap_loader(saved: list[dict], fresh: dict, world_size: int) -> dict:
+    """A different number of ranks reads different strides of the documents, so no exact position exists: every new
+    rank starts at the same fraction of the (earliest saved) epoch as the old ranks had read on average. Some
+    documents of that epoch may be seen twice or not at all; the following epochs are exact."""
+    epoch = min(s["epoch"] for s in saved)
+    read = sum(s["position"] for s in saved if s["epoch"] == epoch)
+    return {**fresh, "epoch": epoch, "position": read // world_size}
+
+
+def _replicas(t: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold each element of `t`: a DTensor's Replicate dims; a plain tensor on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return world_size
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if isinstance(p, Replicate))

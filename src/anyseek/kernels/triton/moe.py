@@ -1,0 +1,276 @@
+"""Triton routed experts: routing plan on the device, grouped GEMMs with fused gather / SwiGLU / scatter, and a
+deterministic fp32 combine; forward and backward as torch.library custom ops wrapped in an autograd Function.
+
+    plan      ids [T, K] -> rows sorted by expert (stable): slot [M], tok [M], offs [E+1], tile map [n_ub]
+    forward   act_MI = silu(x[tok] Wg_e^T) * (x[tok] Wu_e^T) * w[slot]      (GEMM 1, SwiGLU epilogue; h kept)
+              y_slot[slot] = act_MI Wd_e^T                                   (GEMM 2, scattered to token order)
+              y_TD = sum_k y_slot[t, k]  in fp32                             (fixed order: deterministic)
+    backward  d_act = dy[tok] Wd_e -> dh = [dg, du], dw partials             (GEMM 3, dSwiGLU epilogue)
+              dWd_e = dy[tok]^T act_MI,  dWgu_e = dh^T x[tok]                (grouped weight-gradient GEMMs)
+              dx_slot[slot] = dh Wgu_e,  dx_TD = sum_k dx_slot[t, k] in fp32 (GEMM 4)
+
+No host sync anywhere (the counts and offsets stay on the GPU) and no recompiles when the counts change: every
+launch grid depends on T, K, E and the widths only (see moe_gemm.py). The routing weight multiplies the [M, I]
+activation before the down projection (as the reference does), so the combine is a plain fp32 sum over k.
+
+Shape legend: T tokens, K experts per token, M = T*K routed rows, E experts, D hidden, I expert width, F = 2I.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from anyseek.kernels.triton import moe_family
+from anyseek.kernels.triton.attention import _launch
+from anyseek.kernels.triton.moe_gemm import (
+    EPI_DSWIGLU,
+    EPI_PLAIN,
+    EPI_SWIGLU,
+    _grouped_gemm_kernel,
+    _grouped_wgrad_kernel,
+)
+
+# Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
+# the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight gradients. BLOCK_M must be equal in "gemm" and "swiglu": the
+# routing plan's row tiles serve both.
+# - hopper (sm_90) and blackwell_dc (sm_100/103, 228 KB shared memory per SM): swept on an H100 (benchmarks/moe.py
+#   --tune, docs/benchmarks.md): 128x128x64 tiles, 8 warps, 4 stages (32 KB per stage) for gemm and wgrad
+#   (128x256, 256x128, 4 warps, 3 stages, BLOCK_K 32 all 1-9% slower); the SwiGLU GEMM with two 128-wide
+#   accumulators and 3 stages (48 KB per stage) was 3% faster than 64-wide ones with 4.
+# - ampere_dc (sm_80, A100: 164 KB): the same tiles with BLOCK_K 32, 16 KB per stage, 4 stages (not measured here).
+# - consumer (sm_86/89/120: ~100 KB, RTX 30xx/40xx/50xx, RTX PRO): 128x64 tiles, BLOCK_K 32, 3 stages, ~36 KB
+#   (not measured here). On any GPU `_launch` lowers num_stages when shared memory runs out.
+_TABLE = {
+    "hopper": {"gemm": (128, 128, 64, 8, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 4)},
+    "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4)},
+    "consumer": {"gemm": (128, 64, 32, 4, 3), "swiglu": (128, 32, 32, 4, 3), "wgrad": (64, 128, 32, 4, 3)},
+    "interpreter": {"gemm": (16, 16, 16, 1, 1), "swiglu": (16, 16, 16, 1, 1), "wgrad": (16, 16, 16, 1, 1)},
+}
+GROUP_M = 8  # row tiles side by side in the launch order, so that they share each weight tile in L2
+
+
+def family(device: torch.device) -> str:
+    """The row of _TABLE for a device (see moe_family.FAMILIES)."""
+    if device.type != "cuda":
+        return "interpreter"
+    return moe_family.family(torch.cuda.get_device_capability(device))
+
+
+def _config(device: torch.device, kind: str) -> dict:
+    bm, bn, bk, warps, stages = _TABLE[family(device)][kind]
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": warps, "num_stages": stages}
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# routing plan
+
+
+def build_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """Rows of the T*K slots sorted by expert (stable), on the device, without a host sync.
+
+    Returns int32 tensors: slot_M (t*K + k of each row), tok_M (t), offs_E1 (expert e owns rows offs[e]:offs[e+1]),
+    tile_expert_U and tile_row_U: for each of the n_ub = cdiv(M, block_m) + E row tiles, its expert (-1: unused)
+    and first row. Tiles never straddle two experts."""
+    ids_M = topk_ids_TK.reshape(-1)
+    M, K = ids_M.numel(), max(topk_ids_TK.shape[-1], 1)
+    dev = ids_M.device
+    sorted_M, order_M = torch.sort(ids_M, stable=True)
+    offs_E1 = torch.searchsorted(sorted_M, torch.arange(num_experts + 1, device=dev, dtype=sorted_M.dtype))
+    tiles_E = (offs_E1[1:] - offs_E1[:-1] + block_m - 1) // block_m
+    cum_E = torch.cumsum(tiles_E, 0)
+    i_U = torch.arange(triton.cdiv(M, block_m) + num_experts, device=dev)
+    e_U = torch.searchsorted(cum_E, i_U, right=True)
+    e_c = e_U.clamp(max=num_experts - 1)
+    row_U = offs_E1[e_c] + (i_U - cum_E[e_c] + tiles_E[e_c]) * block_m
+    tile_expert_U = torch.where(e_U < num_experts, e_c, -1)
+    i32 = torch.int32
+    return order_M.to(i32), (order_M // K).to(i32), offs_E1.to(i32), tile_expert_U.to(i32), row_U.to(i32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=False, epi=EPI_PLAIN, h=None,
+          w=None, dw=None, save_h=False, up_cols=0):  # fmt: skip
+    """C[r] = A[row(r)] @ B_e over the plan's row tiles (see `_grouped_gemm_kernel`)."""
+    slot, tok, offs, tile_expert, tile_row = plan
+    n_m = tile_expert.numel()
+    h = c if h is None else h
+    grid = (n_m * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _launch(_grouped_gemm_kernel, grid, cfg)(
+        a, tok, slot, b_e, c, h, c if w is None else w, c if dw is None else dw, offs, tile_expert, tile_row,
+        n_m, N, K_red, a.stride(0), *strides_b, c.stride(0), h.stride(0), up_cols,
+        GATHER_A=gather, SCATTER_C=scatter, EPI=epi, SAVE_H=save_h, EVEN_K=K_red % cfg["BLOCK_K"] == 0,
+        PREC=_prec(a.dtype),
+    )  # fmt: skip
+
+
+def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg):
+    """out[e] = A[rows of e]^T @ B[rows of e], rows gathered through a_idx / b_idx where given."""
+    E, N1, N2 = out_EN1N2.shape
+    grid = (triton.cdiv(N1, cfg["BLOCK_M"]) * triton.cdiv(N2, cfg["BLOCK_N"]), E)
+    _launch(_grouped_wgrad_kernel, grid, cfg)(
+        a, offs if a_idx is None else a_idx, b, offs if b_idx is None else b_idx, out_EN1N2, offs,
+        N1, N2, a.stride(0), b.stride(0), out_EN1N2.stride(0), out_EN1N2.stride(1),
+        GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, PREC=_prec(a.dtype),
+    )  # fmt: skip
+
+
+def _sum_k(rows_MD: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T*K, D] in slot order -> [T, D]: the K rows of each token summed in fp32, in a fixed order."""
+    return rows_MD.view(T, -1, rows_MD.shape[-1]).sum(1, dtype=torch.float32).to(dtype)
+
+
+def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool):
+    """-> y [T, D], h [M, F] (pre-activations, empty unless save), act [M, I] (weighted SwiGLU output)."""
+    T, D = x_TD.shape
+    F = gate_up_EFD.shape[1]
+    I = F // 2
+    M = plan[0].numel()
+    act_MI = x_TD.new_empty(M, I)
+    h_MF = x_TD.new_empty(M if save else 0, F)
+    if M == 0:
+        return x_TD.new_zeros(T, D), h_MF, act_MI
+    gu = gate_up_EFD
+    _gemm(x_TD, gu, (gu.stride(0), gu.stride(2), gu.stride(1)), act_MI, plan, I, D, _config(x_TD.device, "swiglu"),
+          gather=True, epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I)  # fmt: skip
+    y_slot_MD = x_TD.new_empty(M, D)
+    dn = down_EDI
+    _gemm(act_MI, dn, (dn.stride(0), dn.stride(2), dn.stride(1)), y_slot_MD, plan, D, I,
+          _config(x_TD.device, "gemm"), scatter=True)  # fmt: skip
+    return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI
+
+
+def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan):
+    """-> dx [T, D], dw [M] (slot order, fp32), d gate_up [E, F, D], d down [E, D, I]."""
+    T, D = x_TD.shape
+    _E, F, _ = gate_up_EFD.shape
+    I = F // 2
+    M = plan[0].numel()
+    slot, tok, offs = plan[0], plan[1], plan[2]
+    dgu, ddn = torch.empty_like(gate_up_EFD), torch.empty_like(down_EDI)
+    gemm, wgrad = _config(x_TD.device, "gemm"), _config(x_TD.device, "wgrad")
+    dh_MF = x_TD.new_empty(M, F)
+    dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=x_TD.device, dtype=torch.float32)
+    dn, gu = down_EDI, gate_up_EFD
+    if M:
+        _gemm(dy_TD, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), dh_MF, plan, I, D, gemm,
+              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I)  # fmt: skip
+    _wgrad(dy_TD, tok, act_MI, None, ddn, offs, wgrad)
+    _wgrad(dh_MF, None, x_TD, tok, dgu, offs, wgrad)
+    dx_slot_MD = x_TD.new_empty(M, D)
+    if M:
+        _gemm(dh_MF, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), dx_slot_MD, plan, D, F, gemm, scatter=True)
+    dw_M = torch.empty(M, device=x_TD.device, dtype=torch.float32)
+    dw_M[slot.long()] = dw_parts.sum(1)
+    return _sum_k(dx_slot_MD, T, x_TD.dtype) if M else torch.zeros_like(x_TD), dw_M, dgu, ddn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PyTorch ops: custom_op (fake implementations for torch.compile) + autograd
+
+
+def _block_m(device: torch.device) -> int:
+    return _config(device, "gemm")["BLOCK_M"]
+
+
+@torch.library.custom_op("anyseek::moe_plan", mutates_args=())
+def _plan_op(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> list[torch.Tensor]:
+    return list(build_plan(topk_ids, num_experts, block_m))
+
+
+@_plan_op.register_fake
+def _(topk_ids, num_experts, block_m):
+    M = topk_ids.numel()
+    n_ub = triton.cdiv(M, block_m) + num_experts
+    sizes = (M, M, num_experts + 1, n_ub, n_ub)
+    return [topk_ids.new_empty(n, dtype=torch.int32) for n in sizes]
+
+
+@torch.library.custom_op("anyseek::moe_experts_fwd", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slot: torch.Tensor,
+    tok: torch.Tensor, offs: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, save: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return experts_fwd(x, w, gate_up, down, (slot, tok, offs, tile_expert, tile_row), save)
+
+
+@_fwd_op.register_fake
+def _(x, w, gate_up, down, slot, tok, offs, tile_expert, tile_row, save):
+    M, F = slot.shape[0], gate_up.shape[1]
+    return x.new_empty(x.shape), x.new_empty(M if save else 0, F), x.new_empty(M, F // 2)
+
+
+@torch.library.custom_op("anyseek::moe_experts_bwd", mutates_args=())
+def _bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, h: torch.Tensor,
+    act: torch.Tensor, slot: torch.Tensor, tok: torch.Tensor, offs: torch.Tensor, tile_expert: torch.Tensor,
+    tile_row: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return experts_bwd(dy, x, w, gate_up, down, h, act, (slot, tok, offs, tile_expert, tile_row))
+
+
+@_bwd_op.register_fake
+def _(dy, x, w, gate_up, down, h, act, slot, tok, offs, tile_expert, tile_row):
+    return x.new_empty(x.shape), w.new_empty(w.shape, dtype=torch.float32), gate_up.new_empty(gate_up.shape), \
+        down.new_empty(down.shape)  # fmt: skip
+
+
+class _RoutedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
+        plan = torch.ops.anyseek.moe_plan(topk_ids_TK, gate_up_EFD.shape[0], _block_m(x_TD.device))
+        w_M = topk_weights_TK.reshape(-1)
+        save = any(ctx.needs_input_grad)
+        y_TD, h_MF, act_MI = torch.ops.anyseek.moe_experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, *plan, save)
+        ctx.save_for_backward(x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan)
+        ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
+        return y_TD
+
+    @staticmethod
+    def backward(ctx, dy_TD):
+        x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan = ctx.saved_tensors
+        dx, dw_M, dgu, ddn = torch.ops.anyseek.moe_experts_bwd(
+            dy_TD.contiguous(), x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan
+        )
+        return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn
+
+
+def routed_experts(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    gate_up_proj_EFD: torch.Tensor,
+    down_proj_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """Triton routed experts; shapes and maths as `anyseek.kernels.routed_experts`. -> [T, D] in x's dtype.
+
+    x, gate_up_proj and down_proj are computed in one dtype (under autocast: the autocast dtype, as autocast
+    would cast them for a matmul); topk_weights may be any float dtype (read as fp32)."""
+    T, D = x_TD.shape
+    E, F, D2 = gate_up_proj_EFD.shape
+    if topk_ids_TK.shape != topk_weights_TK.shape or topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != T:
+        raise ValueError(
+            f"routed_experts: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights {tuple(topk_weights_TK.shape)} "
+            f"must both be [T, K] with T = {T}"
+        )
+    if D2 != D or F % 2 or down_proj_EDI.shape != (E, D, F // 2):
+        raise ValueError(
+            f"routed_experts: gate_up_proj {tuple(gate_up_proj_EFD.shape)} must be [E, 2I, D] and down_proj "
+            f"{tuple(down_proj_EDI.shape)} [E, D, I] with D = {D}"
+        )
+    out_dtype = x_TD.dtype
+    dtype = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
+    with torch.autocast(x_TD.device.type, enabled=False):
+        x, gu, dn = (t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI))
+        y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn)
+    return y.to(out_dtype)
+
+
+__all__ = ["build_plan", "experts_bwd", "experts_fwd", "family", "routed_experts"]

@@ -1,0 +1,164 @@
+"""Triton kernels of the routed experts: one grouped GEMM over expert-major rows (with three epilogues) and one
+grouped weight-gradient GEMM. Launchers and autograd live in `moe.py`.
+
+Rows are the T*K routed (token, k) slots sorted by expert (stable): expert e owns rows offs[e]:offs[e+1]. A row
+knows its token (tok[r] = slot // K, to gather x or dy without a permuted copy) and its slot (slot[r] = t*K + k, to
+read its routing weight and to scatter outputs back to token order without atomics).
+
+`_grouped_gemm_kernel`: C[r] = A[row(r)] @ B_e for the rows r of expert e. One program per (row tile, column tile);
+row tiles never straddle two experts and come from a device-side map (tile -> expert, first row) whose length is a
+host-computable upper bound, cdiv(M, BLOCK_M) + E; unused map slots hold expert -1 and exit at once. So the launch
+grid depends on M and E only, never on the per-expert counts: no host sync, no recompiles, CUDA-graph safe.
+B_e is read through strides, so nn.Linear weights serve as B or B^T without a copy. Epilogues (EPI):
+  0  plain store (optionally to row slot[r]: the scatter back to token order);
+  1  SwiGLU forward: two accumulators over the gate columns j and the up columns I + j of the same weight,
+     act = silu(g) * u * w[slot] (the routing weight applied on the narrow side); optionally stores h = [g, u];
+  2  SwiGLU backward: the accumulator is d(act*w); with the saved h it writes dh = [dg, du] and the partial
+     routing-weight gradient sum_j act * d(act*w) of this column tile (summed over tiles on the host side,
+     in a fixed order: deterministic).
+
+`_grouped_wgrad_kernel`: dW_e = A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
+bounds are read from offs on the device). Empty experts get zeros.
+
+Shape legend: M routed rows, K_red the reduction length, N output columns, E experts, BM/BN/BK tile sizes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+EPI_PLAIN, EPI_SWIGLU, EPI_DSWIGLU = 0, 1, 2
+
+
+@triton.jit
+def _tile_of(pid, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid, GROUP_M row tiles side by side so that neighbours share B tiles."""
+    width = GROUP_M * n_tiles_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, tok_ptr, slot_ptr, b_ptr, c_ptr, h_ptr, w_ptr, dw_ptr,
+    offs_ptr, tile_expert_ptr, tile_row_ptr,
+    n_tiles_m, N, K_red,
+    stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_hm, up_cols,
+    GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, EPI: tl.constexpr, SAVE_H: tl.constexpr,
+    EVEN_K: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_of(tl.program_id(0), n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < 0:
+        return
+    row0 = tl.load(tile_row_ptr + pid_m)
+    row_end = tl.load(offs_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    rows_c = tl.minimum(rows, row_end - 1)  # clamped: A loads need no row mask (a tile holds >= 1 valid row)
+    if GATHER_A:
+        a_rows = tl.load(tok_ptr + rows_c).to(tl.int64)
+    else:
+        a_rows = rows_c.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    cols_c = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)  # wrapped: B loads need no col mask
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols_c[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(K_red, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = ks < K_red - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if EPI == 1:
+            if EVEN_K:
+                bu = tl.load(b_ptrs + up_cols * stride_bn)
+            else:
+                bu = tl.load(b_ptrs + up_cols * stride_bn, mask=kmask[:, None], other=0.0)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = rmask[:, None] & cmask[None, :]
+    if SCATTER_C or EPI != 0:
+        slots = tl.load(slot_ptr + rows_c).to(tl.int64)
+    if SCATTER_C:
+        c_rows = slots
+    else:
+        c_rows = rows.to(tl.int64)
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + cols[None, :]
+    if EPI == 0:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        w = tl.load(w_ptr + slots).to(tl.float32)[:, None]
+        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
+        if EPI == 1:
+            g = acc
+            u = acc_u
+            if SAVE_H:
+                tl.store(h_ptrs, g.to(h_ptr.dtype.element_ty), mask=mask)
+                tl.store(h_ptrs + up_cols, u.to(h_ptr.dtype.element_ty), mask=mask)
+            act = g * tl.sigmoid(g) * u * w
+            tl.store(c_ptrs, act.to(c_ptr.dtype.element_ty), mask=mask)
+        else:
+            # acc = d(act * w) for columns j; h holds the pre-activations g (col j) and u (col I + j)
+            g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(h_ptrs + up_cols, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(g)
+            silu = g * sig
+            d_act = acc * w
+            dg = d_act * u * sig * (1.0 + g * (1.0 - sig))
+            du = d_act * silu
+            tl.store(c_ptrs, dg.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.store(c_ptrs + up_cols, du.to(c_ptr.dtype.element_ty), mask=mask)
+            dw = tl.sum(tl.where(mask, acc * silu * u, 0.0), axis=1)
+            tl.store(dw_ptr + rows.to(tl.int64) * tl.cdiv(N, BLOCK_N) + pid_n, dw, mask=rmask)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, c_ptr, offs_ptr,
+    N1, N2, stride_am, stride_bm, stride_ce, stride_c1,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """c[e, i, j] = sum_r A[a_row(r), i] * B[b_row(r), j] over the rows r of expert e (program axis 1)."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(N1, BLOCK_M), tl.cdiv(N2, BLOCK_N), GROUP_M)
+    e = tl.program_id(1)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_c = tl.max_contiguous(tl.multiple_of(i % N1, BLOCK_M), BLOCK_M)
+    j_c = tl.max_contiguous(tl.multiple_of(j % N2, BLOCK_N), BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        rows = r0 + ks
+        rmask = rows < end
+        rows_c = tl.minimum(rows, end - 1)
+        if GATHER_A:
+            a_rows = tl.load(a_idx_ptr + rows_c).to(tl.int64)
+        else:
+            a_rows = rows_c.to(tl.int64)
+        if GATHER_B:
+            b_rows = tl.load(b_idx_ptr + rows_c).to(tl.int64)
+        else:
+            b_rows = rows_c.to(tl.int64)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + i_c[None, :], mask=rmask[:, None], other=0.0)  # [BK, BM]
+        b = tl.load(b_ptr + b_rows[:, None] * stride_bm + j_c[None, :], mask=rmask[:, None], other=0.0)  # [BK, BN]
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PREC)
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + i.to(tl.int64)[:, None] * stride_c1 + j[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(i < N1)[:, None] & (j < N2)[None, :])

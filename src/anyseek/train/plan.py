@@ -1,0 +1,137 @@
+"""`anyseek plan --config FLAVOR --gpus N [--gpu-memory GB] [--tokens-per-gpu T] [--parallel.key=value]`:
+memory per GPU and communication per step for each expert-parallel degree, on paper (nothing is allocated).
+
+What anyseek does, counted as it does it (docs/distributed.md):
+  dense weights (everything but the routed experts): FSDP2 over all N GPUs, fp32 master + fp32 grads + AdamW's two
+  fp32 moments = 16 bytes/parameter / N;
+  routed experts: split over EP ranks, replicated over N/EP groups (not FSDP-sharded), 16 bytes/parameter / EP;
+  activations: bf16, the tensors each layer keeps for backward (an estimate, within ~30%); with full activation
+  checkpointing only each layer's input plus one layer's working set.
+Communication per GPU and step: FSDP all-gathers the bf16 dense weights twice (forward, backward) and
+reduce-scatters fp32 gradients; EP sends every routed row's hidden state out and back, forward and backward; the
+expert gradients are all-reduced over the N/EP copies. No pipeline parallelism: a model whose experts do not fit
+even at the largest EP degree does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+ACCEPTS_EXTRA = True
+GB = 1e9
+
+
+@dataclass
+class Plan:
+    ep: int
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    activations_ckpt_gb: float
+    allgather_gb: float
+    reduce_scatter_gb: float
+    all_to_all_gb: float
+    expert_allreduce_gb: float
+
+    def total(self, checkpointing: bool) -> float:
+        act = self.activations_ckpt_gb if checkpointing else self.activations_gb
+        return self.weights_gb + self.grads_gb + self.optimizer_gb + act
+
+
+def parameter_counts(config) -> tuple[int, int]:
+    """(dense parameters, routed-expert parameters) of the model, counted on the meta device."""
+    from anyseek.model.moe import Experts
+    from anyseek.model.transformer import DeepSeekV3
+
+    model = DeepSeekV3(config, device="meta")
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    return model.num_parameters() - experts, experts
+
+
+def activation_bytes_per_token(config) -> tuple[float, float]:
+    """bf16 bytes kept for backward per token: (all layers, with full checkpointing)."""
+    c = config
+    H, D = c.num_attention_heads, c.hidden_size
+    attn = 6 * D + (c.q_lora_rank or 0) * 2 + c.kv_lora_rank * 2 + c.qk_rope_head_dim \
+        + H * (2 * c.qk_head_dim + 2 * c.v_head_dim)
+    dense_mlp = 2 * D + 3 * c.intermediate_size
+    moe = 2 * D + c.num_experts_per_tok * (2 * D + 3 * c.moe_intermediate_size) \
+        + 3 * c.moe_intermediate_size * c.n_shared_experts + 4 * c.n_routed_experts  # router scores in fp32
+    n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers)) + c.num_nextn_predict_layers
+    n_dense = c.num_hidden_layers - sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    per_layer_max = attn + max(moe if n_moe else 0, dense_mlp)
+    full = 2 * (n_dense * (attn + dense_mlp) + n_moe * (attn + moe))
+    ckpt = 2 * ((n_dense + n_moe) * D + per_layer_max)
+    return full, ckpt
+
+
+def plan(config, gpus: int, ep: int, tokens_per_gpu: int) -> Plan:
+    dense, experts = parameter_counts(config)
+    full, ckpt = activation_bytes_per_token(config)
+    edp = gpus // ep
+    frac = (gpus - 1) / gpus
+    n_moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers)) + config.num_nextn_predict_layers
+    rows = tokens_per_gpu * config.num_experts_per_tok * n_moe
+    return Plan(
+        ep=ep,
+        weights_gb=4 * (dense / gpus + experts / ep) / GB,
+        grads_gb=4 * (dense / gpus + experts / ep) / GB,
+        optimizer_gb=8 * (dense / gpus + experts / ep) / GB,
+        activations_gb=full * tokens_per_gpu / GB,
+        activations_ckpt_gb=ckpt * tokens_per_gpu / GB,
+        allgather_gb=2 * 2 * dense * frac / GB,
+        reduce_scatter_gb=4 * dense * frac / GB,
+        all_to_all_gb=4 * rows * config.hidden_size * 2 * (ep - 1) / ep / GB,
+        expert_allreduce_gb=2 * 4 * experts / ep * (edp - 1) / edp / GB,
+    )
+
+
+def candidates(config, gpus: int) -> list[int]:
+    return [e for e in range(1, gpus + 1) if gpus % e == 0 and config.n_routed_experts % e == 0] or [1]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="tiny", help="a shipped config, a model flavor (16B, 671B) or a TOML")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs in all (the world size)")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GB of memory per GPU (default 80)")
+    parser.add_argument("--tokens-per-gpu", type=int, default=0,
+                        help="tokens per micro-batch per GPU (default: the config's data.tokens_per_batch)")
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    from anyseek.train.config import ConfigError, load_run_config
+
+    try:
+        cfg = load_run_config(args.config, extra)
+        config = cfg.model_config()
+    except ConfigError as e:
+        print(f"anyseek plan: config error: {e}", file=sys.stderr)
+        return 2
+    T = args.tokens_per_gpu or cfg.data.tokens_per_batch
+    dense, experts = parameter_counts(config)
+    print(f"{cfg.model.flavor}: {(dense + experts) / 1e9:.2f}B parameters ({dense / 1e9:.2f}B dense, "
+          f"{experts / 1e9:.2f}B routed experts) on {args.gpus} GPUs of {args.gpu_memory:g} GB, {T} tokens/GPU")
+    print(f"{'ep':>5} {'weights':>8} {'grads':>7} {'adam':>7} {'act':>7} {'act/ckpt':>8} {'total':>7} "
+          f"{'fits':>10} | per step: {'all-gather':>10} {'red-scat':>9} {'all2all':>8} {'exp-AR':>8}  (GB)")
+    usable = 0.9 * args.gpu_memory  # allocator slack, CUDA context, kernels' workspaces
+    fitting: list[tuple[Plan, str]] = []
+    for ep in candidates(config, args.gpus):
+        p = plan(config, args.gpus, ep, T)
+        fits = "yes" if p.total(False) <= usable else ("with ckpt" if p.total(True) <= usable else "no")
+        if fits != "no":
+            fitting.append((p, fits))
+        print(f"{ep:>5} {p.weights_gb:>8.2f} {p.grads_gb:>7.2f} {p.optimizer_gb:>7.2f} {p.activations_gb:>7.2f} "
+              f"{p.activations_ckpt_gb:>8.2f} {p.total(False):>7.1f} {fits:>10} | {'':>9} {p.allgather_gb:>10.2f} "
+              f"{p.reduce_scatter_gb:>9.2f} {p.all_to_all_gb:>8.2f} {p.expert_allreduce_gb:>8.2f}")
+    if not fitting:
+        print("does not fit at any EP degree: more GPUs, fewer tokens per GPU, or pipeline parallelism (which anyseek "
+              "does not do)")
+        return 1
+    p, fits = next((f for f in fitting if f[1] == "yes"), fitting[0])  # recomputing costs ~1/3 more compute
+    ckpt = " --parallel.activation_checkpointing=full" if fits == "with ckpt" else ""
+    print(f"suggested: --parallel.ep={p.ep}{ckpt} --data.tokens_per_batch={T} (the smallest EP degree that fits, "
+          "without recomputation if possible: least all-to-all traffic)")
+    return 0

@@ -1,0 +1,345 @@
+"""Distributed training on the CPU (gloo, 2 ranks as spawned processes, each run bounded in time): 2 ranks x 1
+micro-batch equal 1 process x 2 micro-batches step by step; expert parallelism equals the local experts (outputs and
+gradients, a rank that receives nothing included); sharded checkpoints resume on 1 rank and 1-process checkpoints on
+2; NaN verdicts agree; a dead rank makes the other fail instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_loop import data_dir, tiny_cfg  # noqa: F401  (data_dir is a fixture)
+
+from anyseek.train.metrics import read_metrics
+from anyseek.train.trainer import Trainer
+
+STEPS = ["--train.max_steps=6", "--train.save_every=2", "--train.keep_last=5", "--model.bias_update_speed=0.01"]
+
+
+# ---------------------------------------------------------------------------------------------- process plumbing
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, target, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        target(*args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(target, *args, world: int = 2, timeout: float = 120) -> list[int]:
+    """Run target(*args) on `world` ranks; return their exit codes (killing any still alive after `timeout`)."""
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, target, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+class Interleave:
+    """One process reading what two ranks read: rank 0's next batch, then rank 1's (for grad_accum=2)."""
+
+    def __init__(self, folder: Path, cfg):
+        from anyseek.data.loader import PackedLoader
+
+        d = cfg.data
+        self.loaders = [PackedLoader(folder, "train", d.tokens_per_batch, d.max_seqlen, cfg.train.seed, rank=r,
+                                     world_size=2) for r in range(2)]
+
+    def __iter__(self):
+        its = [iter(loader) for loader in self.loaders]
+        while True:
+            for it in its:
+                yield next(it)
+
+    def state_dict(self) -> dict:
+        return self.loaders[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:  # positions are set by the test from the saved list
+        pass
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
+
+
+# ---------------------------------------------------------------------------------------------- workers (per rank)
+def _train(data: str, out: str, overrides: list[str], resume: bool) -> None:
+    trainer = Trainer(tiny_cfg(Path(data), *overrides), Path(out), resume=resume, log=lambda s: None)
+    trainer.run()
+    if trainer.par.env.is_main:
+        biases = [m.gate.e_score_correction_bias.tolist() for m in trainer.model.moe_layers()]
+        (Path(out) / "biases.json").write_text(json.dumps(biases))
+
+
+def _resume_from_one_process(data: str, out: str, overrides: list[str]) -> None:
+    """Load a 1-process checkpoint into 2 ranks; the gathered weights and Adam moments must equal the saved ones."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    trainer = Trainer(tiny_cfg(Path(data), *overrides), Path(out), resume=True, log=lambda s: None)
+    trainer._resume()
+    assert trainer.step == 4
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(trainer.model, options=full)
+    optim = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=full)
+    if trainer.par.env.is_main:
+        from anyseek.hf import load_pretrained
+
+        saved = load_pretrained(Path(out) / "step-4", device="cpu").state_dict()
+        for k, v in saved.items():
+            assert torch.equal(weights[k], v), k
+        moments = load_file(str(Path(out) / "step-4" / "optimizer.safetensors"))
+        for k, v in moments.items():
+            name, key = k.rsplit("/", 1)
+            assert torch.equal(optim["state"][name][key].reshape(v.shape), v), k
+    trainer.run()
+
+
+def _expert_parallel_equals_local() -> None:
+    import torch.distributed as dist
+
+    from anyseek import kernels
+    from anyseek.distributed.expert_parallel import dispatch_combine
+
+    rank = dist.get_rank()
+    E, D, I, K = 6, 16, 8, 2
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(E, 2 * I, D, generator=gen) * 0.2
+    down = torch.randn(E, D, I, generator=gen) * 0.2
+    gen.manual_seed(1 + rank)
+    for T, only_rank0_experts in ((13 + 4 * rank, False), (5, True)):
+        x = torch.randn(T, D, generator=gen)
+        scores = torch.rand(T, E, generator=gen)
+        if only_rank0_experts:  # rank 1 receives no rows at all
+            scores[:, E // 2:] = -1
+        ids = scores.topk(K, dim=-1)[1]
+        w = torch.rand(T, K, generator=gen)
+        (x_ref, w_ref, gu_ref, d_ref), (x_ep, w_ep) = [
+            [t.clone().requires_grad_() for t in ts] for ts in ((x, w, gate_up, down), (x, w))]
+        gu_ep = gate_up[rank * 3:(rank + 1) * 3].clone().requires_grad_()
+        d_ep = down[rank * 3:(rank + 1) * 3].clone().requires_grad_()
+        y_ref = kernels.routed_experts(x_ref, ids, w_ref, gu_ref, d_ref)
+        y_ep = dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD)
+        g = torch.randn(T, D, generator=gen)
+        (y_ref * g).sum().backward()
+        (y_ep * g).sum().backward()
+        torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w_ep.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+        for full_grad, mine in ((gu_ref.grad, gu_ep.grad), (d_ref.grad, d_ep.grad)):
+            dist.all_reduce(full_grad)  # the expert's gradient sums every rank's tokens
+            torch.testing.assert_close(mine, full_grad[rank * 3:(rank + 1) * 3], rtol=1e-5, atol=1e-6)
+
+
+def _collectives(result: str) -> None:
+    """EP dispatch vs local experts, NaN and stop agreement, a failure on one rank raised on both, then rank 1 dies
+    and rank 0 must fail, not hang."""
+    import errno
+
+    from anyseek.distributed.env import agree
+    from anyseek.distributed.parallel import Parallel
+    from anyseek.train.config import ParallelConfig
+    from anyseek.train.trainer import StepStats
+
+    par = Parallel.from_torchrun(ParallelConfig(timeout_s=5), "cpu")
+    _expert_parallel_equals_local()
+    rank = par.env.rank
+    stats = StepStats(loss=torch.tensor(float("nan") if rank == 1 else 2.0), tokens=10,
+                      expert_load=torch.tensor([[1.0, 2.0]]) * (rank + 1), stop_requested=rank == 0)
+    par.sum_step(stats)
+    assert torch.isnan(stats.loss) and stats.tokens == 20  # rank 0 skips too
+    assert stats.expert_load.tolist() == [[3.0, 6.0]]
+    assert stats.stop_requested  # rank 1 stops with rank 0
+    agree(None, par.env)  # nobody failed: nothing raised
+    try:  # a full disk on rank 1 only: both see the same OSError
+        agree(OSError(errno.ENOSPC, "No space left on device") if rank == 1 else None, par.env)
+        raise AssertionError("agree did not raise")
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    if rank == 1:
+        os._exit(0)  # dies without a word
+    t0 = time.monotonic()
+    try:
+        par.sum_(torch.ones(1))
+        outcome = "no error"
+    except Exception as e:  # gloo: connection closed or timed out
+        outcome = f"{type(e).__name__} after {time.monotonic() - t0:.1f}s"
+    Path(result).write_text(outcome)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory):  # noqa: F811
+    """The 6-step run on 2 ranks (DP), the same with EP=2, and 1 process x 2 micro-batches on the same data."""
+    root = tmp_path_factory.mktemp("dist")
+    assert spawn(_train, str(data_dir), str(root / "dp"), STEPS, False) == [0, 0]
+    ref_cfg = tiny_cfg(data_dir, *STEPS, "--train.grad_accum=2")
+    trainer = Trainer(ref_cfg, root / "one", log=lambda s: None)
+    trainer.train_loader = Interleave(data_dir, ref_cfg)
+    trainer.run()
+    biases = [m.gate.e_score_correction_bias.tolist() for m in trainer.model.moe_layers()]
+    (root / "one" / "biases.json").write_text(json.dumps(biases))
+    return root
+
+
+def test_two_ranks_equal_one_process_with_two_micro_batches(runs):
+    dp, one = train_losses(runs / "dp"), train_losses(runs / "one")
+    assert list(dp) == list(range(1, 7))
+    for step in dp:
+        assert dp[step] == pytest.approx(one[step], rel=1e-5), step
+    a, b = (json.loads((runs / n / "biases.json").read_text()) for n in ("dp", "one"))
+    assert a == b and any(v != 0 for row in a for v in row)  # loads summed over ranks before the update
+    assert (runs / "dp" / "step-6" / "dcp").is_dir() and (runs / "dp" / "loss.png").is_file()
+
+
+def test_expert_parallel_run_equals_data_parallel(runs, data_dir):  # noqa: F811
+    out = runs / "ep"
+    assert spawn(_train, str(data_dir), str(out), [*STEPS, "--parallel.ep=2"], False) == [0, 0]
+    dp, ep = train_losses(runs / "dp"), train_losses(out)
+    for step in dp:
+        assert ep[step] == pytest.approx(dp[step], rel=1e-5), step
+
+
+def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "resumed"
+    shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns("step-6"))
+    (out / "metrics.jsonl").unlink()
+    cfg = tiny_cfg(data_dir, *STEPS, "--train.grad_accum=2")
+    trainer = Trainer(cfg, out, resume=True, log=lambda s: None)
+    trainer.train_loader = Interleave(data_dir, cfg)
+    saved = json.loads((out / "step-4" / "train_state.json").read_text())["loader"]
+    for loader, state in zip(trainer.train_loader.loaders, saved):
+        loader.load_state_dict(state)
+    trainer.run()
+    dp, resumed = train_losses(runs / "dp"), train_losses(out)
+    assert list(resumed) == [5, 6]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(dp[step], rel=1e-5), step
+
+
+def test_sharded_checkpoint_records_hashes_and_a_damaged_one_falls_back(runs, data_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "damaged"
+    shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns("step-6"))
+    files = json.loads((out / "step-4" / "checkpoint.json").read_text())["files"]
+    shards = [name for name in files if name.startswith("dcp/")]
+    assert shards and all(len(files[name]["sha256"]) == 64 for name in files)
+    shard = out / "step-4" / shards[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # a flipped bit at the end of the tensor data
+    shard.write_bytes(bytes(data))
+    lines: list[str] = []
+    cfg = tiny_cfg(data_dir, *STEPS, "--train.grad_accum=2", "--train.max_steps=2")
+    trainer = Trainer(cfg, out, resume=True, log=lines.append)
+    trainer._resume()
+    assert trainer.step == 2
+    assert any("sha256" in line and "step-4" in line for line in lines), lines
+    assert any("parallel.world_size: 2 -> 1" in line for line in lines), lines
+
+
+def test_resume_allows_other_layouts_and_rank_counts_with_the_same_global_batch(tmp_path):
+    from anyseek.train.config import load_run_config
+    from anyseek.train.resume import ResumeMismatch, check_resume
+
+    def checkpoint(world: int, *overrides: str) -> Path:
+        ckpt = tmp_path / f"step-{world}-{len(overrides)}"
+        ckpt.mkdir()
+        (ckpt / "run_config.json").write_text(json.dumps(load_run_config("tiny", list(overrides)).to_dict()))
+        (ckpt / "train_state.json").write_text(json.dumps({"world_size": world, "data": {"fingerprint": "f"}}))
+        return ckpt
+
+    def now(*overrides: str) -> dict:
+        return load_run_config("tiny", list(overrides)).to_dict()
+
+    data = {"fingerprint": "f"}
+    eight = checkpoint(8)
+    changes = check_resume(eight, now("--parallel.ep=4", "--parallel.activation_checkpointing=full",
+                                      "--train.grad_accum=2"), data, world_size=4)
+    assert "parallel.world_size: 8 -> 4" in changes and "parallel.ep: 1 -> 4" in changes
+    with pytest.raises(ResumeMismatch, match=r"parallel.world_size x train.grad_accum .*checkpoint 8, this run 4"):
+        check_resume(eight, now(), data, world_size=4)  # half the global batch
+    assert check_resume(eight, now(), data, ("parallel.world_size",), world_size=4) == ["parallel.world_size: 8 -> 4"]
+    with pytest.raises(ResumeMismatch, match="parallel.param_dtype"):
+        check_resume(eight, now("--parallel.param_dtype=fp32"), data, world_size=8)
+    old = checkpoint(1)  # a one-process checkpoint of before [parallel] existed
+    config = json.loads((old / "run_config.json").read_text())
+    del config["parallel"]
+    (old / "run_config.json").write_text(json.dumps(config))
+    assert check_resume(old, now("--train.grad_accum=2"), data, ("train.grad_accum",), world_size=1) == [
+        "train.grad_accum: 1 -> 2"]
+
+
+def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "resumed"
+    shutil.copytree(runs / "one", out, ignore=shutil.ignore_patterns("step-6"))
+    assert spawn(_resume_from_one_process, str(data_dir), str(out), STEPS) == [0, 0]
+    assert (out / "step-6" / "dcp").is_dir()
+    assert max(train_losses(out)) == 6
+
+
+def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
+    import anyseek
+    from anyseek.distributed.cli_export import export_sharded
+
+    folder = export_sharded(runs / "dp" / "step-6", tmp_path / "hf")
+    model = anyseek.load_pretrained(folder)
+    reference = anyseek.load_pretrained(runs / "one" / "step-6")
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+    assert (folder / "tokenizer.json").is_file()
+
+
+def test_export_command_takes_run_folders_of_both_kinds(runs, tmp_path, capsys):
+    import anyseek
+    from anyseek.cli import main
+
+    for name in ("dp", "one"):  # sharded, and one-process
+        assert main(["export", str(runs / name), "--out", str(tmp_path / name), "--dtype", "bf16"]) == 0
+        model = anyseek.load_pretrained(tmp_path / name)
+        assert (tmp_path / name / "tokenizer.json").is_file()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_expert_dispatch_equals_local_experts_nan_verdicts_agree_dead_rank_fails(tmp_path):
+    result = tmp_path / "result.txt"
+    codes = spawn(_collectives, str(result), timeout=60)
+    assert codes == [0, 0], codes
+    assert result.read_text() != "no error"
+
+
+def test_plan_counts_parameters_and_suggests_a_degree_that_fits():
+    from anyseek.model.config import ModelConfig
+    from anyseek.train.plan import candidates, parameter_counts, plan
+
+    config = ModelConfig.from_name("16B")
+    dense, experts = parameter_counts(config)
+    assert 15e9 < dense + experts < 17e9 and experts > 8 * dense
+    one, eight = plan(config, 8, 1, 4096), plan(config, 8, 8, 4096)
+    assert eight.weights_gb < one.weights_gb / 4 and eight.all_to_all_gb > 0 == one.all_to_all_gb
+    assert candidates(config, 8) == [1, 2, 4, 8]
