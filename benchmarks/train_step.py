@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -39,6 +40,9 @@ CASES = {
     "packed": ("anyseek, MTP off, packed documents", "packed varlen"),
     "mtp": ("anyseek, MTP on, packed documents (as trained)", "packed varlen"),
     "trainer": ("`anyseek train` step as shipped (fp32 master + bf16 autocast, clip, bias update)", "packed varlen"),
+    "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params, fp32 reduce)",
+                     "packed varlen"),
+    "trainer-compile": ("same step with train.compile=true", "packed varlen"),
 }
 
 # kernel name -> category for --profile (first match wins; lower-case substrings)
@@ -82,7 +86,7 @@ def profile_steps(step, items, out_path: Path | None = None) -> tuple[int, dict[
     return launches // len(items), dict(sorted(cats.items(), key=lambda kv: -kv[1])), table
 
 
-def trainer_step(args, data_dir: Path, tmp: Path):
+def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
     """(step function taking a dummy item, trainer): one optimizer step exactly as `anyseek train` runs it
     (Trainer._accumulate + Trainer._apply: autocast, loss, backward, clip, NaN check, AdamW, routing-bias update),
     its batches from the trainer's own loader."""
@@ -91,9 +95,18 @@ def trainer_step(args, data_dir: Path, tmp: Path):
 
     overrides = [f"--data.path={json.dumps(str(data_dir))}", f"--data.tokens_per_batch={args.tokens}",
                  f"--data.max_seqlen={args.seqlen}", f"--train.device={json.dumps(args.device)}",
-                 "--train.tensorboard=false", f"--train.compile={'true' if args.compile else 'false'}"]
+                 "--train.tensorboard=false",
+                 f"--train.compile={'true' if args.compile or case == 'trainer-compile' else 'false'}"]
+    if case == "trainer-fsdp":  # what torchrun sets for one process: the trainer then wraps the model with FSDP2
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
     cfg = load_run_config(args.flavor, overrides)
-    tr = Trainer(cfg, tmp / "trainer-run", log=lambda *a: None)
+    tr = Trainer(cfg, tmp / f"{case}-run", log=lambda *a: None)
     batches = iter(tr.train_loader)
     flops = []
 
@@ -228,8 +241,8 @@ def gpu_case(args) -> None:
     cfg = config_from_hf(spec["config"])
     peak = peak_flops(device)
     data = batches(Path(spec["data"]), args.tokens, args.seqlen, args.steps + args.warmup)
-    if case == "trainer":
-        step, tr, flops = trainer_step(args, Path(spec["data"]), Path(spec["tmp"]))
+    if case.startswith("trainer"):
+        step, tr, flops = trainer_step(args, Path(spec["data"]), Path(spec["tmp"]), case)
         items = [None] * len(data)
     else:
         model, forward = build_case(case, Path(spec["ckpt"]), cfg, (args.tokens // args.seqlen, args.seqlen),
@@ -253,7 +266,7 @@ def gpu_case(args) -> None:
     launches, cats, table = profile_steps(step, items[:3], out)
     mfu = statistics.median(flops[args.warmup:len(items)]) / statistics.median(t) / peak if peak else float("nan")
     print("RESULT " + json.dumps({"times": t, "mem": mem, "mfu": mfu, "launches": launches, "cats": cats,
-                                  "table": table if case == "trainer" else ""}), flush=True)
+                                  "table": table if case.startswith("trainer") else ""}), flush=True)
 
 
 def main() -> None:

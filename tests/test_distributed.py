@@ -343,3 +343,31 @@ def test_plan_counts_parameters_and_suggests_a_degree_that_fits():
     one, eight = plan(config, 8, 1, 4096), plan(config, 8, 8, 4096)
     assert eight.weights_gb < one.weights_gb / 4 and eight.all_to_all_gb > 0 == one.all_to_all_gb
     assert candidates(config, 8) == [1, 2, 4, 8]
+
+
+# ---------------------------------------------------------------------------------------------- one GPU (cuda)
+@pytest.mark.cuda
+def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path):  # noqa: F811
+    """torchrun with one rank on a GPU (NCCL, FSDP2 with fp32 compute copies) follows the plain one-process run step
+    by step; its sharded checkpoint resumes in a plain process; the bf16 mixed-precision FSDP2 run trains too."""
+    over = [*STEPS, "--train.device=cuda", "--train.dtype=fp32", "--parallel.param_dtype=fp32"]
+    assert spawn(_train, str(data_dir), str(tmp_path / "fsdp"), over, False, world=1, timeout=300) == [0]
+    plain = tmp_path / "plain"
+    Trainer(tiny_cfg(data_dir, *over), plain, log=lambda s: None).run()
+    a, b = train_losses(tmp_path / "fsdp"), train_losses(plain)
+    assert list(a) == list(range(1, 7))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-4), step
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp", resumed, ignore=shutil.ignore_patterns("step-6"))
+    (resumed / "metrics.jsonl").unlink()
+    Trainer(tiny_cfg(data_dir, *over), resumed, resume=True, log=lambda s: None).run()
+    c = train_losses(resumed)
+    assert list(c) == [5, 6]
+    for step in c:
+        assert c[step] == pytest.approx(a[step], rel=1e-4), step
+    bf16 = [*STEPS, "--train.device=cuda", "--train.dtype=bf16"]
+    assert spawn(_train, str(data_dir), str(tmp_path / "bf16"), bf16, False, world=1, timeout=300) == [0]
+    d = train_losses(tmp_path / "bf16")
+    for step in d:
+        assert d[step] == pytest.approx(a[step], rel=3e-2), step
