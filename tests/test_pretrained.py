@@ -363,6 +363,27 @@ def test_resume_compares_init_and_lora_settings(data_dir, base_dir, tmp_path):
         Trainer(c, out, resume=True, log=lambda s: None, resume_overrides=("train.init",)).run()
 
 
+def test_checkpoint_written_before_the_init_keys_existed_resumes(data_dir, tmp_path):
+    from anyseek.train import checkpoint as ckpt_lib
+
+    out = tmp_path / "run"
+    run(cfg(data_dir, "--train.max_steps=1"), out)
+    ckpt = out / "step-1"
+    saved = json.loads((ckpt / "run_config.json").read_text())
+    for key in ("init", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_base_dtype"):
+        del saved["train"][key]
+    del saved["parallel"]
+    (ckpt / "run_config.json").write_text(json.dumps(saved, indent=2))
+    marker = json.loads((ckpt / "checkpoint.json").read_text())
+    marker["files"]["run_config.json"] = {"size": (ckpt / "run_config.json").stat().st_size,
+                                          "sha256": ckpt_lib.file_sha256(ckpt / "run_config.json")}
+    (ckpt / "checkpoint.json").write_text(json.dumps(marker))
+    messages: list[str] = []
+    Trainer(cfg(data_dir, "--train.max_steps=2"), out, resume=True, log=messages.append).run()
+    resumed = [m for m in messages if m.startswith(f"resumed from {ckpt} at step 1")]
+    assert resumed == [f"resumed from {ckpt} at step 1 (changed: train.max_steps: 1 -> 2)"]  # nothing else differs
+
+
 def test_init_hash_tells_two_checkpoints_of_one_model_apart(data_dir, base_dir, tmp_path):
     from anyseek.train.init import content_hash
 
