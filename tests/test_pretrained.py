@@ -450,16 +450,33 @@ def test_memory_estimate_and_advice(monkeypatch):
 
 
 def _init_on_two_ranks(data: str, base: str, out: str, lora: bool) -> None:
+    """One rank's run; writes OUT.rank{R} with "done" or "refused" when its work is over (see `_finished`)."""
+    import os
+
     from anyseek.train.config import ConfigError
 
     over = [f"--train.init={json.dumps(base)}", "--train.max_steps=2", "--train.save_every=2",
             *(["--train.lora_rank=4"] if lora else [])]
+    result = "done"
     try:
         Trainer(cfg(Path(data), *over), Path(out), log=lambda s: None).run()
     except ConfigError as e:
-        if lora and "one process" in str(e):
-            raise SystemExit(7) from None
-        raise
+        if not (lora and "one process" in str(e)):
+            raise
+        result = "refused"
+    Path(f"{out}.rank{os.environ['RANK']}").write_text(result)
+
+
+def _finished(codes: list[int], out: Path) -> list[str]:
+    """What each rank reported. A rank that finished its work may still die at interpreter exit with SIGABRT
+    ("terminate called without an active exception": gloo's teardown, seen in test_distributed as well, on main too);
+    that exit code (-6) is accepted once the rank has written its result, any other failure is not."""
+    results = []
+    for rank, code in enumerate(codes):
+        marker = Path(f"{out}.rank{rank}")
+        assert code == 0 or (code == -6 and marker.is_file()), (rank, code)
+        results.append(marker.read_text())
+    return results
 
 
 def test_init_trains_sharded_and_lora_is_refused_on_two_ranks(data_dir, base_dir, tmp_path):
@@ -468,7 +485,7 @@ def test_init_trains_sharded_and_lora_is_refused_on_two_ranks(data_dir, base_dir
     from anyseek.distributed.cli_export import export_sharded
 
     out = tmp_path / "dp"
-    assert spawn(_init_on_two_ranks, str(data_dir), str(base_dir), str(out), False) == [0, 0]
+    assert _finished(spawn(_init_on_two_ranks, str(data_dir), str(base_dir), str(out), False), out) == ["done"] * 2
     step = out / "step-2"
     assert (step / "dcp").is_dir()
     assert json.loads((step / "train_state.json").read_text())["init"]["path"] == str(base_dir.resolve())
@@ -477,4 +494,6 @@ def test_init_trains_sharded_and_lora_is_refused_on_two_ranks(data_dir, base_dir
     # two AdamW steps away from the folder's weights (random ones would be ~0.1 away), and moved
     gap = max((p - q).abs().max().item() for p, q in zip(trained.parameters(), base.parameters()))
     assert 0 < gap < 0.02
-    assert spawn(_init_on_two_ranks, str(data_dir), str(base_dir), str(tmp_path / "lora"), True) == [7, 7]
+    lora = tmp_path / "lora"
+    codes = spawn(_init_on_two_ranks, str(data_dir), str(base_dir), str(lora), True)
+    assert _finished(codes, lora) == ["refused"] * 2
