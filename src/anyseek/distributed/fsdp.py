@@ -1,6 +1,7 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank, applied to a built model from outside.
 
-Units (each gathers its weights just before its forward and frees them after, ZeRO-3 by default):
+Units (each gathers its weights just before its forward and frees them after, ZeRO-3 by default; on one rank the
+gathered copies are kept until backward):
     every decoder layer model.layers[i], every MTP module mtp[k] (and, alone, its shared_head.norm: the model
     calls that norm outside the module's forward), then the root (embedding, final norm, lm_head).
 
@@ -39,6 +40,8 @@ def apply_fsdp(
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     kw = dict(mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params or None)
+    if mesh.size() == 1:  # one rank holds every weight anyway: freeing the bf16 copies only to gather them again in
+        reshard_after_forward = False  # backward would cost a cast and a copy per layer and save nothing
     for module in model.mtp:
         fully_shard(module.shared_head.norm, reshard_after_forward=reshard_after_forward, **kw)
     for layer in [*model.model.layers, *model.mtp]:
