@@ -54,9 +54,16 @@ def apply_fsdp(
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer and MTP module in backward instead of keeping its activations (non-reentrant
-    torch.utils.checkpoint; routing is deterministic, so the recompute picks the same experts). Parameter names are
-    unchanged: the layer's forward is wrapped, the module is not."""
-    for layer in [*model.model.layers, *model.mtp]:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> list[int]:
+    """Recompute decoder layers (and MTP modules) in backward instead of keeping their activations (non-reentrant
+    torch.utils.checkpoint; routing is deterministic, so the recompute picks the same experts). "full": every layer
+    and MTP module; "selective": every other decoder layer (0, 2, 4, ...), about half the saved activations for half
+    the recompute. Parameter names are unchanged: the layer's forward is wrapped, the module is not. Returns the
+    indices (into layers + mtp) that recompute."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode must be full or selective, got {mode!r}")
+    units = [*model.model.layers, *model.mtp]
+    chosen = [i for i in range(len(units)) if mode == "full" or (i < len(model.model.layers) and i % 2 == 0)]
+    for i in chosen:
+        units[i].forward = functools.partial(checkpoint, units[i].forward, use_reentrant=False)
+    return chosen
