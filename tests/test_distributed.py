@@ -215,6 +215,8 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(runs):
     a, b = (json.loads((runs / n / "biases.json").read_text()) for n in ("dp", "one"))
     assert a == b and any(v != 0 for row in a for v in row)  # loads summed over ranks before the update
     assert (runs / "dp" / "step-6" / "dcp").is_dir() and (runs / "dp" / "loss.png").is_file()
+    rngs = json.loads((runs / "dp" / "step-6" / "train_state.json").read_text())["rng"]
+    assert len(rngs) == 2 and all(len(r["cpu"]) > 1000 and r["python"] for r in rngs)  # every rank's streams
 
 
 def test_expert_parallel_run_equals_data_parallel(runs, data_dir):  # noqa: F811
@@ -371,3 +373,40 @@ def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path):  # no
     d = train_losses(tmp_path / "bf16")
     for step in d:
         assert d[step] == pytest.approx(a[step], rel=3e-2), step
+
+
+# ---------------------------------------------------------------------------------------------- activation checkpointing
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_same_loss_and_gradients(mode):
+    """Applied from outside to a built model: the same loss and gradients as without, fewer saved activations;
+    selective recomputes every other decoder layer, full every layer and MTP module."""
+    from anyseek.distributed.fsdp import apply_activation_checkpointing
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("tiny", num_hidden_layers=4, vocab_size=64)
+    plain = DeepSeekV3(cfg)
+    ckpt = DeepSeekV3(cfg)
+    ckpt.load_state_dict(plain.state_dict())
+    chosen = apply_activation_checkpointing(ckpt, mode)
+    units = len(ckpt.model.layers) + len(ckpt.mtp)
+    assert chosen == ([0, 2] if mode == "selective" else list(range(units)))
+    ids = torch.randint(0, 64, (40,))
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    tgt = torch.randint(0, 64, (40,))
+    results = []
+    for model in (plain, ckpt):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = model(ids, cu_seqlens=cu, targets=tgt, return_logits=False)
+            loss = out.lm_loss + (out.mtp_loss if out.mtp_loss is not None else 0)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                        sum(saved)))
+    (l0, g0, s0), (l1, g1, s1) = results
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert s1 < s0, (s1, s0)

@@ -444,6 +444,12 @@ def test_memory_estimate_and_advice(monkeypatch):
     memory.report(mc, c, torch.device("cpu"), None, torch.float32, lines.append)
     text = "\n".join(lines)
     assert "expected peak memory" in text and "not fit" in text and "--train.lora_rank" in text
+    assert "--parallel.activation_checkpointing=full" in text
+    # activation checkpointing (main's parallel.activation_checkpointing): full < selective < none
+    acts = {mode: memory.estimate(mc, load_run_config("small", [f"--parallel.activation_checkpointing={mode}"]),
+                                  None).activations for mode in ("none", "selective", "full")}
+    assert acts["full"] < acts["selective"] < acts["none"] and acts["full"] < acts["none"] / 3
+    assert full.activations_full_checkpointing == acts["full"]
 
 
 # ---------------------------------------------------------------- distributed (2 ranks on the CPU, gloo)

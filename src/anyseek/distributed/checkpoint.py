@@ -6,7 +6,8 @@ number of ranks (one process without torchrun included), and exported to a Huggi
                                    storage: safetensors whose headers carry the sharding; nothing is pickled)
       config.json                  the model config (Hugging Face form), for `export_sharded` (`anyseek export`)
       tokenizer files, run_config.json
-      train_state.json             step, tokens, data fingerprint, every rank's loader position, world size
+      train_state.json             step, tokens, data fingerprint, every rank's loader position and random
+                                   streams (torch CPU/GPU, Python), world size
       checkpoint.json              written last by rank 0: every file with its size and sha256 (the ranks share the
                                    hashing), as for one-process checkpoints; `verify_agreed` checks it on resume
 
@@ -67,6 +68,7 @@ def save_sharded(
 
     final = Path(out_dir) / f"step-{step}"
     loaders = all_gather_json(train_state["loader"], env)
+    rngs = all_gather_json(rng_state(), env)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
     with contextlib.ExitStack() as staging:  # rank 0's atomic_folder: left with an exception, it removes the staging
         error = None
@@ -97,8 +99,8 @@ def save_sharded(
                 for f in tokenizer_files:
                     shutil.copy2(f, tmp / f.name)
                 (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
-                saved = {**train_state, "loader": loaders, "world_size": env.world_size, "step": step,
-                         "saved_at": time.time()}
+                saved = {**train_state, "loader": loaders, "rng": rngs, "world_size": env.world_size,
+                         "step": step, "saved_at": time.time()}
                 (tmp / "train_state.json").write_text(json.dumps(saved, indent=1))
                 files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())
                          if p.is_file()}
@@ -173,7 +175,31 @@ def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     loaders = train_state["loader"]
     train_state["loader"] = loaders[env.rank] if len(loaders) == env.world_size else None
     train_state["saved_loaders"] = loaders
+    rngs = train_state.get("rng") or []
+    if len(rngs) == env.world_size:  # same world size: every rank continues its own random streams
+        set_rng_state(rngs[env.rank])
     return train_state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random streams as JSON: torch CPU, this rank's GPU, Python's `random`."""
+    from anyseek.train.checkpoint import _python_rng_state
+
+    state: dict[str, Any] = {"cpu": torch.get_rng_state().tolist(), "python": _python_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    from anyseek.train.checkpoint import _python_rng_from_json
+
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    random.setstate(_python_rng_from_json(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict:

@@ -1,6 +1,7 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank, applied to a built model from outside.
 
-Units (each gathers its weights just before its forward and frees them after, ZeRO-3 by default):
+Units (each gathers its weights just before its forward and frees them after, ZeRO-3 by default; on one rank the
+gathered copies are kept until backward):
     every decoder layer model.layers[i], every MTP module mtp[k] (and, alone, its shared_head.norm: the model
     calls that norm outside the module's forward), then the root (embedding, final norm, lm_head).
 
@@ -39,6 +40,8 @@ def apply_fsdp(
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     kw = dict(mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params or None)
+    if mesh.size() == 1:  # one rank holds every weight anyway: freeing the bf16 copies only to gather them again in
+        reshard_after_forward = False  # backward would cost a cast and a copy per layer and save nothing
     for module in model.mtp:
         fully_shard(module.shared_head.norm, reshard_after_forward=reshard_after_forward, **kw)
     for layer in [*model.model.layers, *model.mtp]:
@@ -51,9 +54,16 @@ def apply_fsdp(
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer and MTP module in backward instead of keeping its activations (non-reentrant
-    torch.utils.checkpoint; routing is deterministic, so the recompute picks the same experts). Parameter names are
-    unchanged: the layer's forward is wrapped, the module is not."""
-    for layer in [*model.model.layers, *model.mtp]:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> list[int]:
+    """Recompute decoder layers (and MTP modules) in backward instead of keeping their activations (non-reentrant
+    torch.utils.checkpoint; routing is deterministic, so the recompute picks the same experts). "full": every layer
+    and MTP module; "selective": every other decoder layer (0, 2, 4, ...), about half the saved activations for half
+    the recompute. Parameter names are unchanged: the layer's forward is wrapped, the module is not. Returns the
+    indices (into layers + mtp) that recompute."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode must be full or selective, got {mode!r}")
+    units = [*model.model.layers, *model.mtp]
+    chosen = [i for i in range(len(units)) if mode == "full" or (i < len(model.model.layers) and i % 2 == 0)]
+    for i in chosen:
+        units[i].forward = functools.partial(checkpoint, units[i].forward, use_reentrant=False)
+    return chosen

@@ -68,8 +68,8 @@ class Parallel:
         """Activation checkpointing, expert parallelism, then FSDP2 over every rank. Inactive: only checkpointing."""
         from anyseek.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, mixed_precision
 
-        if self.cfg.activation_checkpointing == "full":
-            apply_activation_checkpointing(model)
+        if self.cfg.activation_checkpointing != "none":
+            apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
         if not self.active:
             return model
         if self.ep_mesh is not None:

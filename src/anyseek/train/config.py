@@ -124,14 +124,14 @@ class ParallelConfig:
     param_dtype: str = "auto"  # FSDP2 compute copy of the weights: auto (bf16 when autocast is bf16), bf16, fp32
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 or bf16
     reshard_after_forward: bool = True  # ZeRO-3 (True) or keep gathered weights until backward (ZeRO-2-like)
-    activation_checkpointing: str = "none"  # none, full (recompute every decoder layer in backward)
+    activation_checkpointing: str = "none"  # none, selective (every other decoder layer), full (every layer)
     timeout_s: int = 600  # a collective waiting longer than this (e.g. a rank died) fails with an error
 
     def __post_init__(self) -> None:
         if self.ep < 1:
             raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
         for name, allowed in (("backend", ("auto", "nccl", "gloo")), ("param_dtype", ("auto", "bf16", "fp32")),
-                              ("reduce_dtype", ("bf16", "fp32")), ("activation_checkpointing", ("none", "full"))):
+                              ("reduce_dtype", ("bf16", "fp32")), ("activation_checkpointing", ("none", "selective", "full"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"parallel.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.timeout_s <= 0:

@@ -26,6 +26,7 @@ class Estimate:
     weight_copies: float  # low-precision weight copies the backward keeps (autocast casts, merged LoRA weights)
     activations: float
     lora: bool
+    activations_full_checkpointing: float = 0.0  # what activations would be with parallel.activation_checkpointing=full
 
     @property
     def total(self) -> float:
@@ -64,8 +65,10 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
         weights, grads, optimizer = base + 4 * a, 4 * a, 8 * a
         copies = size * _merged_elements(model)
     t = run_cfg.data.tokens_per_batch
-    acts = t * _activation_bytes_per_token(model_cfg, low)
-    return Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None)
+    mode = getattr(getattr(run_cfg, "parallel", None), "activation_checkpointing", "none")
+    acts = t * _activation_bytes_per_token(model_cfg, low, mode)
+    return Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None,
+                    t * _activation_bytes_per_token(model_cfg, low, "full"))
 
 
 def _merged_elements(model) -> int:
@@ -82,11 +85,13 @@ def _merged_elements(model) -> int:
     return n
 
 
-def _activation_bytes_per_token(c, low: int) -> float:
+def _activation_bytes_per_token(c, low: int, checkpointing: str = "none") -> float:
     """What autograd keeps per token: per layer the normed inputs (fp32 and a cast), MLA's projections, attention
     output, the MoE's K routed rows (input, gate|up, activation) and shared experts, the fp32 residual; plus the
     output head's chunked loss (small). No allowance factor: with it (1.3) the small flavor came out 20% over
-    its measured peak (docs/benchmarks.md, "Fine-tuning memory")."""
+    its measured peak (docs/benchmarks.md, "Fine-tuning memory"). `checkpointing` (parallel.activation_checkpointing,
+    the layers `anyseek.distributed.fsdp.apply_activation_checkpointing` picks): a recomputed layer keeps only its
+    fp32 input, and one such layer's activations are alive again during its backward."""
     H, D = c.num_attention_heads, c.hidden_size
     Q = c.q_lora_rank or 0
     attn = (4 + low) * D + low * (2 * Q + 3 * H * c.qk_head_dim + 2 * H * (c.qk_nope_head_dim + c.v_head_dim)
@@ -97,9 +102,13 @@ def _activation_bytes_per_token(c, low: int) -> float:
         K, I = c.num_experts_per_tok, c.moe_intermediate_size
         moe += K * (low * (D + 5 * I) + 4 * D) + low * 5 * I * c.n_shared_experts
     n_dense = min(c.first_k_dense_replace, c.num_hidden_layers) if c.n_routed_experts else c.num_hidden_layers
-    n_moe = c.num_hidden_layers - n_dense + c.num_nextn_predict_layers
-    per_layer = n_dense * (attn + dense + 8 * D) + n_moe * (attn + moe + 8 * D)
-    return float(per_layer + 8 * D)
+    # decoder layers, then the MTP modules (counted as MoE layers)
+    units = [attn + dense + 8 * D] * n_dense + [attn + moe + 8 * D] * (c.num_hidden_layers - n_dense)
+    units += [attn + moe + 8 * D] * c.num_nextn_predict_layers
+    recomputed = [i for i in range(len(units)) if checkpointing == "full" or
+                  (checkpointing == "selective" and i < c.num_hidden_layers and i % 2 == 0)]
+    kept = sum(4 * D if i in recomputed else u for i, u in enumerate(units))
+    return float(kept + max((units[i] for i in recomputed), default=0) + 8 * D)
 
 
 def available(device: torch.device) -> float | None:
@@ -124,10 +133,10 @@ def advice(est: Estimate, run_cfg, have: float) -> list[str]:
         tips.append(f"a smaller micro-batch (--data.tokens_per_batch={half} --train.grad_accum="
                     f"{run_cfg.train.grad_accum * 2}: same tokens per step) saves about "
                     f"{est.activations * (1 - half / t) / GiB:.1f} GiB of activations")
-    if est.activations > 0.1 * have:
-        knob = "--train.activation_checkpointing=true" if hasattr(run_cfg.train, "activation_checkpointing") else (
-            "activation checkpointing (not in anyseek yet)")
-        tips.append(f"{knob} keeps only layer inputs: most of the {est.activations / GiB:.1f} GiB of activations")
+    saved = est.activations - est.activations_full_checkpointing
+    if est.activations > 0.1 * have and saved > 0:
+        tips.append(f"--parallel.activation_checkpointing=full (or selective: every other layer) recomputes layers in "
+                    f"backward and keeps only their inputs: about {saved / GiB:.1f} GiB of activations less")
     return tips
 
 

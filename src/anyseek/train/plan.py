@@ -36,8 +36,12 @@ class Plan:
     all_to_all_gb: float
     expert_allreduce_gb: float
 
-    def total(self, checkpointing: bool) -> float:
-        act = self.activations_ckpt_gb if checkpointing else self.activations_gb
+    def total(self, checkpointing: bool | str) -> float:
+        """Per-GPU GB with activation checkpointing none (False), "selective" (every other layer) or full (True)."""
+        if checkpointing == "selective":
+            act = (self.activations_gb + self.activations_ckpt_gb) / 2
+        else:
+            act = self.activations_ckpt_gb if checkpointing else self.activations_gb
         return self.weights_gb + self.grads_gb + self.optimizer_gb + act
 
 
@@ -120,7 +124,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     fitting: list[tuple[Plan, str]] = []
     for ep in candidates(config, args.gpus):
         p = plan(config, args.gpus, ep, T)
-        fits = "yes" if p.total(False) <= usable else ("with ckpt" if p.total(True) <= usable else "no")
+        fits = ("yes" if p.total(False) <= usable else "selective" if p.total("selective") <= usable
+                else "with ckpt" if p.total(True) <= usable else "no")
         if fits != "no":
             fitting.append((p, fits))
         print(f"{ep:>5} {p.weights_gb:>8.2f} {p.grads_gb:>7.2f} {p.optimizer_gb:>7.2f} {p.activations_gb:>7.2f} "
@@ -131,7 +136,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
               "does not do)")
         return 1
     p, fits = next((f for f in fitting if f[1] == "yes"), fitting[0])  # recomputing costs ~1/3 more compute
-    ckpt = " --parallel.activation_checkpointing=full" if fits == "with ckpt" else ""
+    ckpt = {"with ckpt": " --parallel.activation_checkpointing=full",
+            "selective": " --parallel.activation_checkpointing=selective"}.get(fits, "")
     print(f"suggested: --parallel.ep={p.ep}{ckpt} --data.tokens_per_batch={T} (the smallest EP degree that fits, "
           "without recomputation if possible: least all-to-all traffic)")
     return 0

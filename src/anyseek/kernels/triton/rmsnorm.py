@@ -101,7 +101,13 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Triton backend of `kernels.rms_norm` (see the module docstring)."""
+    """The Triton backend of `kernels.rms_norm` (see the module docstring). Under torch.compile the reference twin is
+    traced instead: Inductor fuses that chain itself, and the autograd.Function launching raw Triton kernels does not
+    trace with dynamic shapes."""
+    if torch.compiler.is_compiling():
+        from anyseek.kernels.reference.norm import rms_norm as reference
+
+        return reference(x, weight_D, eps)
     return _RMSNorm.apply(x, weight_D, eps)
 
 
