@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -34,13 +35,24 @@ def _entry(rank: int, world: int, port: int, target, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    code = 1
     try:
         target(*args)
+        code = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Leave without running C++ static destructors: gloo's threads at interpreter exit sometimes abort the process
+        # ("terminate called without an active exception", exit -6) after its work is done and written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def spawn(target, *args, world: int = 2, timeout: float = 120) -> list[int]:
