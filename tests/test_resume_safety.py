@@ -188,6 +188,16 @@ def test_malformed_manifest_is_named_at_start(data_dir, tmp_path):  # noqa: F811
         Trainer(tiny_cfg(data, "--train.max_steps=1"), tmp_path / "run", log=lambda s: None)
 
 
+def test_empty_train_split_is_an_error_at_start(data_dir, tmp_path):  # noqa: F811
+    data = _copy_data(data_dir, tmp_path)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["splits"]["train"].update(shards=[], documents=0)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"manifest\.json: the train split holds 0 documents"):
+        Trainer(tiny_cfg(data, "--train.max_steps=1"), tmp_path / "run", log=lambda s: None)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("step-*"))
+
+
 def test_vocab_larger_than_the_model_is_an_error_naming_both(data_dir, tmp_path):  # noqa: F811
     with pytest.raises(DataError, match=r"use \d+ token ids but the model has vocab_size 100; drop --model.vocab_size"):
         Trainer(tiny_cfg(data_dir, "--model.vocab_size=100"), tmp_path / "run", log=lambda s: None)
