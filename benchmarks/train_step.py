@@ -108,12 +108,13 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
     cfg = load_run_config(args.flavor, overrides)
     tr = Trainer(cfg, tmp / f"{case}-run", log=lambda *a: None)
     batches = iter(tr.train_loader)
-    flops = []
+    flops, tr.bench_losses = [], []
 
     def step(_):
         stats = tr._accumulate(batches)
         ok, _, _ = tr._apply(stats)
         flops.append(stats.flops)
+        tr.bench_losses.append(stats.loss.detach() if torch.is_tensor(stats.loss) else torch.tensor(stats.loss))
         if not ok:
             raise RuntimeError("non-finite step in the benchmark")
 
@@ -262,6 +263,13 @@ def gpu_case(args) -> None:
         if i >= args.warmup:
             t.append(time.perf_counter() - t0)
     mem = torch.cuda.max_memory_allocated(device) / 2**30
+    if case.startswith("trainer"):  # the step must really train (a wrapper that drops gradients is fast and wrong)
+        losses = [float(x) for x in tr.bench_losses]
+        k = min(5, len(losses) // 2)
+        first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        print(f"{case}: mean loss of the first {k} steps {first:.4f}, of the last {k} {last:.4f}", flush=True)
+        if not last < first:
+            raise RuntimeError(f"{case}: the loss did not go down ({first:.4f} -> {last:.4f}): not training")
     out = Path(args.profile) / f"{case}-{args.tokens}.txt" if args.profile else None
     launches, cats, table = profile_steps(step, items[:3], out)
     mfu = statistics.median(flops[args.warmup:len(items)]) / statistics.median(t) / peak if peak else float("nan")
@@ -372,6 +380,9 @@ def main() -> None:
                 if out.returncode != 0 or not line:
                     raise SystemExit(f"case {case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
                 r = json.loads(line[0][len("RESULT "):])
+                for x in out.stdout.splitlines():
+                    if "mean loss of the first" in x:
+                        print(x, flush=True)
                 if args.profile:
                     print(r["table"])
                 extra[case] = (r["mfu"], r["launches"], r["cats"])

@@ -21,7 +21,9 @@ from test_train_loop import data_dir, tiny_cfg  # noqa: F401  (data_dir is a fix
 from anyseek.train.metrics import read_metrics
 from anyseek.train.trainer import Trainer
 
-STEPS = ["--train.max_steps=6", "--train.save_every=2", "--train.keep_last=5", "--model.bias_update_speed=0.01"]
+N, EVERY = 20, 4  # steps per run, and a checkpoint every EVERY steps (the last three kept)
+LAST, PREV = f"step-{N}", f"step-{N - EVERY}"
+STEPS = [f"--train.max_steps={N}", f"--train.save_every={EVERY}", "--train.keep_last=3", "--model.bias_update_speed=0.01"]
 
 
 # ---------------------------------------------------------------------------------------------- process plumbing
@@ -115,17 +117,17 @@ def _resume_from_one_process(data: str, out: str, overrides: list[str]) -> None:
 
     trainer = Trainer(tiny_cfg(Path(data), *overrides), Path(out), resume=True, log=lambda s: None)
     trainer._resume()
-    assert trainer.step == 4
+    assert trainer.step == N - EVERY
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(trainer.model, options=full)
     optim = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=full)
     if trainer.par.env.is_main:
         from anyseek.hf import load_pretrained
 
-        saved = load_pretrained(Path(out) / "step-4", device="cpu").state_dict()
+        saved = load_pretrained(Path(out) / PREV, device="cpu").state_dict()
         for k, v in saved.items():
             assert torch.equal(weights[k], v), k
-        moments = load_file(str(Path(out) / "step-4" / "optimizer.safetensors"))
+        moments = load_file(str(Path(out) / PREV / "optimizer.safetensors"))
         for k, v in moments.items():
             name, key = k.rsplit("/", 1)
             assert torch.equal(optim["state"][name][key].reshape(v.shape), v), k
@@ -207,7 +209,7 @@ def _collectives(result: str) -> None:
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):  # noqa: F811
-    """The 6-step run on 2 ranks (DP), the same with EP=2, and 1 process x 2 micro-batches on the same data."""
+    """The N-step run on 2 ranks (DP), the same with EP=2, and 1 process x 2 micro-batches on the same data."""
     root = tmp_path_factory.mktemp("dist")
     assert spawn(_train, str(data_dir), str(root / "dp"), STEPS, False) == [0, 0]
     ref_cfg = tiny_cfg(data_dir, *STEPS, "--train.grad_accum=2")
@@ -221,13 +223,13 @@ def runs(data_dir, tmp_path_factory):  # noqa: F811
 
 def test_two_ranks_equal_one_process_with_two_micro_batches(runs):
     dp, one = train_losses(runs / "dp"), train_losses(runs / "one")
-    assert list(dp) == list(range(1, 7))
+    assert list(dp) == list(range(1, N + 1))
     for step in dp:
         assert dp[step] == pytest.approx(one[step], rel=1e-5), step
     a, b = (json.loads((runs / n / "biases.json").read_text()) for n in ("dp", "one"))
     assert a == b and any(v != 0 for row in a for v in row)  # loads summed over ranks before the update
-    assert (runs / "dp" / "step-6" / "dcp").is_dir() and (runs / "dp" / "loss.png").is_file()
-    rngs = json.loads((runs / "dp" / "step-6" / "train_state.json").read_text())["rng"]
+    assert (runs / "dp" / LAST / "dcp").is_dir() and (runs / "dp" / "loss.png").is_file()
+    rngs = json.loads((runs / "dp" / LAST / "train_state.json").read_text())["rng"]
     assert len(rngs) == 2 and all(len(r["cpu"]) > 1000 and r["python"] for r in rngs)  # every rank's streams
 
 
@@ -241,37 +243,37 @@ def test_expert_parallel_run_equals_data_parallel(runs, data_dir):  # noqa: F811
 
 def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):  # noqa: F811
     out = tmp_path / "resumed"
-    shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns("step-6"))
+    shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns(LAST))
     (out / "metrics.jsonl").unlink()
     cfg = tiny_cfg(data_dir, *STEPS, "--train.grad_accum=2")
     trainer = Trainer(cfg, out, resume=True, log=lambda s: None)
     trainer.train_loader = Interleave(data_dir, cfg)
-    saved = json.loads((out / "step-4" / "train_state.json").read_text())["loader"]
+    saved = json.loads((out / PREV / "train_state.json").read_text())["loader"]
     for loader, state in zip(trainer.train_loader.loaders, saved):
         loader.load_state_dict(state)
     trainer.run()
     dp, resumed = train_losses(runs / "dp"), train_losses(out)
-    assert list(resumed) == [5, 6]
+    assert list(resumed) == list(range(N - EVERY + 1, N + 1))
     for step in resumed:
         assert resumed[step] == pytest.approx(dp[step], rel=1e-5), step
 
 
 def test_sharded_checkpoint_records_hashes_and_a_damaged_one_falls_back(runs, data_dir, tmp_path):  # noqa: F811
     out = tmp_path / "damaged"
-    shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns("step-6"))
-    files = json.loads((out / "step-4" / "checkpoint.json").read_text())["files"]
+    shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns(LAST))
+    files = json.loads((out / PREV / "checkpoint.json").read_text())["files"]
     shards = [name for name in files if name.startswith("dcp/")]
     assert shards and all(len(files[name]["sha256"]) == 64 for name in files)
-    shard = out / "step-4" / shards[0]
+    shard = out / PREV / shards[0]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # a flipped bit at the end of the tensor data
     shard.write_bytes(bytes(data))
     lines: list[str] = []
-    cfg = tiny_cfg(data_dir, *STEPS, "--train.grad_accum=2", "--train.max_steps=2")
+    cfg = tiny_cfg(data_dir, *STEPS, "--train.grad_accum=2", f"--train.max_steps={N - 2 * EVERY}")
     trainer = Trainer(cfg, out, resume=True, log=lines.append)
     trainer._resume()
-    assert trainer.step == 2
-    assert any("sha256" in line and "step-4" in line for line in lines), lines
+    assert trainer.step == N - 2 * EVERY
+    assert any("sha256" in line and PREV in line for line in lines), lines
     assert any("parallel.world_size: 2 -> 1" in line for line in lines), lines
 
 
@@ -309,21 +311,22 @@ def test_resume_allows_other_layouts_and_rank_counts_with_the_same_global_batch(
 
 def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path):  # noqa: F811
     out = tmp_path / "resumed"
-    shutil.copytree(runs / "one", out, ignore=shutil.ignore_patterns("step-6"))
+    shutil.copytree(runs / "one", out, ignore=shutil.ignore_patterns(LAST))
     assert spawn(_resume_from_one_process, str(data_dir), str(out), STEPS) == [0, 0]
-    assert (out / "step-6" / "dcp").is_dir()
-    assert max(train_losses(out)) == 6
+    assert (out / LAST / "dcp").is_dir()
+    assert max(train_losses(out)) == N
 
 
 def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
     import anyseek
     from anyseek.distributed.cli_export import export_sharded
 
-    folder = export_sharded(runs / "dp" / "step-6", tmp_path / "hf")
+    folder = export_sharded(runs / "dp" / LAST, tmp_path / "hf")
     model = anyseek.load_pretrained(folder)
-    reference = anyseek.load_pretrained(runs / "one" / "step-6")
+    reference = anyseek.load_pretrained(runs / "one" / LAST)
     ids = torch.randint(0, model.config.vocab_size, (1, 12))
-    torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+    # the two runs sum gradients in another order for N steps (fp32): equal to ~3e-5, a misplaced tensor is far off
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-3, atol=2e-4)
     assert (folder / "tokenizer.json").is_file()
 
 
@@ -369,15 +372,15 @@ def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path):  # no
     plain = tmp_path / "plain"
     Trainer(tiny_cfg(data_dir, *over), plain, log=lambda s: None).run()
     a, b = train_losses(tmp_path / "fsdp"), train_losses(plain)
-    assert list(a) == list(range(1, 7))
+    assert list(a) == list(range(1, N + 1))
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-4), step
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "fsdp", resumed, ignore=shutil.ignore_patterns("step-6"))
+    shutil.copytree(tmp_path / "fsdp", resumed, ignore=shutil.ignore_patterns(LAST))
     (resumed / "metrics.jsonl").unlink()
     Trainer(tiny_cfg(data_dir, *over), resumed, resume=True, log=lambda s: None).run()
     c = train_losses(resumed)
-    assert list(c) == [5, 6]
+    assert list(c) == list(range(N - EVERY + 1, N + 1))
     for step in c:
         assert c[step] == pytest.approx(a[step], rel=1e-4), step
     bf16 = [*STEPS, "--train.device=cuda", "--train.dtype=bf16"]

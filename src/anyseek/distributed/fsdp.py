@@ -1,7 +1,7 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank, applied to a built model from outside.
 
-Units (each gathers its weights just before its forward and frees them after, ZeRO-3 by default; on one rank the
-gathered copies are kept until backward):
+Units (each gathers its weights just before its forward and frees them after, ZeRO-3 by default; a one-rank mesh
+has a single root unit instead, gathered once per step):
     every decoder layer model.layers[i], every MTP module mtp[k] (and, alone, its shared_head.norm: the model
     calls that norm outside the module's forward), then the root (embedding, final norm, lm_head).
 
@@ -32,6 +32,19 @@ def mixed_precision(param_dtype: str, reduce_dtype: str, autocast_dtype: torch.d
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=_DTYPES[reduce_dtype], cast_forward_inputs=False)
 
 
+def _expose_output_tensors() -> None:
+    """Register the model's ModelOutput as a pytree node. FSDP2 starts a unit's backward work (and queues the
+    end-of-backward callback that reduces gradients) from hooks on the tensors it finds in the unit's forward output;
+    torch <= 2.11 finds them with pytree, which does not look inside an unregistered dataclass. Without this the root
+    unit's gradients were never reduced into the sharded parameters, silently: a one-unit model trained nothing."""
+    from torch.utils import _pytree
+
+    from anyseek.model.transformer import ModelOutput
+
+    if ModelOutput not in _pytree.SUPPORTED_NODES:
+        _pytree.register_dataclass(ModelOutput)
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -39,9 +52,15 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
+    _expose_output_tensors()
     kw = dict(mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params or None)
-    if mesh.size() == 1:  # one rank holds every weight anyway: freeing the bf16 copies only to gather them again in
-        reshard_after_forward = False  # backward would cost a cast and a copy per layer and save nothing
+    if mesh.size() == 1:
+        # One rank holds every weight anyway: per-layer units would only add hooks and launches (and, resharding,
+        # a second cast per layer in backward). One root unit: the bf16 compute copy is made once per step.
+        fully_shard(model, reshard_after_forward=False, **kw)
+        model.set_gradient_divide_factor(1.0)
+        model.set_force_sum_reduction_for_comms(True)
+        return model
     for module in model.mtp:
         fully_shard(module.shared_head.norm, reshard_after_forward=reshard_after_forward, **kw)
     for layer in [*model.model.layers, *model.mtp]:

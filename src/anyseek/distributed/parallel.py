@@ -96,9 +96,13 @@ class Parallel:
 
             sync_expert_grads(self.expert_params, self.ep_mesh)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        by_replicas: dict[int, list[torch.Tensor]] = {}
         for p, g in zip(params, grads):
-            sq += g.float().pow(2).sum() / _replicas(p.grad, self.env.world_size)
+            by_replicas.setdefault(_replicas(p.grad, self.env.world_size), []).append(g)
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for replicas, group in by_replicas.items():  # a few multi-tensor kernels, not three launches per parameter
+            norms = torch._foreach_norm(group, 2.0)
+            sq += torch.stack(norms).float().pow(2).sum() / replicas
         norm = self.sum_(sq).sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
