@@ -30,8 +30,13 @@ def dequantize_blockwise(
     scale_inv_mn: torch.Tensor,
     block: tuple[int, int] = DEFAULT_BLOCK,
     dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [M, N] (fp8) * s [ceil(M/bm), ceil(N/bn)] blockwise -> w [M, N] in `dtype` (math in fp32)."""
+    """q [M, N] (fp8) * s [ceil(M/bm), ceil(N/bn)] blockwise -> w [M, N] in `dtype` (math in fp32), written into
+    `out` (any [M, N] view, e.g. one expert's rows of a stacked parameter) when given.
+
+    One row of blocks at a time: the fp32 work space is bm x N, never a second [M, N] tensor, so loading an FP8
+    checkpoint needs the dequantized model and little more (issue 16)."""
     if q_MN.dim() != 2:
         raise ValueError(f"FP8 weight must be 2-D, got shape {tuple(q_MN.shape)}")
     want = scale_shape(tuple(q_MN.shape), block)
@@ -40,9 +45,17 @@ def dequantize_blockwise(
             f"weight_scale_inv has shape {tuple(scale_inv_mn.shape)}, expected {want} for weight "
             f"{tuple(q_MN.shape)} in {block[0]}x{block[1]} blocks"
         )
-    w = q_MN.to(torch.float32)
-    w.mul_(_expand(scale_inv_mn.to(torch.float32), tuple(q_MN.shape), block))
-    return w.to(dtype)
+    M, N = q_MN.shape
+    bm, bn = block
+    if out is None:
+        out = torch.empty(M, N, dtype=dtype, device=q_MN.device)
+    elif tuple(out.shape) != (M, N):
+        raise ValueError(f"dequantize_blockwise: out has shape {tuple(out.shape)}, the weight {(M, N)}")
+    scale = scale_inv_mn.to(torch.float32)
+    for i in range(want[0]):
+        rows = slice(i * bm, min((i + 1) * bm, M))
+        out[rows] = q_MN[rows].to(torch.float32) * scale[i].repeat_interleave(bn)[:N]
+    return out
 
 
 def quantize_blockwise(w_MN: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

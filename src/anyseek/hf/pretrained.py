@@ -155,21 +155,32 @@ def _materialize(
     if len(pieces) == 1 and pieces[0].expert < 0:
         # copy=True: safetensors hands out tensors backed by a private mmap of the file; a parameter left there
         # would die with SIGBUS if the file were later truncated in place
-        return _read(pieces[0], reader, block).to(device=device, dtype=dtype, copy=pieces[0].scale is None)
+        return _read(pieces[0], reader, block, dtype).to(device=device, dtype=dtype, copy=pieces[0].scale is None)
     if old.is_meta:
         out = torch.empty(old.shape, dtype=dtype, device=device)
     else:
         out = old.detach().to(device=device, dtype=dtype, copy=True)
     for p in pieces:
-        out[p.expert, p.rows] = _read(p, reader, block)
+        _read_into(p, reader, block, out[p.expert, p.rows])
     return out
 
 
-def _read(piece: Piece, reader: TensorReader, block: tuple[int, int]) -> torch.Tensor:
+def _read(piece: Piece, reader: TensorReader, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor as stored; an FP8 one dequantized straight into `dtype` (the parameter's)."""
     t = reader.get(piece.info)
     if piece.scale is None:
         return t
-    return dequantize_blockwise(t, reader.get(piece.scale), block, dtype=torch.float32)
+    want = dtype if dtype.is_floating_point else torch.float32
+    return dequantize_blockwise(t, reader.get(piece.scale), block, dtype=want)
+
+
+def _read_into(piece: Piece, reader: TensorReader, block: tuple[int, int], out: torch.Tensor) -> None:
+    """A checkpoint tensor copied (an FP8 one dequantized) straight into `out`, a view of the target tensor."""
+    t = reader.get(piece.info)
+    if piece.scale is None:
+        out.copy_(t)
+    else:
+        dequantize_blockwise(t, reader.get(piece.scale), block, dtype=out.dtype, out=out)
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor, aliases: list[str]) -> None:
