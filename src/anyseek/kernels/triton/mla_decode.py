@@ -22,6 +22,7 @@ import triton.language as tl
 
 from anyseek.kernels.reference.decode import check_decode_shapes
 from anyseek.kernels.triton import check
+from anyseek.kernels.triton.attention import _launch
 
 LOG2E = 1.4426950408889634
 
@@ -107,10 +108,12 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
 def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dtype, L: int = 512, R: int = 64) -> dict:
     """Head block, token tile, warps, stages and splits for T rows of H heads over tables of M pages.
 
-    Measured on H100 (benchmarks/decode.py --sweep): 64-token tiles, 8 warps and 3 stages (as many as shared memory
-    holds) are best for 16 and 128 heads; splits: about one program per SM in all (H=16, B=64, 4k: 2 splits
-    2.06 TB/s, 5 splits 1.74 TB/s). Splits depend only on (T, H, M), never on the rows' actual lengths, so a
-    CUDA-graph replay keeps its launch shape whatever the lengths are.
+    Measured on H100 and H200 (benchmarks/decode.py --sweep): 64-token tiles, 8 warps and 3 stages are best for 16
+    and 128 heads (H200, H=16 B=64 4k: 3 stages 2.17 TB/s, 2 stages 2.11; H=128: 216 vs 207 TFLOP/s); splits: about
+    one program per SM in all (H100, H=16, B=64, 4k: 2 splits 2.06 TB/s, 5 splits 1.74 TB/s). Triton keeps
+    num_stages - 1 tiles in shared memory; where the estimate below is still too much, `_launch` lowers the stages
+    at the first launch. Splits depend only on (T, H, M), never on the rows' actual lengths, so a CUDA-graph replay
+    keeps its launch shape whatever the lengths are.
     """
     sms, smem = _device_limits(device)
     block_h = 16 if H <= 16 else (32 if H <= 32 else 64)
@@ -120,9 +123,9 @@ def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dty
         return {"BLOCK_H": block_h, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "splits": splits}
     width = (triton.next_power_of_2(L) + triton.next_power_of_2(R)) * 2  # bytes of one cached row
     block_n, stages = 64, 3
-    while stages > 1 and stages * block_n * width + 16 * 1024 > smem:
+    while stages > 1 and max(stages - 1, 1) * block_n * width + 16 * 1024 > smem:
         stages -= 1
-    while block_n > 16 and stages * block_n * width + 16 * 1024 > smem:
+    while block_n > 16 and max(stages - 1, 1) * block_n * width + 16 * 1024 > smem:
         block_n //= 2
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8, "num_stages": stages, "splits": splits}
 
@@ -157,13 +160,14 @@ def mla_decode(
         return out
     table = block_table_TM if block_table_TM.stride(-1) == 1 else block_table_TM.contiguous()
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]), S)
-    _decode_split_kernel[grid](
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    _launch(_decode_split_kernel, grid, launch)(
         q_THX, cache_NPX, table, kv_lens_T, o_part, lse_part, scale * LOG2E,
         q_THX.stride(0), q_THX.stride(1), cache_NPX.stride(0), cache_NPX.stride(1), table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         H, L, R, triton.cdiv(M, S),
         PAGE=P, BLOCK_H=cfg["BLOCK_H"], BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_N=block_n,
-        IEEE=q_THX.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=q_THX.dtype == torch.float32,
     )  # fmt: skip
     _decode_reduce_kernel[(T, H)](
         o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
