@@ -100,6 +100,26 @@ def test_linear_cross_entropy_matches_unfused():
         torch.testing.assert_close(a, b * 2.0)
 
 
+def test_linear_cross_entropy_frozen_head_builds_no_weight_gradient(monkeypatch):
+    """A frozen head (LoRA): the same loss and hidden-state gradient, no [V, D] weight gradient (nor its matmuls)."""
+    from anyseek.model import loss as loss_lib
+
+    torch.manual_seed(0)
+    h = torch.randn(50, 16, requires_grad=True)
+    w = torch.randn(40, 16)
+    y = torch.randint(0, 40, (50,))
+    ref = loss_lib.cross_entropy(h @ w.t(), y)
+    (g_ref,) = torch.autograd.grad(ref, (h,))
+    zeros = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(loss_lib.torch, "zeros", lambda *a, **k: zeros.append(a) or real_zeros(*a, **k))
+    fused = loss_lib.linear_cross_entropy(h, w, y)
+    (g_fused,) = torch.autograd.grad(fused, (h,))
+    torch.testing.assert_close(fused, ref)
+    torch.testing.assert_close(g_fused, g_ref)
+    assert not any(tuple(a[0]) == tuple(w.shape) for a in zeros if a and isinstance(a[0], torch.Size))
+
+
 def test_linear_cross_entropy_extreme_logits():
     """The log-sum-exp is taken from the softmax's largest entry: a label whose probability underflows fp32 (a logit
     gap of ~300) still gets its exact loss, not inf."""

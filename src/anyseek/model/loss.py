@@ -72,7 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale_T = valid_T / count  # fp32 [T]: d loss / d logit-row
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         grad_h_TD = torch.empty_like(h_TD) if want_grad else None
-        grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_grad else None
+        want_w = want_grad and weight_VD.requires_grad  # a frozen head (LoRA) needs no [V, D] fp32 gradient
+        grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_w else None
         low = compute_dtype is not None  # autocast: every product in compute_dtype (tensor cores), sums in fp32
         w_VD = weight_VD.to(compute_dtype) if low else weight_VD  # one cast per call, not one per chunk and use
         with torch.autocast(device_type=h_TD.device.type, enabled=False) if low else contextlib.nullcontext():
@@ -90,6 +91,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     g_CV = p_CV.scatter_add_(1, label_C1, torch.full_like(label_C1, -1, dtype=p_CV.dtype))  # p - 1hot
                     g_CV = g_CV.to(compute_dtype if low else h_TD.dtype)
                     grad_h_TD[rows] = (g_CV @ w_VD) * scale_C1
+                    if not want_w:
+                        continue
                     hs_CD = (h_CD * scale_C1).to(g_CV.dtype)
                     if g_CV.dtype == torch.float32:
                         grad_w_VD.addmm_(g_CV.t(), hs_CD)
@@ -104,8 +107,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
         if grad_h_TD is None:
             raise RuntimeError("linear_cross_entropy ran without gradients (want_grad=False) but was differentiated")
-        return ((grad_h_TD * grad_out).to(grad_h_TD.dtype), (grad_w_VD * grad_out).to(ctx.weight_dtype), None, None,
-                None, None, None)
+        grad_w = None if grad_w_VD is None else (grad_w_VD * grad_out).to(ctx.weight_dtype)
+        return (grad_h_TD * grad_out).to(grad_h_TD.dtype), grad_w, None, None, None, None, None
 
 
 def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
