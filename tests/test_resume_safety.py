@@ -91,6 +91,15 @@ def test_flipped_bytes_are_found_and_the_previous_checkpoint_used(data_dir, trai
     assert any("resumed from" in m and "step-2" in m for m in messages)
 
 
+def test_pruning_reads_no_tensor_data_and_keeps_the_newest(trained, tmp_path, monkeypatch):
+    """After each save the old checkpoints are pruned by marker and sizes alone: re-hashing every kept checkpoint
+    would read hundreds of GB per save on a large sharded run (resume checks the hashes)."""
+    out = _copy(trained, tmp_path)
+    monkeypatch.setattr(ckpt_lib, "file_sha256", lambda f: pytest.fail(f"pruning hashed {f}"))
+    ckpt_lib._prune(out, keep_last=1)
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-4"]
+
+
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(data_dir, trained, tmp_path):  # noqa: F811
     out = _copy(trained, tmp_path)
     for step in (2, 4):

@@ -68,10 +68,11 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(ckpt: Path, part: tuple[int, int] = (0, 1)) -> None:
+def verify(ckpt: Path, part: tuple[int, int] = (0, 1), hashes: bool = True) -> None:
     """Raise CheckpointDamaged unless every file listed in checkpoint.json is there with its recorded size and
     sha256 (checkpoints written before hashes were recorded are checked by size). `part=(i, n)` checks only every
-    n-th listed file from the i-th (the ranks of a distributed run share the hashing: `anyseek.distributed`)."""
+    n-th listed file from the i-th (the ranks of a distributed run share the hashing: `anyseek.distributed`).
+    hashes=False: marker, files and sizes only (a finished save), reading no tensor data."""
     marker = ckpt / MARKER
     if not marker.is_file():
         raise CheckpointDamaged(f"{ckpt}: no {MARKER} (the save did not finish)")
@@ -87,7 +88,7 @@ def verify(ckpt: Path, part: tuple[int, int] = (0, 1)) -> None:
             raise CheckpointDamaged(f"{ckpt}: missing {name}")
         if f.stat().st_size != size:
             raise CheckpointDamaged(f"{ckpt}: {name} has {f.stat().st_size} bytes, expected {size} (truncated?)")
-        if digest is not None and file_sha256(f) != digest:
+        if hashes and digest is not None and file_sha256(f) != digest:
             raise CheckpointDamaged(f"{ckpt}: {name} does not match its recorded sha256 (damaged on disk)")
 
 
@@ -168,10 +169,13 @@ def load_training_state(
 
 
 def _prune(out_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` finished checkpoints. "Finished" is the marker and the file sizes: the
+    sha256 of every kept checkpoint is not re-read after every save (hundreds of GB for a large sharded run); loading
+    and resuming check the hashes, and fall back past a damaged checkpoint."""
     complete = []
     for c in list_checkpoints(out_dir):
         try:
-            verify(c.path)
+            verify(c.path, hashes=False)
             complete.append(c)
         except CheckpointError:
             pass
