@@ -52,6 +52,40 @@ def norm_errors(lead, D, x_dtype, w_dtype, strided, device, seed=0):
             for what, o, t, r in zip(("out", "dx", "dw"), ours, torch_low, want)]
 
 
+# (name, rows, V, logits dtype, logit scale, labels: "random" | "first" | "last" | "argmax")
+XENT_CASES = [
+    ("fp32_odd_vocab", 37, 1000, "float32", 3.0, "random"),
+    ("fp16_many_blocks", 19, 2053, "float16", 3.0, "random"),
+    ("fp32_edges", 8, 513, "float32", 3.0, "last"),
+    ("fp32_first_label", 5, 300, "float32", 3.0, "first"),
+    ("fp32_extreme", 6, 700, "float32", 80.0, "random"),  # the label's probability underflows
+    ("fp16_confident", 9, 257, "float16", 12.0, "argmax"),
+    ("one_row", 1, 17, "float32", 1.0, "random"),
+]
+
+
+def xent_errors(C, V, dtype, scale, labels_kind, device, seed=0):
+    """[(what, err kernel, err torch)] for cross_entropy_rows' nll and gradient against fp64 maths; 'torch' is the
+    reference twin on the same low-precision logits (PyTorch's fp32 softmax chain, the path it replaces)."""
+    from anyseek.kernels.reference.xent import cross_entropy_rows as ref
+    from anyseek.kernels.triton.xent import cross_entropy_rows as fused
+
+    g = torch.Generator().manual_seed(seed)
+    x0 = (torch.randn(C, V, generator=g) * scale).to(dtype)
+    labels = {"random": torch.randint(0, V, (C,), generator=g), "first": torch.zeros(C, dtype=torch.long),
+              "last": torch.full((C,), V - 1), "argmax": x0.float().argmax(-1)}[labels_kind]
+    xd = x0.double()  # the oracle: fp64 maths (the twin always computes in fp32)
+    want_nll = torch.logsumexp(xd, -1) - xd.gather(1, labels[:, None])[:, 0]
+    want_g = torch.softmax(xd, -1).scatter_add_(1, labels[:, None], torch.full((C, 1), -1.0, dtype=torch.float64))
+    low_nll, low_g = ref(x0.clone(), labels, True)
+    nll, grad = fused(x0.clone().to(device), labels.to(device), True)
+    nll_only, none = fused(x0.clone().to(device), labels.to(device), False)
+    assert none is None and torch.equal(nll_only.cpu(), nll.cpu())
+    assert grad.dtype == dtype and nll.dtype == torch.float32
+    return [("nll", (nll.cpu().double() - want_nll).abs().max().item(), (low_nll.double() - want_nll).abs().max().item()),
+            ("grad", (grad.cpu().double() - want_g).abs().max().item(), (low_g.double() - want_g).abs().max().item())]
+
+
 def passes(table, atol=1e-5):
     return all(err <= 2 * err_torch + atol for _, err, err_torch in table)
 
@@ -61,6 +95,9 @@ def _worker() -> None:
     for name, lead, D, xd, wd, strided in NORM_CASES:
         table = norm_errors(lead, D, getattr(torch, xd), getattr(torch, wd), strided, "cpu")
         results[f"rms_norm_{name}"] = {"pass": passes(table), "table": table}
+    for name, C, V, dt, scale, kind in XENT_CASES:
+        table = xent_errors(C, V, getattr(torch, dt), scale, kind, "cpu")
+        results[f"xent_{name}"] = {"pass": passes(table), "table": table}
     print("RESULTS " + json.dumps(results))
 
 
@@ -73,7 +110,7 @@ def interp_results():
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-@pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES])
+@pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (what, err, err_torch) = {r['table']}"
@@ -99,6 +136,15 @@ def test_gpu_rms_norm(x_dtype, D, strided):
     for w_dtype in {torch.float32, x_dtype}:
         table = norm_errors((4099,), D, x_dtype, w_dtype, strided, "cuda")
         assert passes(table, atol=1e-5), table
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("V", [32000, 129280, 163840, 1000])
+def test_gpu_cross_entropy_rows(dtype, V):
+    for kind, scale in (("random", 3.0), ("argmax", 12.0), ("last", 30.0)):
+        table = xent_errors(257, V, dtype, scale, kind, "cuda")
+        assert passes(table, atol=1e-5), (kind, table)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 (a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
 (b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine);
 (c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`);
-(d) fused elementwise chains: `rms_norm`.
+(d) fused elementwise chains: `rms_norm`, `cross_entropy_rows` (the output head's loss between its matmuls).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -100,5 +100,17 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
     return fn(x, weight_D, eps)
 
 
-__all__ = ["describe", "mla_attention", "mla_decode", "registry", "rms_norm", "routed_experts", "set_backend",
+def cross_entropy_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, want_grad: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row of a chunk of logits [C, V]: nll = logsumexp - logits[label] (fp32 [C]; labels int [C], each a valid
+    index) and, with want_grad, softmax - onehot(label) in the logits' dtype (None without). The gradient may be
+    written over the logits (the Triton backend does): do not use `logits_CV` after this call."""
+    if logits_CV.dim() != 2 or labels_C.shape != logits_CV.shape[:1]:
+        raise ValueError(f"cross_entropy_rows: logits must be [C, V] and labels [C], got {tuple(logits_CV.shape)} "
+                         f"and {tuple(labels_C.shape)}")
+    fn = registry.get("cross_entropy_rows", logits_CV)
+    return fn(logits_CV, labels_C, want_grad)
+
+
+__all__ = ["cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry", "rms_norm", "routed_experts", "set_backend",
            "varlen_attention"]

@@ -5,7 +5,7 @@ an availability check `available(example) -> (ok, reason)` and the device types 
 
 - explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
   for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
-  `ANYSEEK_NORM=name` for rms_norm.
+  `ANYSEEK_NORM=name` for rms_norm, `ANYSEEK_XENT=name` for cross_entropy_rows.
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
   device that cannot run is skipped with ONE warning per (op, backend, reason).
@@ -32,10 +32,11 @@ ENV_VARS = {
     "routed_experts": "ANYSEEK_MOE",
     "mla_decode": "ANYSEEK_DECODE",
     "rms_norm": "ANYSEEK_NORM",
+    "cross_entropy_rows": "ANYSEEK_XENT",
 }
 # short names accepted by set_backend for groups of ops
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",), "norm": ("rms_norm",),
-             "decode": ("mla_decode",)}
+             "xent": ("cross_entropy_rows",), "decode": ("mla_decode",)}
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024),
-             "mla_decode": (1, 16, 576), "rms_norm": (1, 1024)}
+             "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "cross_entropy_rows": (1, 129280)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
 
@@ -214,6 +215,10 @@ def _register_defaults() -> None:
                                  _lazy_check("anyseek.kernels.triton.rmsnorm.available"), ("cuda",)))
     register("rms_norm", Backend("reference", _lazy("anyseek.kernels.reference.norm.rms_norm"),
                                  _always("pure PyTorch (F.rms_norm in fp32)")))
+    register("cross_entropy_rows", Backend("triton", _lazy("anyseek.kernels.triton.xent.cross_entropy_rows"),
+                                           _lazy_check("anyseek.kernels.triton.xent.available"), ("cuda",)))
+    register("cross_entropy_rows", Backend("reference", _lazy("anyseek.kernels.reference.xent.cross_entropy_rows"),
+                                           _always("pure PyTorch (fp32 softmax)")))
 
 
 def _sdpa_ok(example: torch.Tensor) -> tuple[bool, str]:

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from anyseek import kernels
 from anyseek.constants import IGNORE_INDEX
 
 
@@ -81,14 +82,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 rows = slice(start, start + chunk)
                 h_CD, label_C1, valid_C, scale_C1 = h_TD[rows], safe_T[rows, None], valid_T[rows], scale_T[rows, None]
                 hc_CD = h_CD.to(compute_dtype) if low else h_CD
-                logits_CV = (hc_CD @ w_VD.t()).float()
-                max_C = logits_CV.amax(dim=-1)
-                label_logit_C = logits_CV.gather(1, label_C1)[:, 0]
-                p_CV = torch.softmax(logits_CV, dim=-1)
-                lse_C = max_C - p_CV.amax(dim=-1).log()
-                loss += ((lse_C - label_logit_C) * valid_C).sum()
+                logits_CV = hc_CD @ w_VD.t()  # compute dtype; the seam's maths is fp32
+                nll_C, g_CV = kernels.cross_entropy_rows(logits_CV, label_C1[:, 0], want_grad)  # g = p - 1hot
+                loss += (nll_C * valid_C).sum()
                 if want_grad:
-                    g_CV = p_CV.scatter_add_(1, label_C1, torch.full_like(label_C1, -1, dtype=p_CV.dtype))  # p - 1hot
                     g_CV = g_CV.to(compute_dtype if low else h_TD.dtype)
                     grad_h_TD[rows] = (g_CV @ w_VD) * scale_C1
                     if not want_w:
