@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -348,6 +349,16 @@ def test_expert_dispatch_equals_local_experts_nan_verdicts_agree_dead_rank_fails
     codes = spawn(_collectives, str(result), timeout=60)
     assert codes == [0, 0], codes
     assert result.read_text() != "no error"
+
+
+def test_ep_benchmark_runs_on_two_cpu_ranks():
+    """benchmarks/ep.py (issue 12's dispatch benchmark, for multi-GPU machines) runs end to end on 2 gloo ranks: the
+    dispatch with passthrough experts returns every token's weighted sum, and the table is printed."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "ep.py"
+    out = subprocess.run([sys.executable, str(script), "--cpu-ranks", "2", "--tokens", "48", "--shapes", "16B",
+                          "--reps", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| 16B (E 64, K 6, D 2048) | 48 | skewed |" in out.stdout
 
 
 def test_plan_counts_parameters_and_suggests_a_degree_that_fits():
