@@ -361,6 +361,19 @@ def test_ep_benchmark_runs_on_two_cpu_ranks():
     assert "| 16B (E 64, K 6, D 2048) | 48 | skewed |" in out.stdout
 
 
+def test_a_step_whose_gradients_never_reached_the_parameters_is_an_error():
+    """The FSDP2 root-unit bug (gradients dropped, AdamW skipping every parameter) must not pass silently again."""
+    from anyseek.distributed.parallel import Parallel
+    from anyseek.train.config import ParallelConfig
+
+    par = Parallel.from_torchrun(ParallelConfig(), "cpu")
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(RuntimeError, match="no trainable parameter received a gradient"):
+        par.clip_grad_norm_(model, 1.0)
+    model(torch.ones(1, 3)).sum().backward()
+    assert float(par.clip_grad_norm_(model, 1.0)) > 0
+
+
 def test_plan_counts_parameters_and_suggests_a_degree_that_fits():
     from anyseek.model.config import ModelConfig
     from anyseek.train.plan import candidates, parameter_counts, plan

@@ -88,6 +88,11 @@ class Parallel:
         One process: torch.nn.utils.clip_grad_norm_. Sharded: each element's square counted once over the world
         (a DTensor's local shard, divided by how many ranks hold a replica of it), one all-reduce."""
         params = [p for p in model.parameters() if p.grad is not None]
+        if not params and any(p.requires_grad for p in model.parameters()):
+            # the failure a wrapper can cause silently (FSDP2 on torch <= 2.11 and an output it could not flatten):
+            # the backward ran, no trainable parameter holds a gradient, and AdamW would skip every one
+            raise RuntimeError("no trainable parameter received a gradient in this step: the backward did not reach "
+                               "the parameters the optimizer holds (a parallel wrapper dropped them?)")
         if not self.active:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         from torch.distributed.tensor import DTensor
