@@ -268,7 +268,7 @@ def gpu_case(args) -> None:
         k = min(5, len(losses) // 2)
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
         print(f"{case}: mean loss of the first {k} steps {first:.4f}, of the last {k} {last:.4f}", flush=True)
-        if not last < first:
+        if len(losses) >= 10 and not last < first:  # fewer steps: too early in warm-up to insist
             raise RuntimeError(f"{case}: the loss did not go down ({first:.4f} -> {last:.4f}): not training")
     out = Path(args.profile) / f"{case}-{args.tokens}.txt" if args.profile else None
     launches, cats, table = profile_steps(step, items[:3], out)
