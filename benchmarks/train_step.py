@@ -114,7 +114,7 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
         stats = tr._accumulate(batches)
         ok, _, _ = tr._apply(stats)
         flops.append(stats.flops)
-        tr.bench_losses.append(stats.loss.detach() if torch.is_tensor(stats.loss) else torch.tensor(stats.loss))
+        tr.bench_losses.append(stats.loss.detach())  # a tensor after the step's first micro-batch
         if not ok:
             raise RuntimeError("non-finite step in the benchmark")
 

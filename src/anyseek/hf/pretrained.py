@@ -151,27 +151,18 @@ def _materialize(
     block: tuple[int, int],
 ) -> torch.Tensor:
     """One target tensor from its checkpoint pieces: a whole tensor, or per-expert slices copied into a stacked
-    one (which starts as `old` when that holds values: strict=False keeps the init of missing experts)."""
-    if len(pieces) == 1 and pieces[0].expert < 0:
-        # copy=True: safetensors hands out tensors backed by a private mmap of the file; a parameter left there
-        # would die with SIGBUS if the file were later truncated in place
-        return _read(pieces[0], reader, block, dtype).to(device=device, dtype=dtype, copy=pieces[0].scale is None)
-    if old.is_meta:
+    one (which starts as `old` when that holds values: strict=False keeps the init of missing experts). Every piece
+    is copied (an FP8 one dequantized) straight into the new tensor: nothing stays on the file's private mmap (a
+    parameter left there would die with SIGBUS if the file were later truncated in place), and no second full-size
+    copy is made on the way."""
+    whole = len(pieces) == 1 and pieces[0].expert < 0
+    if whole or old.is_meta:
         out = torch.empty(old.shape, dtype=dtype, device=device)
     else:
         out = old.detach().to(device=device, dtype=dtype, copy=True)
     for p in pieces:
-        _read_into(p, reader, block, out[p.expert, p.rows])
+        _read_into(p, reader, block, out if whole else out[p.expert, p.rows])
     return out
-
-
-def _read(piece: Piece, reader: TensorReader, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A checkpoint tensor as stored; an FP8 one dequantized straight into `dtype` (the parameter's)."""
-    t = reader.get(piece.info)
-    if piece.scale is None:
-        return t
-    want = dtype if dtype.is_floating_point else torch.float32
-    return dequantize_blockwise(t, reader.get(piece.scale), block, dtype=want)
 
 
 def _read_into(piece: Piece, reader: TensorReader, block: tuple[int, int], out: torch.Tensor) -> None:

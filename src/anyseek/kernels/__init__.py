@@ -112,5 +112,5 @@ def cross_entropy_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, want_gra
     return fn(logits_CV, labels_C, want_grad)
 
 
-__all__ = ["cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry", "rms_norm", "routed_experts", "set_backend",
-           "varlen_attention"]
+__all__ = ["cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry", "rms_norm", "routed_experts",
+           "set_backend", "varlen_attention"]

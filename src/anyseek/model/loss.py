@@ -80,10 +80,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device_type=h_TD.device.type, enabled=False) if low else contextlib.nullcontext():
             for start in range(0, h_TD.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                h_CD, label_C1, valid_C, scale_C1 = h_TD[rows], safe_T[rows, None], valid_T[rows], scale_T[rows, None]
+                h_CD, valid_C, scale_C1 = h_TD[rows], valid_T[rows], scale_T[rows, None]
                 hc_CD = h_CD.to(compute_dtype) if low else h_CD
                 logits_CV = hc_CD @ w_VD.t()  # compute dtype; the seam's maths is fp32
-                nll_C, g_CV = kernels.cross_entropy_rows(logits_CV, label_C1[:, 0], want_grad)  # g = p - 1hot
+                nll_C, g_CV = kernels.cross_entropy_rows(logits_CV, safe_T[rows], want_grad)  # g = p - 1hot
                 loss += (nll_C * valid_C).sum()
                 if want_grad:
                     g_CV = g_CV.to(compute_dtype if low else h_TD.dtype)

@@ -24,6 +24,7 @@ import triton
 from anyseek.kernels.triton.attention_bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
 from anyseek.kernels.triton.attention_fwd import _fwd_kernel
 from anyseek.kernels.triton.check import interpreting
+from anyseek.kernels.triton.launch import launch as _launch
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 8  # dk/dv programs per SM when heads are grouped (see _heads_per_program)
@@ -119,33 +120,6 @@ def _config(kind: str, A: int, B: int, VD: int, device: torch.device, max_seqlen
     }
     bm, bn, w, st = table[(kind, short, wide)]
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-
-
-# Pipelining depth that fits in shared memory, per (kernel, device, launch settings, constexprs): the settings above
-# come from H100/H200 (228 KB per SM); GPUs with less (A100 164 KB, consumer cards ~100 KB) get fewer stages.
-_STAGES: dict[tuple, int] = {}
-
-
-def _launch(kernel, grid, cfg: dict):
-    """kernel[grid] with cfg's launch settings, lowering num_stages while the GPU lacks shared memory for them."""
-
-    def run(*args, **meta):
-        from triton.runtime.errors import OutOfResources
-
-        key = (kernel.fn.__name__, torch.cuda.current_device() if torch.cuda.is_available() else -1,
-               tuple(cfg.items()), tuple(sorted(meta.items())))  # fmt: skip
-        stages = _STAGES.get(key, cfg["num_stages"])
-        while True:
-            try:
-                kernel[grid](*args, **meta, **{**cfg, "num_stages": stages})
-                _STAGES[key] = stages
-                return
-            except OutOfResources:
-                if stages <= 1:
-                    raise
-                stages -= 1
-
-    return run
 
 
 def _prec(dtype: torch.dtype) -> str:

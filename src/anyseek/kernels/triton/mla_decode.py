@@ -22,7 +22,7 @@ import triton.language as tl
 
 from anyseek.kernels.reference.decode import check_decode_shapes
 from anyseek.kernels.triton import check
-from anyseek.kernels.triton.attention import _launch
+from anyseek.kernels.triton.launch import launch as _launch
 
 LOG2E = 1.4426950408889634
 
@@ -123,9 +123,13 @@ def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dty
         return {"BLOCK_H": block_h, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "splits": splits}
     width = (triton.next_power_of_2(L) + triton.next_power_of_2(R)) * 2  # bytes of one cached row
     block_n, stages = 64, 3
-    while stages > 1 and max(stages - 1, 1) * block_n * width + 16 * 1024 > smem:
+
+    def too_big() -> bool:  # Triton keeps num_stages - 1 tiles (at least one) in shared memory, plus ~16 KB
+        return max(stages - 1, 1) * block_n * width + 16 * 1024 > smem
+
+    while stages > 1 and too_big():
         stages -= 1
-    while block_n > 16 and max(stages - 1, 1) * block_n * width + 16 * 1024 > smem:
+    while block_n > 16 and too_big():
         block_n //= 2
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8, "num_stages": stages, "splits": splits}
 

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from anyseek.kernels.triton import moe_family
-from anyseek.kernels.triton.attention import _launch
+from anyseek.kernels.triton.launch import launch as _launch
 from anyseek.kernels.triton.moe_gemm import (
     EPI_DSWIGLU,
     EPI_PLAIN,

@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _xent_rows_kernel(L, LABELS, NLL, G, stride_l, stride_g, V, BV: tl.constexpr, WANT_GRAD: tl.constexpr):
+def _xent_rows_kernel(L, LABELS, NLL, stride_l, V, BV: tl.constexpr, WANT_GRAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = L + row * stride_l
     cols0 = tl.arange(0, BV)
@@ -34,20 +34,19 @@ def _xent_rows_kernel(L, LABELS, NLL, G, stride_l, stride_g, V, BV: tl.constexpr
     label = tl.load(LABELS + row).to(tl.int64)
     x_label = tl.load(base + label).to(tl.float32)
     tl.store(NLL + row, lse - x_label)
-    if WANT_GRAD:
-        gbase = G + row * stride_g
+    if WANT_GRAD:  # written over the logits: each element is read before it is written, by this program alone
         for v0 in range(0, V, BV):
             cols = v0 + cols0
             mask = cols < V
             x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
             p = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
-            tl.store(gbase + cols, p.to(G.dtype.element_ty), mask=mask)
+            tl.store(base + cols, p.to(L.dtype.element_ty), mask=mask)
 
 
 def cross_entropy_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, want_grad: bool
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The Triton backend of `kernels.cross_entropy_rows`. With want_grad the gradient is written over `logits_CV`
-    (returned as the same tensor) when its last dim is contiguous; the caller must not need the logits afterwards.
+    (over a contiguous copy if its last dim is strided) and returned; the caller must not need the logits afterwards.
     Under torch.compile the reference twin is traced instead (Inductor fuses that chain itself)."""
     if torch.compiler.is_compiling():
         from anyseek.kernels.reference.xent import cross_entropy_rows as reference
@@ -57,14 +56,11 @@ def cross_entropy_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, want_gra
     nll = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
     if logits_CV.stride(-1) != 1:
         logits_CV = logits_CV.contiguous()
-    g = logits_CV if want_grad else None
     if C:
         bv = min(4096 if logits_CV.device.type == "cuda" else 256, triton.next_power_of_2(V))  # CPU: the interpreter
-        labels = labels_C if labels_C.is_contiguous() else labels_C.contiguous()
-        _xent_rows_kernel[(C,)](logits_CV, labels, nll, g if want_grad else logits_CV, logits_CV.stride(0),
-                                (g if want_grad else logits_CV).stride(0), V, BV=bv, WANT_GRAD=want_grad,
-                                num_warps=8 if bv >= 2048 else 4)
-    return nll, g
+        _xent_rows_kernel[(C,)](logits_CV, labels_C.contiguous(), nll, logits_CV.stride(0), V, BV=bv,
+                                WANT_GRAD=want_grad, num_warps=8 if bv >= 2048 else 4)
+    return nll, (logits_CV if want_grad else None)
 
 
 def available(example: torch.Tensor) -> tuple[bool, str]:
