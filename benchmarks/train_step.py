@@ -40,6 +40,7 @@ CASES = {
     "packed": ("anyseek, MTP off, packed documents", "packed varlen"),
     "mtp": ("anyseek, MTP on, packed documents (as trained)", "packed varlen"),
     "trainer": ("`anyseek train` step as shipped (fp32 master + bf16 autocast, clip, bias update)", "packed varlen"),
+    "trainer-eager": ("same step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
     "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params, fp32 reduce)",
                      "packed varlen"),
     "trainer-compile": ("same step with train.compile=true", "packed varlen"),
@@ -97,6 +98,8 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
                  f"--data.max_seqlen={args.seqlen}", f"--train.device={json.dumps(args.device)}",
                  "--train.tensorboard=false",
                  f"--train.compile={'true' if args.compile or case == 'trainer-compile' else 'false'}"]
+    if case == "trainer-eager":
+        overrides.append("--train.cuda_graphs=false")
     if case == "trainer-fsdp":  # what torchrun sets for one process: the trainer then wraps the model with FSDP2
         import socket
 
@@ -270,6 +273,10 @@ def gpu_case(args) -> None:
         print(f"{case}: mean loss of the first {k} steps {first:.4f}, of the last {k} {last:.4f}", flush=True)
         if len(losses) >= 10 and not last < first:  # fewer steps: too early in warm-up to insist
             raise RuntimeError(f"{case}: the loss did not go down ({first:.4f} -> {last:.4f}): not training")
+        g = tr.graphs
+        if g is not None:
+            print(f"{case}: CUDA graphs {'on' if g.enabled else 'OFF'}: {len(g.graphs)} captured, {g.replays} "
+                  f"micro-batches replayed, {g.eager} eager warm-ups", flush=True)
     out = Path(args.profile) / f"{case}-{args.tokens}.txt" if args.profile else None
     launches, cats, table = profile_steps(step, items[:3], out)
     mfu = statistics.median(flops[args.warmup:len(items)]) / statistics.median(t) / peak if peak else float("nan")
@@ -381,7 +388,7 @@ def main() -> None:
                     raise SystemExit(f"case {case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
                 r = json.loads(line[0][len("RESULT "):])
                 for x in out.stdout.splitlines():
-                    if "mean loss of the first" in x:
+                    if "mean loss of the first" in x or "CUDA graphs" in x:
                         print(x, flush=True)
                 if args.profile:
                     print(r["table"])

@@ -69,3 +69,33 @@ def test_return_logits_false_keeps_losses(model):
     out.loss.backward()
     assert model.model.layers[1].mlp.experts.gate_up_proj.grad is not None
     model.zero_grad(set_to_none=True)
+
+
+def test_padding_cu_seqlens_with_empty_documents_changes_nothing(model):
+    """What a CUDA graph of the training step relies on (train/graphs.py): cu_seqlens padded with empty documents
+    at the end and max_seqlen rounded up give the same losses, expert loads and gradients (MTP and the sequence-wise
+    balance loss included)."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 4096, (40,))
+    targets = torch.roll(ids, -1)
+    targets[[6, 17, 39]] = -100
+    cu = torch.tensor([0, 7, 18, 19, 40], dtype=torch.int32)
+    padded = torch.cat([cu, torch.full((11,), 40, dtype=torch.int32)])
+    model.train()
+    try:
+        results = []
+        for c, max_seqlen in ((cu, None), (padded, 32)):
+            model.zero_grad(set_to_none=True)
+            out = model(ids, cu_seqlens=c, targets=targets, max_seqlen=max_seqlen, return_logits=False,
+                        num_targets=[36.0, 33.0])
+            out.loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results.append((out, grads))
+    finally:
+        model.eval()
+    (a, ga), (b, gb) = results
+    for name in ("loss", "lm_loss", "mtp_loss", "balance_loss", "expert_load"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-6, atol=1e-7, msg=n)

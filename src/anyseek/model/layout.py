@@ -32,21 +32,24 @@ class PackedLayout:
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int | None = None) -> PackedLayout:
         """From document starts. One host sync (checks cu_seqlens, finds max_seqlen); no per-token Python.
-        This is the one place cu_seqlens' values are checked: the kernel seams check only its shape and dtype."""
+        This is the one place cu_seqlens' values are checked: the kernel seams check only its shape and dtype.
+        max_seqlen, where given, is an upper bound of the document lengths."""
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
         cu = cu_seqlens.to(torch.int64)
         doc_lens = cu[1:] - cu[:-1]
-        first, last, shortest, longest = torch.stack([cu[0], cu[-1], doc_lens.min(), doc_lens.max()]).tolist()
-        if first != 0 or last != num_tokens or shortest < 0:
-            raise ValueError(
-                f"cu_seqlens must start at 0, never decrease and end at the token count {num_tokens}; "
-                f"got {first}..{last}{' with a decreasing step' if shortest < 0 else ''}"
-            )
+        # a CUDA graph being recorded cannot read values: its runner checks each batch on the host (train/graphs.py)
+        if max_seqlen is None or not _capturing(cu):
+            first, last, shortest, longest = torch.stack([cu[0], cu[-1], doc_lens.min(), doc_lens.max()]).tolist()
+            if first != 0 or last != num_tokens or shortest < 0:
+                raise ValueError(
+                    f"cu_seqlens must start at 0, never decrease and end at the token count {num_tokens}; "
+                    f"got {first}..{last}{' with a decreasing step' if shortest < 0 else ''}"
+                )
+            max_seqlen = longest if max_seqlen is None else max_seqlen
         B = doc_lens.numel()
         doc_ids = torch.repeat_interleave(torch.arange(B, device=cu.device), doc_lens, output_size=num_tokens)
         positions = torch.arange(num_tokens, device=cu.device) - cu[:-1].index_select(0, doc_ids)
-        max_seqlen = longest if max_seqlen is None else max_seqlen
         return cls(cu_seqlens.to(torch.int32), max_seqlen, positions, doc_ids, doc_lens)
 
     @classmethod
@@ -61,3 +64,7 @@ class PackedLayout:
     def with_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> PackedLayout:
         """The same layout with its rotary tables."""
         return dataclasses.replace(self, cos=cos, sin=sin)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -67,6 +67,9 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype: "auto" (bf16 on CUDA, none on CPU), "bf16", "fp32"
     threads: int = 0  # torch CPU threads; 0 = torch's default
     compile: bool = False
+    # GPU: replay each micro-batch's forward and backward as a CUDA graph (train/graphs.py). "auto": on a CUDA device
+    # in one process without train.compile; true: required (an error where it cannot be); false: never.
+    cuda_graphs: bool | str = "auto"
     tune_allocator: bool = True  # CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime)
     attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, bmm, sdpa, reference, ...
     moe_backend: str = "auto"  # for the routed experts: auto, triton, grouped_mm, reference
@@ -98,6 +101,10 @@ class TrainConfig:
                   "max_bad_steps")
         if self.schedule not in ("cosine", "wsd"):
             raise ConfigError(f"train.schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
+        if isinstance(self.cuda_graphs, bool):
+            self.cuda_graphs = "true" if self.cuda_graphs else "false"
+        if self.cuda_graphs not in ("auto", "true", "false"):
+            raise ConfigError(f"train.cuda_graphs must be auto, true or false, got {self.cuda_graphs!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"train.dtype must be one of auto, bf16, fp32, got {self.dtype!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -285,7 +292,10 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], name)
+        for a in inner[:-1]:  # the first member the value is (bool | str: true/false, or a word)
+            if a in (bool, int, float, str) and isinstance(value, a):
+                return value
+        return _coerce(value, inner[-1], name)
     if hint is bool:
         if isinstance(value, bool):
             return value

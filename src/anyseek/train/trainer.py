@@ -111,6 +111,7 @@ class Trainer:
         self.model.train()
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
+        self.graphs, self.graphs_note = self._step_graphs()
         # flops_per_token(L) = a + b*L; computed once here, not per batch (it walks every module)
         self._flops_a = self.model.flops_per_token(0)
         self._flops_b = self.model.flops_per_token(1) - self._flops_a
@@ -265,33 +266,63 @@ class Trainer:
         num_targets = torch.tensor(step_counts, dtype=torch.float32).to(self.device, non_blocking=True)
         num_targets = self.par.sum_(num_targets)  # the global batch's targets: every rank divides by the same count
         mtp_weight = self.mtp_loss_weight()
-        alpha = self.model_cfg.aux_loss_alpha
         for batch in micro:
-            dev = batch.to(self.device, non_blocking=True)
-            with self._autocast():
-                out = self.forward(dev.input_ids, cu_seqlens=dev.cu_seqlens, targets=dev.targets,
-                                   max_seqlen=dev.max_seqlen, return_logits=False, num_targets=num_targets)
-            parts = {"lm_loss": out.lm_loss}
-            loss = out.lm_loss
-            if out.mtp_loss is not None:
-                parts["mtp_loss"] = out.mtp_loss
-                loss = loss + mtp_weight * out.mtp_loss
-            if out.balance_loss is not None:
-                # a mean over the step's micro-batches (of every rank)
-                parts["balance_loss"] = out.balance_loss / (t.grad_accum * self.par.env.world_size)
-                loss = loss + alpha * parts["balance_loss"]
-            loss.backward()
-            stats.loss = stats.loss + loss.detach()
+            done = self.graphs.run(batch, num_targets, mtp_weight) if self.graphs is not None else None
+            if done is None:
+                dev = batch.to(self.device, non_blocking=True)
+                done = self._micro(dev.input_ids, dev.cu_seqlens, dev.targets, dev.max_seqlen, num_targets,
+                                   mtp_weight)
+            loss, parts, load = done
+            stats.loss = stats.loss + loss
             for name, value in parts.items():
-                stats.parts[name] = stats.parts.get(name, 0.0) + value.detach().float()
-            if out.expert_load is not None:
-                load = out.expert_load.detach()
+                stats.parts[name] = stats.parts.get(name, 0.0) + value
+            if load is not None:
                 stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
             stats.tokens += batch.num_tokens
             lens = batch.cu_seqlens.diff().double()
             mean_context = float((lens * lens).sum() / lens.sum())  # per-token attention span of this packing
             stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
         return stats
+
+    def _micro(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed=False):
+        """One micro-batch's forward and backward: (loss, parts, expert_load), detached. The same code runs eagerly
+        and inside a CUDA graph (`train/graphs.py`; graphed: autocast's weight cache off, as graph capture needs)."""
+        alpha = self.model_cfg.aux_loss_alpha
+        with self._autocast(cache=not graphed):
+            out = self.forward(input_ids, cu_seqlens=cu_seqlens, targets=targets, max_seqlen=max_seqlen,
+                               return_logits=False, num_targets=num_targets)
+        parts = {"lm_loss": out.lm_loss}
+        loss = out.lm_loss
+        if out.mtp_loss is not None:
+            parts["mtp_loss"] = out.mtp_loss
+            loss = loss + mtp_weight * out.mtp_loss
+        if out.balance_loss is not None:
+            # a mean over the step's micro-batches (of every rank)
+            parts["balance_loss"] = out.balance_loss / (self.cfg.train.grad_accum * self.par.env.world_size)
+            loss = loss + alpha * parts["balance_loss"]
+        loss.backward()
+        load = out.expert_load.detach() if out.expert_load is not None else None
+        return loss.detach(), {k: v.detach().float() for k, v in parts.items()}, load
+
+    def _step_graphs(self):
+        """(StepGraphs or None, a line saying which and why) from train.cuda_graphs."""
+        from anyseek.train import graphs
+
+        mode = self.cfg.train.cuda_graphs
+        if mode == "false":
+            return None, "off (train.cuda_graphs=false)"
+        why = graphs.unavailable(self.device, self.par.active, self.cfg.train.compile)
+        if why is not None:
+            if mode == "true":
+                raise ConfigError(f"train.cuda_graphs=true but {why}")
+            return None, f"off: {why}"
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        g = graphs.StepGraphs(self._micro, params, self.device, self.cfg.data.tokens_per_batch, self.log)
+        return g, "on: each micro-batch's forward and backward replays as one CUDA graph (train/graphs.py)"
+
+    def _zero_grads(self) -> None:
+        """After a step. With CUDA graphs the gradient tensors stay (a graph adds into them); else they are freed."""
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)
 
     def _stopping(self) -> bool:
         """Whether a signal asked the run to stop. Distributed: the request as all ranks agreed on it in the last
@@ -318,7 +349,7 @@ class Trainer:
         loss = float(stats.loss)  # the one host sync per step
         norm = float(grad_norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grads()
             self.bad_in_a_row += 1
             self.log(f"warning: step {self.step + 1}: non-finite loss {loss} / grad norm {norm}; step skipped "
                      f"({self.bad_in_a_row} in a row)")
@@ -332,7 +363,7 @@ class Trainer:
             return False, loss, norm
         self.bad_in_a_row = 0
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         if stats.expert_load is not None:
             self.model.update_routing_bias(stats.expert_load, gamma=self.bias_update_speed())
         return True, loss, norm
@@ -432,15 +463,16 @@ class Trainer:
                  f"| autocast {self.autocast_dtype} | {torch.get_num_threads()} threads | {self.allocator}")
         self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "
                  f"{self.cfg.train.grad_accum} micro-batches per step")
+        self.log(f"CUDA graphs: {self.graphs_note}")
         describe = getattr(registry, "describe", None)
         if describe is not None:
             for row in describe(device=self.device):
                 self.log("kernel: " + " | ".join(str(c) for c in row))
 
-    def _autocast(self):
+    def _autocast(self, cache: bool = True):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype, cache_enabled=cache)
 
     def _install_signal_handlers(self) -> dict:
         def request_stop(signum, frame):

@@ -42,8 +42,8 @@ _SCHEDULES: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 def tiles(cu_seqlens: torch.Tensor, T: int, block: int, causal: bool, from_diagonal: bool) -> torch.Tensor:
     """Cached `build_tiles` (see there)."""
-    if torch.compiler.is_compiling():
-        return build_tiles(cu_seqlens, T, block, causal, from_diagonal)
+    if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return build_tiles(cu_seqlens, T, block, causal, from_diagonal)  # a graph replays with new cu_seqlens
     key = (id(cu_seqlens), T, block, causal, from_diagonal)
     hit = _SCHEDULES.get(key)
     if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:

@@ -1,0 +1,170 @@
+"""CUDA graphs for the training step (`train.cuda_graphs`): one micro-batch's forward and backward replayed as one
+graph, so that the host no longer issues ~2,000 kernel launches per step.
+
+Graphs need fixed shapes and addresses. A packed micro-batch always has `data.tokens_per_batch` tokens, but its
+number of documents and its longest document vary, so each captured graph reads static buffers:
+
+- input_ids and targets [T];
+- cu_seqlens padded to a bucket of documents (the next power of two of B+1, at least 64 entries) by repeating T:
+  the padding documents are empty, so they add no attention tiles, no loss targets, no expert load and no term of
+  the sequence-wise balance loss (which averages over the documents that have tokens);
+- max_seqlen rounded up to a power of two (an upper bound, as every attention seam takes it);
+- the step's loss denominators and the MTP loss weight as device scalars.
+
+One graph per (tokens, document bucket, max_seqlen bucket), all in one memory pool (they never run at once and none
+reads another's output). The first micro-batch of a new shape runs eagerly (the warm-up: Triton compiles, cuBLAS sets
+up) and is then captured; its later ones replay. Gradients accumulate into `.grad` tensors allocated before the first
+capture and zeroed (not freed) after each optimizer step, so graph and eager micro-batches mix freely (a batch of
+another token count, more graphs than `MAX_GRAPHS`). Anything that fails while capturing turns graphs off for the
+rest of the run with one line saying why; the step then runs eagerly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+MAX_GRAPHS = 16
+MIN_DOC_SLOTS = 64
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def unavailable(device: torch.device, distributed: bool, compiled: bool) -> str | None:
+    """Why the step cannot be captured here (None: it can)."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this run is on {device.type})"
+    if distributed:
+        return "CUDA graphs are not used under torchrun (FSDP2's hooks and collectives run on the host)"
+    if compiled:
+        return "train.compile=true: torch.compile manages its own graphs"
+    return None
+
+
+class StepGraphs:
+    """Captured forward+backward of micro-batches, keyed by shape bucket.
+
+    micro(input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed) runs one micro-batch's
+    forward and backward and returns (loss, parts, expert_load) as tensors (the trainer's own step, not a copy)."""
+
+    def __init__(self, micro: Callable, params: list[torch.nn.Parameter], device: torch.device, tokens: int,
+                 log: Callable[[str], None] = print):
+        self.micro, self.params, self.device, self.tokens, self.log = micro, params, device, tokens, log
+        self.enabled = True
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+        self.replays = 0
+        self.eager = 0  # micro-batches that ran eagerly (warm-ups and batches no graph takes)
+
+    def key(self, batch) -> tuple | None:
+        """The graph this host batch fits, or None (then it runs eagerly)."""
+        T = batch.num_tokens
+        if T != self.tokens:
+            return None
+        slots = max(MIN_DOC_SLOTS, _pow2(batch.num_segments + 1))
+        return T, slots, _pow2(max(1, batch.max_seqlen))
+
+    def run(self, batch, num_targets: torch.Tensor, mtp_weight: float):
+        """One micro-batch: (loss, parts, expert_load) as tensors of its own, or None if this batch must run eagerly
+        (the caller runs it). A new shape runs eagerly on the graph's own buffers (the warm-up) and is captured."""
+        if not self.enabled:
+            return None
+        key = self.key(batch)
+        if key is None:
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            if len(self.graphs) >= MAX_GRAPHS:
+                return None
+            _check_cu(batch, key[0])
+            g = _Graph(*key, num_targets, self.device)
+            g.load(batch, num_targets, mtp_weight)
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                outputs = self.micro(g.ids, g.cu, g.targets, g.max_seqlen, g.num_targets, g.mtp_weight, False)
+            current.wait_stream(self.stream)
+            self.eager += 1
+            try:
+                self._capture(g)
+            except Exception as e:  # noqa: BLE001 - any failure: say why, go on eagerly
+                self.enabled = False
+                self.graphs.clear()
+                torch.cuda.synchronize(self.device)
+                first = str(e).splitlines()[0] if str(e) else ""
+                self.log(f"CUDA graphs off for the rest of the run: capturing the step failed "
+                         f"({type(e).__name__}: {first}); the step runs eagerly")
+                return outputs
+            self.graphs[key] = g
+            return outputs
+        _check_cu(batch, key[0])
+        self._keep_grads(g)
+        g.load(batch, num_targets, mtp_weight)
+        g.graph.replay()
+        self.replays += 1
+        loss, parts, load = g.outputs
+        return loss.clone(), {k: v.clone() for k, v in parts.items()}, None if load is None else load.clone()
+
+    def _capture(self, g: _Graph) -> None:
+        """Record (not run) the micro-batch on g's buffers; gradients are recorded as `grad += new`."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        g.grads = [p.grad for p in self.params]
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            g.outputs = self.micro(g.ids, g.cu, g.targets, g.max_seqlen, g.num_targets, g.mtp_weight, True)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        g.graph = graph
+
+    def _keep_grads(self, g: _Graph) -> None:
+        """The graph adds into the gradient tensors it was captured with. Where something set a `.grad` to None
+        (no gradient yet) or replaced it, put the captured tensor back, holding the same values."""
+        for p, grad in zip(self.params, g.grads):
+            if p.grad is not grad:
+                if p.grad is None:
+                    grad.zero_()
+                else:
+                    grad.copy_(p.grad)
+                p.grad = grad
+
+
+class _Graph:
+    """Static inputs and outputs of one captured micro-batch."""
+
+    def __init__(self, T: int, slots: int, max_seqlen: int, num_targets: torch.Tensor, device: torch.device):
+        self.T, self.slots, self.max_seqlen = T, slots, max_seqlen
+        self.ids = torch.zeros(T, dtype=torch.int64, device=device)
+        self.targets = torch.zeros(T, dtype=torch.int64, device=device)
+        self.cu = torch.full((slots,), T, dtype=torch.int32, device=device)
+        self.num_targets = torch.ones_like(num_targets)
+        self.mtp_weight = torch.zeros((), dtype=torch.float32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.grads: list[torch.Tensor] = []
+        self.outputs = None
+
+    def load(self, batch, num_targets: torch.Tensor, mtp_weight: float) -> None:
+        """Copy a host batch in (pageable sources: each copy is staged before it returns, so nothing here can be
+        overwritten while the GPU still reads it)."""
+        n = batch.cu_seqlens.numel()
+        cu = torch.full((self.slots,), self.T, dtype=torch.int32)
+        cu[:n] = batch.cu_seqlens
+        self.ids.copy_(batch.input_ids, non_blocking=True)
+        self.targets.copy_(batch.targets, non_blocking=True)
+        self.cu.copy_(cu, non_blocking=True)
+        self.num_targets.copy_(num_targets)
+        self.mtp_weight.fill_(mtp_weight)
+
+
+def _check_cu(batch, T: int) -> None:
+    """The checks `PackedLayout.build` makes on the device, made here on the host copy: a graph cannot read values."""
+    cu = batch.cu_seqlens
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu.diff() < 0).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at the token count {T}; got {cu.tolist()[:8]}..."
+        )

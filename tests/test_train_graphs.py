@@ -1,0 +1,86 @@
+"""CUDA graphs of the training step (train/graphs.py): the same losses as the eager step, eager fallback for
+shapes no graph takes, gradients kept where a caller frees them, and one line saying why graphs are off."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from test_train_loop import data_dir, tiny_cfg  # noqa: F401 - the module's corpus fixture
+
+from anyseek.data.loader import Batch
+from anyseek.train import graphs
+from anyseek.train.config import ConfigError, load_run_config
+from anyseek.train.trainer import Trainer
+
+
+def test_config_accepts_auto_true_false_only():
+    assert load_run_config("tiny", []).train.cuda_graphs == "auto"
+    assert load_run_config("tiny", ["--train.cuda_graphs=false"]).train.cuda_graphs == "false"
+    assert load_run_config("tiny", ["--train.cuda_graphs=true"]).train.cuda_graphs == "true"
+    with pytest.raises(ConfigError, match="train.cuda_graphs must be auto, true or false, got 'yes'"):
+        load_run_config("tiny", ["--train.cuda_graphs=yes"])
+
+
+def test_reasons_graphs_are_unavailable():
+    assert "CUDA device" in graphs.unavailable(torch.device("cpu"), False, False)
+    assert "torchrun" in graphs.unavailable(torch.device("cuda"), True, False)
+    assert "train.compile" in graphs.unavailable(torch.device("cuda"), False, True)
+    assert graphs.unavailable(torch.device("cuda"), False, False) is None
+
+
+def test_cpu_run_says_why_graphs_are_off_and_true_is_an_error(data_dir, tmp_path):  # noqa: F811
+    lines = []
+    tr = Trainer(tiny_cfg(data_dir, "--train.device=cpu", "--train.max_steps=1"), tmp_path / "a", log=lines.append)
+    assert tr.graphs is None
+    tr._describe()
+    assert any(line.startswith("CUDA graphs: off: CUDA graphs need a CUDA device") for line in lines), lines
+    with pytest.raises(ConfigError, match="train.cuda_graphs=true but CUDA graphs need a CUDA device"):
+        Trainer(tiny_cfg(data_dir, "--train.device=cpu", "--train.cuda_graphs=true"), tmp_path / "b",
+                log=lambda s: None)
+
+
+def test_shape_buckets():
+    """Token count must match; documents go to power-of-two buckets of at least 64 slots, max_seqlen up to a power
+    of two."""
+    fake = types.SimpleNamespace(tokens=100)
+
+    def batch(cu, max_seqlen):
+        n = cu[-1]
+        return Batch(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                     torch.tensor(cu, dtype=torch.int32), max_seqlen)
+
+    assert graphs.StepGraphs.key(fake, batch([0, 60, 100], 60)) == (100, 64, 64)
+    assert graphs.StepGraphs.key(fake, batch([0, 40, 100], 60)) == (100, 64, 64)
+    assert graphs.StepGraphs.key(fake, batch(list(range(0, 100)) + [100], 1)) == (100, 128, 1)
+    assert graphs.StepGraphs.key(fake, batch([0, 99], 99)) is None  # another token count: eager
+    with pytest.raises(ValueError, match="never decrease"):
+        graphs._check_cu(batch([0, 70, 50, 100], 50), 100)
+
+
+def _losses(data, tmp_path, mode: str, steps: int, free_grads_at: int = -1):
+    cfg = tiny_cfg(data, "--train.device=cuda", f"--train.cuda_graphs={mode}", "--train.grad_accum=2",
+                   "--train.max_steps=100", "--train.warmup_steps=1", "--train.lr=1e-3")
+    tr = Trainer(cfg, tmp_path / mode, log=lambda s: None)
+    batches = iter(tr.train_loader)
+    losses = []
+    for i in range(steps):
+        if i == free_grads_at:
+            for p in tr.model.parameters():
+                p.grad = None
+        stats = tr._accumulate(batches)
+        ok, loss, _ = tr._apply(stats)
+        assert ok
+        losses.append(loss)
+        tr.step += 1
+    return losses, tr
+
+
+@pytest.mark.cuda
+def test_graphed_step_matches_eager(data_dir, tmp_path):  # noqa: F811
+    eager, _ = _losses(data_dir, tmp_path, "false", 12)
+    graphed, tr = _losses(data_dir, tmp_path, "true", 12, free_grads_at=7)
+    assert tr.graphs.enabled and len(tr.graphs.graphs) >= 1 and tr.graphs.replays >= 12, vars(tr.graphs)
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=2e-3, atol=0)
+    assert graphed[-1] < graphed[0] - 0.3
