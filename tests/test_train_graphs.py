@@ -42,27 +42,30 @@ def test_cpu_run_says_why_graphs_are_off_and_true_is_an_error(data_dir, tmp_path
 
 
 def test_shape_buckets():
-    """Token count must match; documents go to power-of-two buckets of at least 64 slots, max_seqlen up to a power
-    of two."""
-    fake = types.SimpleNamespace(tokens=100)
+    """Token count must match and max_seqlen stay within the cap (60 here); documents go to power-of-two buckets of
+    at least 64 slots, max_seqlen to a power of two up to the cap."""
+    fake = types.SimpleNamespace(tokens=100, max_seqlen=60)
 
     def batch(cu, max_seqlen):
         n = cu[-1]
         return Batch(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
                      torch.tensor(cu, dtype=torch.int32), max_seqlen)
 
-    assert graphs.StepGraphs.key(fake, batch([0, 60, 100], 60)) == (100, 64, 64)
-    assert graphs.StepGraphs.key(fake, batch([0, 40, 100], 60)) == (100, 64, 64)
+    assert graphs.StepGraphs.key(fake, batch([0, 60, 100], 60)) == (100, 64, 60)
+    assert graphs.StepGraphs.key(fake, batch([0, 40, 100], 60)) == (100, 64, 60)
+    assert graphs.StepGraphs.key(fake, batch([0, 30, 60, 100], 40)) == (100, 64, 60)
+    assert graphs.StepGraphs.key(fake, batch([0, 20, 40, 60, 80, 100], 20)) == (100, 64, 32)
     assert graphs.StepGraphs.key(fake, batch(list(range(0, 100)) + [100], 1)) == (100, 128, 1)
     assert graphs.StepGraphs.key(fake, batch([0, 99], 99)) is None  # another token count: eager
+    assert graphs.StepGraphs.key(fake, batch([0, 30, 100], 70)) is None  # longer than the cap: eager
     with pytest.raises(ValueError, match="never decrease"):
         graphs._check_cu(batch([0, 70, 50, 100], 50), 100)
 
 
-def _losses(data, tmp_path, mode: str, steps: int, free_grads_at: int = -1):
-    cfg = tiny_cfg(data, "--train.device=cuda", f"--train.cuda_graphs={mode}", "--train.grad_accum=2",
+def _losses(data, tmp_path, mode: str, steps: int, accum: int, free_grads_at: int = -1):
+    cfg = tiny_cfg(data, "--train.device=cuda", f"--train.cuda_graphs={mode}", f"--train.grad_accum={accum}",
                    "--train.max_steps=100", "--train.warmup_steps=1", "--train.lr=1e-3")
-    tr = Trainer(cfg, tmp_path / mode, log=lambda s: None)
+    tr = Trainer(cfg, tmp_path / f"{mode}{accum}", log=lambda s: None)
     batches = iter(tr.train_loader)
     losses = []
     for i in range(steps):
@@ -78,9 +81,14 @@ def _losses(data, tmp_path, mode: str, steps: int, free_grads_at: int = -1):
 
 
 @pytest.mark.cuda
-def test_graphed_step_matches_eager(data_dir, tmp_path):  # noqa: F811
-    eager, _ = _losses(data_dir, tmp_path, "false", 12)
-    graphed, tr = _losses(data_dir, tmp_path, "true", 12, free_grads_at=7)
-    assert tr.graphs.enabled and len(tr.graphs.graphs) >= 1 and tr.graphs.replays >= 12, vars(tr.graphs)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_graphed_step_matches_eager(data_dir, tmp_path, accum):  # noqa: F811
+    """accum 1: each graph writes gradients of its own; 2: graphs and eager micro-batches add into kept tensors
+    (and a caller freeing them mid-run is repaired)."""
+    eager, _ = _losses(data_dir, tmp_path, "false", 12, accum)
+    graphed, tr = _losses(data_dir, tmp_path, "true", 12, accum, free_grads_at=7)
+    g = tr.graphs
+    assert g.enabled and len(g.graphs) >= 1 and g.replays >= 12 * accum - 2 * len(g.graphs), vars(g)
+    assert g.accumulate == (accum > 1)
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=2e-3, atol=0)
     assert graphed[-1] < graphed[0] - 0.3

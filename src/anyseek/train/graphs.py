@@ -8,15 +8,19 @@ number of documents and its longest document vary, so each captured graph reads 
 - cu_seqlens padded to a bucket of documents (the next power of two of B+1, at least 64 entries) by repeating T:
   the padding documents are empty, so they add no attention tiles, no loss targets, no expert load and no term of
   the sequence-wise balance loss (which averages over the documents that have tokens);
-- max_seqlen rounded up to a power of two (an upper bound, as every attention seam takes it);
+- max_seqlen rounded up to a power of two, at most `data.max_seqlen` (an upper bound, as every attention seam takes
+  it; kernels choose their tiles by it, so one bound for all would slow batches of short documents);
 - the step's loss denominators and the MTP loss weight as device scalars.
 
-One graph per (tokens, document bucket, max_seqlen bucket), all in one memory pool (they never run at once and none
-reads another's output). The first micro-batch of a new shape runs eagerly (the warm-up: Triton compiles, cuBLAS sets
-up) and is then captured; its later ones replay. Gradients accumulate into `.grad` tensors allocated before the first
-capture and zeroed (not freed) after each optimizer step, so graph and eager micro-batches mix freely (a batch of
-another token count, more graphs than `MAX_GRAPHS`). Anything that fails while capturing turns graphs off for the
+One graph per (tokens, document bucket, max_seqlen bucket), at most MAX_GRAPHS, all in one memory pool (they never run at once and none reads another's
+output). The first micro-batch of a new shape runs eagerly on the graph's buffers (the warm-up: Triton compiles,
+cuBLAS sets up) and is then captured; later ones replay. Anything that fails while capturing turns graphs off for the
 rest of the run with one line saying why; the step then runs eagerly as before.
+
+Gradients. One micro-batch per step (the default): the graph writes each gradient into a tensor of its own, which
+it hands to `.grad` before each replay (no zeroing, no accumulation pass; the tensors cost one gradient's memory per
+graph). Several micro-batches: `.grad` tensors made before the first capture, added into by every graph and eager
+micro-batch, and zeroed (not freed) after each optimizer step.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-MAX_GRAPHS = 16
+MAX_GRAPHS = 4
 MIN_DOC_SLOTS = 64
 
 
@@ -51,22 +55,23 @@ class StepGraphs:
     forward and backward and returns (loss, parts, expert_load) as tensors (the trainer's own step, not a copy)."""
 
     def __init__(self, micro: Callable, params: list[torch.nn.Parameter], device: torch.device, tokens: int,
-                 log: Callable[[str], None] = print):
-        self.micro, self.params, self.device, self.tokens, self.log = micro, params, device, tokens, log
+                 max_seqlen: int, accumulate: bool, log: Callable[[str], None] = print):
+        """accumulate: several micro-batches per step (the graphs add into kept `.grad` tensors), else one."""
+        self.micro, self.params, self.device, self.log = micro, params, device, log
+        self.tokens, self.max_seqlen, self.accumulate = tokens, max_seqlen, accumulate
         self.enabled = True
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
         self.replays = 0
-        self.eager = 0  # micro-batches that ran eagerly (warm-ups and batches no graph takes)
+        self.eager = 0  # micro-batches that ran eagerly on a graph's buffers (the warm-ups)
 
     def key(self, batch) -> tuple | None:
         """The graph this host batch fits, or None (then it runs eagerly)."""
         T = batch.num_tokens
-        if T != self.tokens:
+        if T != self.tokens or batch.max_seqlen > self.max_seqlen:
             return None
-        slots = max(MIN_DOC_SLOTS, _pow2(batch.num_segments + 1))
-        return T, slots, _pow2(max(1, batch.max_seqlen))
+        return T, max(MIN_DOC_SLOTS, _pow2(batch.num_segments + 1)), min(_pow2(batch.max_seqlen), self.max_seqlen)
 
     def run(self, batch, num_targets: torch.Tensor, mtp_weight: float):
         """One micro-batch: (loss, parts, expert_load) as tensors of its own, or None if this batch must run eagerly
@@ -110,28 +115,42 @@ class StepGraphs:
         return loss.clone(), {k: v.clone() for k, v in parts.items()}, None if load is None else load.clone()
 
     def _capture(self, g: _Graph) -> None:
-        """Record (not run) the micro-batch on g's buffers; gradients are recorded as `grad += new`."""
+        """Record (not run) the micro-batch on g's buffers. The step's gradients so far stay as they are."""
+        held = [p.grad for p in self.params]
         for p in self.params:
-            if p.grad is None:
+            if self.accumulate and p.grad is None:  # recorded as `grad += new`: the tensors must exist
                 p.grad = torch.zeros_like(p)
-        g.grads = [p.grad for p in self.params]
+            elif not self.accumulate:  # recorded as `grad = new`, into tensors of the graph's own
+                p.grad = None
         graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            g.outputs = self.micro(g.ids, g.cu, g.targets, g.max_seqlen, g.num_targets, g.mtp_weight, True)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                g.outputs = self.micro(g.ids, g.cu, g.targets, g.max_seqlen, g.num_targets, g.mtp_weight, True)
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            g.grads = [p.grad for p in self.params]
+            if not self.accumulate:
+                for p, grad in zip(self.params, held):
+                    p.grad = grad
         g.graph = graph
 
     def _keep_grads(self, g: _Graph) -> None:
-        """The graph adds into the gradient tensors it was captured with. Where something set a `.grad` to None
-        (no gradient yet) or replaced it, put the captured tensor back, holding the same values."""
+        """Before a replay. One micro-batch per step: hand the graph's gradient tensors to `.grad` (the replay
+        overwrites them). Several: the graph adds into the tensors it was captured with; where something set a
+        `.grad` to None (no gradient yet) or replaced it, put the captured tensor back, holding the same values."""
         for p, grad in zip(self.params, g.grads):
-            if p.grad is not grad:
+            if p.grad is grad:
+                continue
+            if self.accumulate:
                 if p.grad is None:
                     grad.zero_()
                 else:
                     grad.copy_(p.grad)
-                p.grad = grad
+            elif p.grad is not None:
+                raise RuntimeError("one micro-batch per step, but a gradient is already set before it (grad_accum=1 "
+                                   "with graphs expects `.grad` cleared after each step)")
+            p.grad = grad
 
 
 class _Graph:

@@ -317,12 +317,14 @@ class Trainer:
                 raise ConfigError(f"train.cuda_graphs=true but {why}")
             return None, f"off: {why}"
         params = [p for p in self.model.parameters() if p.requires_grad]
-        g = graphs.StepGraphs(self._micro, params, self.device, self.cfg.data.tokens_per_batch, self.log)
+        d = self.cfg.data
+        g = graphs.StepGraphs(self._micro, params, self.device, d.tokens_per_batch, d.max_seqlen,
+                              accumulate=self.cfg.train.grad_accum > 1, log=self.log)
         return g, "on: each micro-batch's forward and backward replays as one CUDA graph (train/graphs.py)"
 
     def _zero_grads(self) -> None:
-        """After a step. With CUDA graphs the gradient tensors stay (a graph adds into them); else they are freed."""
-        self.optimizer.zero_grad(set_to_none=self.graphs is None)
+        """After a step: freed, except where CUDA graphs add several micro-batches into kept tensors."""
+        self.optimizer.zero_grad(set_to_none=self.graphs is None or not self.graphs.accumulate)
 
     def _stopping(self) -> bool:
         """Whether a signal asked the run to stop. Distributed: the request as all ranks agreed on it in the last
