@@ -92,3 +92,36 @@ def test_graphed_step_matches_eager(data_dir, tmp_path, accum):  # noqa: F811
     assert g.accumulate == (accum > 1)
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=2e-3, atol=0)
     assert graphed[-1] < graphed[0] - 0.3
+
+
+def test_clip_folded_into_fused_adamw_matches_clip_then_step(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """One process with fused AdamW: the clip factor goes into the optimizer kernel (grad_scale) instead of a pass
+    over the gradients; the steps are those of clip-then-step (CPU, fused AdamW forced; clipping active)."""
+    import anyseek.train.trainer as trainer_mod
+
+    real = trainer_mod.build_optimizer
+
+    def fused(model, cfg, device):
+        groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")}
+                  for g in real(model, cfg, device).param_groups]
+        return torch.optim.AdamW(groups, fused=True)
+
+    monkeypatch.setattr(trainer_mod, "build_optimizer", fused)
+    runs = []
+    for fold in (True, False):
+        cfg = tiny_cfg(data_dir, "--train.device=cpu", "--train.grad_clip=0.05", "--train.warmup_steps=1")
+        tr = Trainer(cfg, tmp_path / f"fold{fold}", log=lambda s: None)
+        tr.optimizer.defaults["fused"] = fold  # what the trainer reads to decide; the kernel is fused either way
+        batches = iter(tr.train_loader)
+        losses, norms = [], []
+        for _ in range(6):
+            ok, loss, norm = tr._apply(tr._accumulate(batches))
+            assert ok
+            losses.append(loss)
+            norms.append(norm)
+            tr.step += 1
+        assert hasattr(tr.optimizer, "grad_scale") == fold
+        if fold:
+            assert float(tr.optimizer.grad_scale) > 1.0  # the clip was active
+        runs.append((losses, norms))
+    torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-5, atol=0)

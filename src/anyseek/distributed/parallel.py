@@ -83,10 +83,11 @@ class Parallel:
         """`t` summed over every rank, in place (a no-op for one process)."""
         return all_reduce_sum(t, self.env)
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, scale: bool = True) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most max_norm; return that norm (fp32 scalar).
-        One process: torch.nn.utils.clip_grad_norm_. Sharded: each element's square counted once over the world
-        (a DTensor's local shard, divided by how many ranks hold a replica of it), one all-reduce."""
+        One process: torch.nn.utils.clip_grad_norm_ (scale=False: the norm only, for an optimizer that applies the
+        factor itself). Sharded: each element's square counted once over the world (a DTensor's local shard,
+        divided by how many ranks hold a replica of it), one all-reduce."""
         params = [p for p in model.parameters() if p.grad is not None]
         if not params and any(p.requires_grad for p in model.parameters()):
             # the failure a wrapper can cause silently (FSDP2 on torch <= 2.11 and an output it could not flatten):
@@ -94,6 +95,8 @@ class Parallel:
             raise RuntimeError("no trainable parameter received a gradient in this step: the backward did not reach "
                                "the parameters the optimizer holds (a parallel wrapper dropped them?)")
         if not self.active:
+            if not scale:
+                return torch.nn.utils.get_total_norm([p.grad for p in params])
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         from torch.distributed.tensor import DTensor
         if self.ep_mesh is not None:
