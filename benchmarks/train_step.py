@@ -71,7 +71,7 @@ def categorize(name: str) -> str:
     return "other"
 
 
-def profile_steps(step, items, out_path: Path | None = None) -> tuple[int, dict[str, float], str]:
+def profile_steps(step, items, out_path: Path | None = None) -> tuple[list[int], dict[str, float], str]:
     """Profile `step` over `items` (already warm): ((host launches, GPU kernels) per step, GPU ms per step by
     category, the top-25 kernel table). Host launches: kernel, graph, copy and memset calls the host makes (a CUDA
     graph replay is one); GPU kernels: the kernels the GPU runs (a graph's count one each). User annotations on the
@@ -91,11 +91,10 @@ def profile_steps(step, items, out_path: Path | None = None) -> tuple[int, dict[
             cats[categorize(e.name)] = cats.get(categorize(e.name), 0.0) + e.device_time / 1e3 / len(items)
         elif e.name in LAUNCH_CALLS:
             host += 1
-    launches = (host, kernels)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
     if out_path is not None:
         out_path.write_text(table)
-    return [n // len(items) for n in launches], dict(sorted(cats.items(), key=lambda kv: -kv[1])), table
+    return [host // len(items), kernels // len(items)], dict(sorted(cats.items(), key=lambda kv: -kv[1])), table
 
 
 def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):

@@ -111,7 +111,7 @@ def test_clip_folded_into_fused_adamw_matches_clip_then_step(data_dir, tmp_path,
     for fold in (True, False):
         cfg = tiny_cfg(data_dir, "--train.device=cpu", "--train.grad_clip=0.05", "--train.warmup_steps=1")
         tr = Trainer(cfg, tmp_path / f"fold{fold}", log=lambda s: None)
-        tr.optimizer.defaults["fused"] = fold  # what the trainer reads to decide; the kernel is fused either way
+        tr._fold_clip = fold  # the kernel is fused either way
         batches = iter(tr.train_loader)
         losses, norms = [], []
         for _ in range(6):

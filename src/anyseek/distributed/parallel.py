@@ -85,9 +85,9 @@ class Parallel:
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, scale: bool = True) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most max_norm; return that norm (fp32 scalar).
-        One process: torch.nn.utils.clip_grad_norm_ (scale=False: the norm only, for an optimizer that applies the
-        factor itself). Sharded: each element's square counted once over the world (a DTensor's local shard,
-        divided by how many ranks hold a replica of it), one all-reduce."""
+        scale=False: the norm only, for an optimizer that applies the factor itself.
+        One process: torch.nn.utils.clip_grad_norm_. Sharded: each element's square counted once over the world
+        (a DTensor's local shard, divided by how many ranks hold a replica of it), one all-reduce."""
         params = [p for p in model.parameters() if p.grad is not None]
         if not params and any(p.requires_grad for p in model.parameters()):
             # the failure a wrapper can cause silently (FSDP2 on torch <= 2.11 and an output it could not flatten):
@@ -112,7 +112,7 @@ class Parallel:
             norms = torch._foreach_norm(group, 2.0)
             sq += torch.stack(norms).float().pow(2).sum() / replicas
         norm = self.sum_(sq).sqrt()
-        if math.isfinite(max_norm):
+        if scale and math.isfinite(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return norm

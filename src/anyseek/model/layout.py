@@ -41,11 +41,7 @@ class PackedLayout:
         # a CUDA graph being recorded cannot read values: its runner checks each batch on the host (train/graphs.py)
         if max_seqlen is None or not _capturing(cu):
             first, last, shortest, longest = torch.stack([cu[0], cu[-1], doc_lens.min(), doc_lens.max()]).tolist()
-            if first != 0 or last != num_tokens or shortest < 0:
-                raise ValueError(
-                    f"cu_seqlens must start at 0, never decrease and end at the token count {num_tokens}; "
-                    f"got {first}..{last}{' with a decreasing step' if shortest < 0 else ''}"
-                )
+            check_cu_seqlens(first, last, shortest, num_tokens)
             max_seqlen = longest if max_seqlen is None else max_seqlen
         B = doc_lens.numel()
         doc_ids = torch.repeat_interleave(torch.arange(B, device=cu.device), doc_lens, output_size=num_tokens)
@@ -64,6 +60,16 @@ class PackedLayout:
     def with_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> PackedLayout:
         """The same layout with its rotary tables."""
         return dataclasses.replace(self, cos=cos, sin=sin)
+
+
+def check_cu_seqlens(first: int, last: int, shortest: int, num_tokens: int) -> None:
+    """cu_seqlens' values, from its first and last entry and its shortest document: start at 0, never decrease, end
+    at the token count."""
+    if first != 0 or last != num_tokens or shortest < 0:
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at the token count {num_tokens}; "
+            f"got {first}..{last}{' with a decreasing step' if shortest < 0 else ''}"
+        )
 
 
 def _capturing(t: torch.Tensor) -> bool:

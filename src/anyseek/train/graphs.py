@@ -12,10 +12,10 @@ number of documents and its longest document vary, so each captured graph reads 
   it; kernels choose their tiles by it, so one bound for all would slow batches of short documents);
 - the step's loss denominators and the MTP loss weight as device scalars.
 
-One graph per (tokens, document bucket, max_seqlen bucket), at most MAX_GRAPHS, all in one memory pool (they never run at once and none reads another's
-output). The first micro-batch of a new shape runs eagerly on the graph's buffers (the warm-up: Triton compiles,
-cuBLAS sets up) and is then captured; later ones replay. Anything that fails while capturing turns graphs off for the
-rest of the run with one line saying why; the step then runs eagerly as before.
+One graph per (tokens, document bucket, max_seqlen bucket), at most MAX_GRAPHS, all in one memory pool (they
+never run at once and none reads another's output). The first micro-batch of a new shape runs eagerly on the graph's
+buffers (the warm-up: Triton compiles, cuBLAS sets up) and is then captured; later ones replay. Anything that fails
+while capturing turns graphs off for the rest of the run with one line saying why; the step then runs eagerly.
 
 Gradients. One micro-batch per step (the default): the graph writes each gradient into a tensor of its own, which
 it hands to `.grad` before each replay (no zeroing, no accumulation pass; the tensors cost one gradient's memory per
@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from anyseek.model.layout import check_cu_seqlens
 
 MAX_GRAPHS = 4
 MIN_DOC_SLOTS = 64
@@ -79,13 +81,11 @@ class StepGraphs:
         if not self.enabled:
             return None
         key = self.key(batch)
-        if key is None:
-            return None
         g = self.graphs.get(key)
+        if key is None or (g is None and len(self.graphs) >= MAX_GRAPHS):
+            return None
+        _check_cu(batch, key[0])
         if g is None:
-            if len(self.graphs) >= MAX_GRAPHS:
-                return None
-            _check_cu(batch, key[0])
             g = _Graph(*key, num_targets, self.device)
             g.load(batch, num_targets, mtp_weight)
             current = torch.cuda.current_stream(self.device)
@@ -106,7 +106,6 @@ class StepGraphs:
                 return outputs
             self.graphs[key] = g
             return outputs
-        _check_cu(batch, key[0])
         self._keep_grads(g)
         g.load(batch, num_targets, mtp_weight)
         g.graph.replay()
@@ -181,9 +180,8 @@ class _Graph:
 
 
 def _check_cu(batch, T: int) -> None:
-    """The checks `PackedLayout.build` makes on the device, made here on the host copy: a graph cannot read values."""
-    cu = batch.cu_seqlens
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu.diff() < 0).any()):
-        raise ValueError(
-            f"cu_seqlens must start at 0, never decrease and end at the token count {T}; got {cu.tolist()[:8]}..."
-        )
+    """`PackedLayout.build`'s check, made on the host copy: a graph being replayed cannot read values."""
+    cu = batch.cu_seqlens.to(torch.int64)
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu.shape)}")
+    check_cu_seqlens(int(cu[0]), int(cu[-1]), int(cu.diff().min()), T)

@@ -114,6 +114,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
         self.graphs, self.graphs_note = self._step_graphs()
+        # fused AdamW in one process: the clip factor goes into its kernel (grad_scale divides each gradient as it is
+        # read), which saves a pass over the gradients
+        self._fold_clip = not self.par.active and bool(self.optimizer.defaults.get("fused"))
         # flops_per_token(L) = a + b*L; computed once here, not per batch (it walks every module)
         self._flops_a = self.model.flops_per_token(0)
         self._flops_b = self.model.flops_per_token(1) - self._flops_a
@@ -346,9 +349,7 @@ class Trainer:
         """Clip and step, or skip a non-finite step. Returns (stepped, mean loss, grad norm)."""
         t = self.cfg.train
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        # fused AdamW in one process: the clip factor goes into its kernel (grad_scale divides each gradient as it is
-        # read), which saves a pass over the gradients
-        fold = not self.par.active and bool(self.optimizer.defaults.get("fused")) and math.isfinite(max_norm)
+        fold = self._fold_clip and math.isfinite(max_norm)
         grad_norm = self.par.clip_grad_norm_(self.model, max_norm, scale=not fold)  # the global norm: all ranks agree
         if fold:
             self.optimizer.grad_scale = ((grad_norm.float() + CLIP_EPS) / max_norm).clamp(min=1.0)
