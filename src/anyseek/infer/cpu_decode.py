@@ -255,6 +255,7 @@ class CpuDecoder:
         return (p0 - 1) // n
 
     @torch.inference_mode()
+    @torch.autocast("cpu", enabled=False)  # its own weights' dtype (out= buffers); CPU autocast (train.dtype=bf16)
     def step(self, ids_B: torch.Tensor, pos_B: torch.Tensor, slots_B: torch.Tensor, rows: int | torch.Tensor,
              mask_B1S: torch.Tensor | None, S: int) -> torch.Tensor:  # fmt: skip
         """ids, positions, cache slots (flat rows) [B]; rows: the first of B consecutive blocks holding the batch's

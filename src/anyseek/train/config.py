@@ -70,6 +70,10 @@ class TrainConfig:
     # GPU: replay each micro-batch's forward and backward as a CUDA graph (train/graphs.py). "auto": on a CUDA device
     # in one process without train.compile; true: required (an error where it cannot be); false: never.
     cuda_graphs: bool | str = "auto"
+    # Forward and backward on a bf16 copy of the fp32 master weights, cast once per optimizer step
+    # (train/precision.py), instead of autocast casting each weight at each use. "auto": on a CUDA device in one
+    # process when train.dtype computes in bf16; true: also on the CPU (train.dtype=bf16); false: autocast.
+    working_copy: bool | str = "auto"
     tune_allocator: bool = True  # CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime)
     attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, bmm, sdpa, reference, ...
     moe_backend: str = "auto"  # for the routed experts: auto, triton, grouped_mm, reference
@@ -105,6 +109,10 @@ class TrainConfig:
             self.cuda_graphs = "true" if self.cuda_graphs else "false"
         if self.cuda_graphs not in ("auto", "true", "false"):
             raise ConfigError(f"train.cuda_graphs must be auto, true or false, got {self.cuda_graphs!r}")
+        if isinstance(self.working_copy, bool):
+            self.working_copy = "true" if self.working_copy else "false"
+        if self.working_copy not in ("auto", "true", "false"):
+            raise ConfigError(f"train.working_copy must be auto, true or false, got {self.working_copy!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"train.dtype must be one of auto, bf16, fp32, got {self.dtype!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -113,6 +113,7 @@ class Trainer:
         self.model.train()
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
+        self.working, self.working_note = self._working_copy()  # before the graphs: they read its buffers
         self.graphs, self.graphs_note = self._step_graphs()
         # fused AdamW in one process: the clip factor goes into its kernel (grad_scale divides each gradient as it is
         # read), which saves a pass over the gradients
@@ -172,6 +173,8 @@ class Trainer:
             else:  # LoRA: start.load_model reads the adapters
                 state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer, self.start.load_model)
             self.train_loader.load_state_dict(state["loader"])
+            if self.working is not None:
+                self.working.refresh()  # the loaded master weights into the working copy
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.bad_in_a_row = int(state.get("bad_in_a_row", 0))
             self.log(f"resumed from {ckpt.path} at step {self.step}" + (f" (changed: {'; '.join(changes)})"
@@ -292,8 +295,12 @@ class Trainer:
     def _micro(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed=False):
         """One micro-batch's forward and backward: (loss, parts, expert_load), detached. The same code runs eagerly
         and inside a CUDA graph (`train/graphs.py`; graphed: autocast's weight cache off, as graph capture needs)."""
+        with self.working.active() if self.working is not None else contextlib.nullcontext():
+            return self._micro_inner(input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed)
+
+    def _micro_inner(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed):
         alpha = self.model_cfg.aux_loss_alpha
-        with self._autocast(cache=not graphed):
+        with self._autocast(cache=not graphed) if self.working is None else contextlib.nullcontext():
             out = self.forward(input_ids, cu_seqlens=cu_seqlens, targets=targets, max_seqlen=max_seqlen,
                                return_logits=False, num_targets=num_targets)
         parts = {"lm_loss": out.lm_loss}
@@ -306,6 +313,8 @@ class Trainer:
             parts["balance_loss"] = out.balance_loss / (self.cfg.train.grad_accum * self.par.env.world_size)
             loss = loss + alpha * parts["balance_loss"]
         loss.backward()
+        if self.working is not None:
+            self.working.collect()  # bf16 gradients into the fp32 ones
         load = out.expert_load.detach() if out.expert_load is not None else None
         return loss.detach(), {k: v.detach().float() for k, v in parts.items()}, load
 
@@ -321,14 +330,36 @@ class Trainer:
             if mode == "true":
                 raise ConfigError(f"train.cuda_graphs=true but {why}")
             return None, f"off: {why}"
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # with a working copy its `collect` (inside the graph) moves the gradients; the graphs own none
+        params = [] if self.working is not None else [p for p in self.model.parameters() if p.requires_grad]
         d = self.cfg.data
         g = graphs.StepGraphs(self._micro, params, self.device, d.tokens_per_batch, d.max_seqlen,
                               accumulate=self.cfg.train.grad_accum > 1, log=self.log)
         return g, "on: each micro-batch's forward and backward replays as one CUDA graph (train/graphs.py)"
 
-    def _zero_grads(self) -> None:
-        """After a step: freed, except where CUDA graphs add several micro-batches into kept tensors."""
+    def _working_copy(self):
+        """(WorkingCopy or None, a line saying which and why) from train.working_copy."""
+        from anyseek.train import precision
+
+        mode = self.cfg.train.working_copy
+        low = self.autocast_dtype
+        if mode == "false":
+            return None, f"fp32, autocast to {low} at each use (train.working_copy=false)" if low else "fp32"
+        why = precision.unavailable(self.device, self.par.active, low)
+        if why is not None and not (mode == "true" and self.device.type == "cpu" and low is not None):
+            if mode == "true":
+                raise ConfigError(f"train.working_copy=true but {why}")
+            return None, "fp32" + (f", autocast to {low}" if low else "") + f" (no working copy: {why})"
+        w = precision.WorkingCopy(self.model, low, accumulate=self.cfg.train.grad_accum > 1)
+        return w, (f"fp32 master weights, forward and backward on a {str(low).replace('torch.', '')} working copy "
+                   f"cast once per step (+{w.nbytes() / 2**20:,.0f} MiB; train/precision.py)")
+
+    def _zero_grads(self, stepped: bool = False) -> None:
+        """After a step: freed, except where CUDA graphs add several micro-batches into kept tensors. With a working
+        copy: its gradients taken back (zeroed when they accumulate), and after a step the copy refreshed."""
+        if self.working is not None:
+            self.working.after_step(stepped)
+            return
         self.optimizer.zero_grad(set_to_none=self.graphs is None or not self.graphs.accumulate)
 
     def _stopping(self) -> bool:
@@ -350,6 +381,8 @@ class Trainer:
         t = self.cfg.train
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         fold = self._fold_clip and math.isfinite(max_norm)
+        if self.working is not None:
+            self.working.hand_over()  # the fp32 gradients, for the clip and the optimizer
         grad_norm = self.par.clip_grad_norm_(self.model, max_norm, scale=not fold)  # the global norm: all ranks agree
         if fold:
             self.optimizer.grad_scale = ((grad_norm.float() + CLIP_EPS) / max_norm).clamp(min=1.0)
@@ -373,7 +406,7 @@ class Trainer:
             return False, loss, norm
         self.bad_in_a_row = 0
         self.optimizer.step()
-        self._zero_grads()
+        self._zero_grads(stepped=True)
         if stats.expert_load is not None:
             self.model.update_routing_bias(stats.expert_load, gamma=self.bias_update_speed())
         return True, loss, norm
@@ -473,6 +506,7 @@ class Trainer:
                  f"| autocast {self.autocast_dtype} | {torch.get_num_threads()} threads | {self.allocator}")
         self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "
                  f"{self.cfg.train.grad_accum} micro-batches per step")
+        self.log(f"weights: {self.working_note}")
         self.log(f"CUDA graphs: {self.graphs_note}")
         describe = getattr(registry, "describe", None)
         if describe is not None:

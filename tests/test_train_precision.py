@@ -1,0 +1,172 @@
+"""The bf16 working copy of the fp32 master weights (train/precision.py, `train.working_copy`): gradients equal to
+those of a bf16 model, master weights fp32 everywhere outside the step (optimizer, checkpoints, evaluation), the copy
+refreshed after every step and after a resume, bit-exact resume, LoRA's frozen fp32 tensors swapped too."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from test_train_loop import data_dir, final_state, run, tiny_cfg  # noqa: F401 - the module's corpus fixture
+
+from anyseek.train import precision
+from anyseek.train.config import ConfigError, load_run_config
+from anyseek.train.trainer import Trainer
+
+CPU_BF16 = ("--train.device=cpu", "--train.dtype=bf16")
+
+
+def test_config_accepts_auto_true_false_only():
+    assert load_run_config("tiny", []).train.working_copy == "auto"
+    assert load_run_config("tiny", ["--train.working_copy=false"]).train.working_copy == "false"
+    with pytest.raises(ConfigError, match="train.working_copy must be auto, true or false, got 'bf16'"):
+        load_run_config("tiny", ["--train.working_copy=bf16"])
+
+
+def test_reasons_a_working_copy_is_unavailable():
+    assert "fp32" in precision.unavailable(torch.device("cuda"), False, None)
+    assert "torchrun" in precision.unavailable(torch.device("cuda"), True, torch.bfloat16)
+    assert "cpu" in precision.unavailable(torch.device("cpu"), False, torch.bfloat16)
+    assert precision.unavailable(torch.device("cuda"), False, torch.bfloat16) is None
+
+
+def test_off_by_default_on_cpu_and_true_needs_a_low_precision(data_dir, tmp_path):  # noqa: F811
+    lines = []
+    tr = Trainer(tiny_cfg(data_dir, "--train.device=cpu"), tmp_path / "a", log=lines.append)
+    assert tr.working is None
+    tr._describe()
+    assert any(line.startswith("weights: fp32 (no working copy: the run computes in fp32") for line in lines), lines
+    with pytest.raises(ConfigError, match="train.working_copy=true but the run computes in fp32"):
+        Trainer(tiny_cfg(data_dir, "--train.device=cpu", "--train.working_copy=true"), tmp_path / "b",
+                log=lambda s: None)
+
+
+def _trainer(data, out, *extra):
+    cfg = tiny_cfg(data, *CPU_BF16, "--train.working_copy=true", "--train.warmup_steps=1", *extra)
+    return Trainer(cfg, out, log=lambda s: None)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_gradients_are_those_of_the_bf16_model_in_fp32(data_dir, tmp_path, accum):  # noqa: F811
+    """The fp32 gradients handed to the optimizer equal, bit for bit, the gradients of a bf16 copy of the model run
+    without autocast on the same micro-batches (summed in fp32 over micro-batches); the parameters are fp32 again
+    after the step's forward and backward."""
+    tr = _trainer(data_dir, tmp_path / "w", f"--train.grad_accum={accum}")
+    assert tr.working is not None and tr.working.accumulate == (accum > 1)
+    twin = copy.deepcopy(tr.model).to(torch.bfloat16)
+    batches = iter(tr.train_loader)
+    micro = [next(batches) for _ in range(accum)]
+    tr._accumulate(iter(micro))
+    assert all(p.dtype == torch.float32 and p.grad is None for p in tr.model.parameters())
+    tr.working.hand_over()
+    from anyseek.model.mtp import count_targets
+
+    counts = [count_targets(b.targets, b.cu_seqlens, len(twin.mtp)) for b in micro]
+    num = torch.tensor([sum(c[i] for c in counts) for i in range(len(counts[0]))], dtype=torch.float32)
+    want = {n: torch.zeros(p.shape) for n, p in twin.named_parameters()}
+    for b in micro:
+        twin.zero_grad(set_to_none=True)
+        out = twin(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets, max_seqlen=b.max_seqlen,
+                   return_logits=False, num_targets=num)
+        loss = out.lm_loss + tr.mtp_loss_weight() * out.mtp_loss
+        loss = loss + tr.model_cfg.aux_loss_alpha * out.balance_loss / accum
+        loss.backward()
+        for n, p in twin.named_parameters():
+            if p.grad is not None:
+                want[n] += p.grad.float()
+    for n, p in tr.model.named_parameters():
+        assert p.grad.dtype == torch.float32, n
+        torch.testing.assert_close(p.grad, want[n], rtol=0, atol=0, msg=n)
+
+
+def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):  # noqa: F811
+    tr = _trainer(data_dir, tmp_path / "w")
+    w = tr.working
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    batches = iter(tr.train_loader)
+    losses = []
+    for _ in range(8):
+        ok, loss, _ = tr._apply(tr._accumulate(batches))
+        assert ok
+        losses.append(loss)
+        tr.step += 1
+        for p, low in zip(w.params, w.low):
+            assert p.dtype == torch.float32 and p.grad is None
+            assert torch.equal(low, p.detach().to(torch.bfloat16))  # refreshed after the step
+    moved = [n for n, p in tr.model.named_parameters() if not torch.equal(before[n], p.detach())]
+    assert len(moved) == len(before)  # every master weight was updated in fp32
+    assert all(s["exp_avg"].dtype == torch.float32 for s in tr.optimizer.state.values())
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_checkpoints_hold_the_fp32_masters_and_resume_is_bit_identical(data_dir, tmp_path):  # noqa: F811
+    cfg = tiny_cfg(data_dir, *CPU_BF16, "--train.working_copy=true", "--train.max_steps=6", "--train.save_every=3",
+                   "--train.keep_last=5")
+    straight = tmp_path / "straight"
+    run(cfg, straight)
+    state = final_state(straight, 6)
+    assert all(t.dtype == torch.float32 for t in state.values())
+    resumed = tmp_path / "resumed"
+    run(tiny_cfg(data_dir, *CPU_BF16, "--train.working_copy=true", "--train.max_steps=3", "--train.save_every=3"),
+        resumed)
+    run(cfg, resumed, resume=True)  # continues from step-3: the loaded masters must reach the working copy
+    other = final_state(resumed, 6)
+    for k in state:
+        assert torch.equal(state[k], other[k]), k
+
+
+def test_lora_frozen_fp32_tensors_get_a_copy_and_stay_unchanged(data_dir, tmp_path):  # noqa: F811
+    """LoRA: the base matrices are bf16 already; the frozen fp32 embedding and norms are swapped too (no autocast
+    would make their products mixed), get no gradient, and are unchanged; only the adapters train."""
+    run(tiny_cfg(data_dir, "--train.max_steps=1"), tmp_path / "base")
+    init = f"--train.init={json.dumps(str(tmp_path / 'base' / 'step-1'))}"
+    tr = _trainer(data_dir, tmp_path / "lora", init, "--train.lora_rank=4")
+    w = tr.working
+    trained = {id(w.params[i]) for i in w.trained}
+    assert trained == {id(p) for p in tr.model.parameters() if p.requires_grad}
+    assert any(not p.requires_grad for p in w.params)  # frozen fp32 tensors with a copy
+    frozen = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+    batches = iter(tr.train_loader)
+    losses = []
+    for _ in range(4):
+        ok, loss, _ = tr._apply(tr._accumulate(batches))
+        assert ok
+        losses.append(loss)
+        tr.step += 1
+    for n, p in tr.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p.detach(), frozen[n]), n
+        else:
+            assert p.dtype == torch.float32 and not torch.equal(p.detach(), adapters[n]), n
+    assert all(math.isfinite(x) for x in losses), losses
+
+
+def _losses(data, tmp_path, working: str, graphs: str, steps: int):
+    cfg = tiny_cfg(data, "--train.device=cuda", f"--train.working_copy={working}", f"--train.cuda_graphs={graphs}",
+                   "--train.max_steps=100", "--train.warmup_steps=1", "--train.lr=1e-3")
+    tr = Trainer(cfg, tmp_path / f"{working}{graphs}", log=lambda s: None)
+    batches = iter(tr.train_loader)
+    losses = []
+    for _ in range(steps):
+        ok, loss, _ = tr._apply(tr._accumulate(batches))
+        assert ok
+        losses.append(loss)
+        tr.step += 1
+    return losses, tr
+
+
+@pytest.mark.cuda
+def test_working_copy_on_cuda_follows_autocast_and_graphs_replay_it(data_dir, tmp_path):  # noqa: F811
+    """On a GPU the working copy is on by default; its losses follow autocast's within bf16 noise, and its graphed
+    step matches its eager step."""
+    auto, _ = _losses(data_dir, tmp_path, "false", "false", 12)
+    eager, tr = _losses(data_dir, tmp_path, "auto", "false", 12)
+    graphed, tg = _losses(data_dir, tmp_path, "auto", "true", 12)
+    assert tr.working is not None and tg.working is not None and tg.graphs.replays >= 10
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=2e-3, atol=0)
+    torch.testing.assert_close(torch.tensor(eager), torch.tensor(auto), rtol=2e-2, atol=0)
+    assert graphed[-1] < graphed[0] - 0.3
