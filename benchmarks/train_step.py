@@ -39,8 +39,10 @@ CASES = {
     "rows": ("anyseek, MTP off", "[B,S] rows"),
     "packed": ("anyseek, MTP off, packed documents", "packed varlen"),
     "mtp": ("anyseek, MTP on, packed documents (as trained)", "packed varlen"),
-    "trainer": ("`anyseek train` step as shipped (fp32 master + bf16 autocast, clip, bias update)", "packed varlen"),
+    "trainer": ("`anyseek train` step as shipped (fp32 master + bf16 working copy, clip, bias update)",
+                "packed varlen"),
     "trainer-eager": ("same step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
+    "trainer-autocast": ("same step, bf16 autocast over the fp32 weights (train.working_copy=false)", "packed varlen"),
     "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params, fp32 reduce)",
                      "packed varlen"),
     "trainer-compile": ("same step with train.compile=true", "packed varlen"),
@@ -110,6 +112,8 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
                  f"--train.compile={'true' if args.compile or case == 'trainer-compile' else 'false'}"]
     if case == "trainer-eager":
         overrides.append("--train.cuda_graphs=false")
+    if case == "trainer-autocast":
+        overrides.append("--train.working_copy=false")
     if case == "trainer-fsdp":  # what torchrun sets for one process: the trainer then wraps the model with FSDP2
         import socket
 
