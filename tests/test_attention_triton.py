@@ -52,6 +52,21 @@ def _worker() -> None:
         t.grad = None
     ops.mla_attention(*x, cu, 17).square().sum().backward()
     results["compile"] = {"pass": all(torch.allclose(a, t.grad, atol=1e-5) for a, t in zip(eager, x)), "table": []}
+    # MLA splits k_nope and v off one projection: the backward hands their gradients over as one buffer (no cat)
+    from anyseek.model import mla
+
+    seen, adjacent = [], mla._adjacent
+    mla._adjacent = lambda grads: seen.append(adjacent(grads)) or seen[-1]
+    kv = torch.randn(20, 2, 64, requires_grad=True)
+    q, kpe, g = torch.randn(20, 2, 48), torch.randn(20, 16), torch.randn(20, 2, 32)
+    k_nope, v = mla._split_last(kv, [32, 32])
+    ops.mla_attention(q, k_nope, kpe, v, cu, 17).backward(g)
+    mla._adjacent = adjacent
+    ref = kv.detach().clone().requires_grad_()
+    k2, v2 = ref.split([32, 32], dim=-1)
+    ops.mla_attention(q, k2, kpe, v2, cu, 17).backward(g)
+    results["joint_kv_grad"] = {"pass": len(seen) == 1 and seen[0] is not None and torch.equal(kv.grad, ref.grad),
+                                "table": []}
     # the registry hands out the triton backend on CPU when asked explicitly under the interpreter
     from anyseek.kernels import registry
 
@@ -69,7 +84,7 @@ def interp_results():
     return json.loads(lines[-1][len("RESULTS ") :])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["int64_path", "compile", "registry"])
+@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["int64_path", "compile", "joint_kv_grad", "registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"

@@ -40,9 +40,17 @@ def _mla_bwd(
     do: torch.Tensor, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float, causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _k.attention_bwd(
+    """(dq, d[k_nope | v] [T, H, N + V] in one tensor, dk_pe): the model splits k_nope and v off one projection, so
+    one gradient buffer spares the split's backward a concatenation (a custom op may not return aliasing views: the
+    autograd Function below slices it)."""
+    dq, dk_nope, dk_pe, dv = _k.attention_bwd(
         do, q, k_nope, k_pe, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared=True
     )
+    T, H, N = dk_nope.shape
+    joint = (*dk_nope.shape[:-1], N + dv.shape[-1])
+    if dk_nope.stride() == (H * joint[-1], joint[-1], 1) and dv.data_ptr() == dk_nope.data_ptr() + N * dv.element_size():
+        return dq, dk_nope.as_strided(joint, dk_nope.stride()), dk_pe
+    return dq, torch.cat([dk_nope, dv], dim=-1), dk_pe
 
 
 @_mla_bwd.register_fake
@@ -50,9 +58,8 @@ def _(do, q, k_nope, k_pe, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, c
     T, H, C = q.shape
     return (
         q.new_empty(T, H, C),
-        q.new_empty(T, H, k_nope.shape[-1]),
+        q.new_empty(T, H, k_nope.shape[-1] + v.shape[-1]),
         q.new_empty(T, k_pe.shape[-1]),
-        q.new_empty(T, H, v.shape[-1]),
     )
 
 
@@ -69,10 +76,11 @@ class _MLAAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k_nope, k_pe, v, out, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk_nope, dk_pe, dv = torch.ops.anyseek.mla_attention_bwd(
+        dq, dkv, dk_pe = torch.ops.anyseek.mla_attention_bwd(
             do, q, k_nope, k_pe, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale, ctx.causal
         )
-        return dq, dk_nope, dk_pe, dv, None, None, None, None
+        N = k_nope.shape[-1]
+        return dq, dkv[..., :N], dk_pe, dkv[..., N:], None, None, None, None
 
 
 def mla_attention(

@@ -18,7 +18,7 @@ from anyseek import kernels
 from anyseek.model.config import ModelConfig
 from anyseek.model.layout import PackedLayout
 from anyseek.model.norm import RMSNorm
-from anyseek.model.rope import apply_rope
+from anyseek.model.rope import apply_rope, rope_tail
 
 
 class MLA(nn.Module):
@@ -58,17 +58,57 @@ class MLA(nn.Module):
                 [self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1
             )
             q_TQ = self.q_b_proj(self.q_a_layernorm(q_a_TQ))
-        q_THC = q_TQ.view(T, H, self.nope + self.rope)
-        q_nope_THN, q_pe_THR = q_THC.split([self.nope, self.rope], dim=-1)
-        q_pe_THR = apply_rope(q_pe_THR, layout.cos, layout.sin, self.rope_interleave)
-        q_THC = torch.cat([q_nope_THN, q_pe_THR], dim=-1)
+        q_THC = rope_tail(q_TQ.view(T, H, self.nope + self.rope), layout.cos, layout.sin, self.rope,
+                          self.rope_interleave)  # one copy each way, no split/cat
 
         latent_TL, k_pe_TR = kv_a_TX.split([self.kv_lora_rank, self.rope], dim=-1)
         k_pe_TR = apply_rope(k_pe_TR, layout.cos, layout.sin, self.rope_interleave)
         kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent_TL)).view(T, H, self.nope + self.v_dim)
-        k_nope_THN, v_THV = kv_THX.split([self.nope, self.v_dim], dim=-1)
+        k_nope_THN, v_THV = _split_last(kv_THX, [self.nope, self.v_dim])
 
         out_THV = kernels.mla_attention(
             q_THC, k_nope_THN, k_pe_TR.contiguous(), v_THV, layout.cu_seqlens, layout.max_seqlen, self.softmax_scale, True
         )
         return self.o_proj(out_THV.reshape(T, H * self.v_dim))
+
+
+class _SplitLast(torch.autograd.Function):
+    """x.split(sizes, dim=-1) whose backward copies nothing when the gradients arrive as adjacent views of one
+    buffer (the Triton attention writes dk_nope and dv that way); otherwise it concatenates them as split's does."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.sizes = sizes
+        ctx.set_materialize_grads(False)
+        return x.split(sizes, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if all(g is not None for g in grads):
+            joint = _adjacent(grads)
+            if joint is not None:
+                return joint, None
+        shape = next(g.shape[:-1] for g in grads if g is not None)
+        parts = [g if g is not None else torch.zeros(*shape, n, dtype=next(h for h in grads if h is not None).dtype,
+                                                      device=next(h for h in grads if h is not None).device)
+                 for g, n in zip(grads, ctx.sizes)]
+        return torch.cat(parts, dim=-1), None
+
+
+def _adjacent(grads) -> torch.Tensor | None:
+    """The tensor of which `grads` are consecutive last-dim slices (same storage, strides and rows), or None."""
+    first = grads[0]
+    width = sum(g.shape[-1] for g in grads)
+    if first.stride(-1) != 1 or first.stride(-2) != width:
+        return None
+    offset = first.storage_offset()
+    for g in grads:
+        if (g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or g.stride() != first.stride()
+                or g.shape[:-1] != first.shape[:-1] or g.storage_offset() != offset or g.dtype != first.dtype):
+            return None
+        offset += g.shape[-1]
+    return first.as_strided((*first.shape[:-1], width), first.stride())
+
+
+def _split_last(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    return _SplitLast.apply(x, sizes)

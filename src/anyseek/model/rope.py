@@ -84,3 +84,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         pairs = pairs.contiguous()  # view_as_complex needs (re, im) adjacent and complex-aligned strides
     rot = torch.complex(cos, sin).view((cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],))
     return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(dtype)
+
+
+def _unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The gradient of `apply_rope` for its output gradient g (pairs interleaved): the inverse rotation, then the
+    input's layout."""
+    r = apply_rope(g, cos, -sin, True)
+    return r if interleave else r.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class _RopeTail(torch.autograd.Function):
+    """x [T, H, N + R] -> the same with its last R dims rotated: one output written in place of split + rope + cat,
+    and one gradient in place of the split's backward cat."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, rope: int, interleave: bool):
+        n = x.shape[-1] - rope
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out[..., :n] = x[..., :n]
+        out[..., n:] = apply_rope(x[..., n:], cos, sin, interleave)
+        ctx.save_for_backward(cos, sin)
+        ctx.rope, ctx.interleave = rope, interleave
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        n = g.shape[-1] - ctx.rope
+        dx = torch.empty_like(g, memory_format=torch.contiguous_format)
+        dx[..., :n] = g[..., :n]
+        dx[..., n:] = _unrotate(g[..., n:], cos, sin, ctx.interleave)
+        return dx, None, None, None, None
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int, interleave: bool) -> torch.Tensor:
+    """x [T, H, N + R] (query: nope part first) -> a new tensor, nope part copied and the last R dims rotated as
+    `apply_rope` rotates them."""
+    if cos.requires_grad or sin.requires_grad:
+        n = x.shape[-1] - rope
+        return torch.cat([x[..., :n], apply_rope(x[..., n:], cos, sin, interleave)], dim=-1)
+    return _RopeTail.apply(x, cos, sin, rope, interleave)

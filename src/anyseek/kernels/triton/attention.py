@@ -191,7 +191,8 @@ def _heads_per_program(H: int, n_tiles: int, device: torch.device) -> int:
 
 
 def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared):
-    """Gradients. b_shared: (dq [T, H, A+B], dka [T, H, A], dkb [T, R] summed over heads, dv [T, H, Vd]);
+    """Gradients. b_shared: (dq [T, H, A+B], dka [T, H, A], dkb [T, R] summed over heads, dv [T, H, Vd]), dka and
+    dv the two halves of one [T, H, A+Vd] buffer when their dtypes agree;
     otherwise (dq, dk [T, H, A+B] for the whole key, None, dv)."""
     T, H, C = q.shape
     A, VD = ka.shape[-1], v.shape[-1]
@@ -200,9 +201,13 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
     kb = kb if has_b else ka
     do = do.contiguous() if do.stride(-1) != 1 else do
     dq = torch.empty(T, H, C, device=q.device, dtype=q.dtype)
-    dv = torch.empty(T, H, VD, device=q.device, dtype=v.dtype)
-    if b_shared:
+    if b_shared and v.dtype == q.dtype:  # dka and dv: adjacent slices of one [T, H, A + Vd] buffer (see ops.py)
+        dkv = torch.empty(T, H, A + VD, device=q.device, dtype=q.dtype)
+        dka, dv = dkv[..., :A], dkv[..., A:]
+    else:
+        dv = torch.empty(T, H, VD, device=q.device, dtype=v.dtype)
         dka = torch.empty(T, H, A, device=q.device, dtype=q.dtype)
+    if b_shared:
         dkb32 = torch.zeros(T, B, device=q.device, dtype=torch.float32)
         dkb_arg = dkb32
     else:
