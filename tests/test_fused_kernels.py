@@ -86,6 +86,44 @@ def xent_errors(C, V, dtype, scale, labels_kind, device, seed=0):
             ("grad", (grad.cpu().double() - want_g).abs().max().item(), (low_g.double() - want_g).abs().max().item())]
 
 
+# (name, elements, gradient dtype, working-copy dtype or None)
+ADAMW_CASES = [
+    ("fp32_grad", 5003, "float32", None),
+    ("fp16_grad_fp16_copy", 4099, "float16", "float16"),
+    ("one", 1, "float32", "float16"),
+    ("empty", 0, "float16", "float16"),
+]
+
+
+def adamw_errors(n, grad_dtype, low_dtype, device, seed=0):
+    """[(what, max |kernel - reference|, allowed)] after 3 steps of `kernels.adamw_flat` (weight decay, a folded
+    clip factor) and for `sq_norm`; both compute in fp32, so they may differ by a few fp32 roundings only."""
+    from anyseek.kernels.reference import adamw as ref
+    from anyseek.kernels.triton import adamw as fused
+
+    g = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g).to(grad_dtype) for _ in range(3)]
+    out = {}
+    for name, mod in (("ref", ref), ("fused", fused)):
+        dev = "cpu" if name == "ref" else device
+        p, m, v = p0.clone().to(dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        low = torch.empty(n, dtype=low_dtype, device=dev) if low_dtype is not None else None
+        for step, grad in enumerate(grads, 1):
+            mod.adamw_flat(p, grad.to(dev), m, v, low, torch.tensor(1.5, device=dev), step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+        out[name] = [t.cpu().float() for t in (p, m, v)] + ([low.cpu().float()] if low is not None else [])
+        out[name].append(mod.sq_norm(grads[0].to(dev)).cpu().reshape(1))
+    names = ["p", "m", "v"] + (["low"] if low_dtype is not None else []) + ["sq_norm"]
+    table = []
+    for what, a, b in zip(names, out["fused"], out["ref"]):
+        err = (a - b).abs().max().item() if a.numel() else 0.0
+        tol = 1e-5 * max(1.0, b.abs().max().item() if b.numel() else 0.0)
+        if what == "low":  # one rounding of p to the copy's dtype may land on the other side
+            tol = 2.0 ** -7 * max(1.0, b.abs().max().item() if b.numel() else 0.0)
+        table.append((what, err, tol))
+    return table
+
+
 def passes(table, atol=1e-5):
     return all(err <= 2 * err_torch + atol for _, err, err_torch in table)
 
@@ -98,6 +136,9 @@ def _worker() -> None:
     for name, C, V, dt, scale, kind in XENT_CASES:
         table = xent_errors(C, V, getattr(torch, dt), scale, kind, "cpu")
         results[f"xent_{name}"] = {"pass": passes(table), "table": table}
+    for name, n, gd, ld in ADAMW_CASES:
+        table = adamw_errors(n, getattr(torch, gd), getattr(torch, ld) if ld else None, "cpu")
+        results[f"adamw_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
     print("RESULTS " + json.dumps(results))
 
 
@@ -110,7 +151,8 @@ def interp_results():
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-@pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES])
+@pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES]
+                         + [f"adamw_{c[0]}" for c in ADAMW_CASES])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (what, err, err_torch) = {r['table']}"
@@ -145,6 +187,14 @@ def test_gpu_cross_entropy_rows(dtype, V):
     for kind, scale in (("random", 3.0), ("argmax", 12.0), ("last", 30.0)):
         table = xent_errors(257, V, dtype, scale, kind, "cuda")
         assert passes(table, atol=1e-5), (kind, table)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 2047, 3 * 2**20 + 5])
+def test_gpu_adamw_flat(grad_dtype, n):
+    table = adamw_errors(n, grad_dtype, torch.bfloat16, "cuda")
+    assert all(err <= tol for _, err, tol in table), table
 
 
 if __name__ == "__main__":

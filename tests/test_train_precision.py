@@ -50,18 +50,19 @@ def _trainer(data, out, *extra):
 
 
 @pytest.mark.parametrize("accum", [1, 2])
-def test_gradients_are_those_of_the_bf16_model_in_fp32(data_dir, tmp_path, accum):  # noqa: F811
-    """The fp32 gradients handed to the optimizer equal, bit for bit, the gradients of a bf16 copy of the model run
-    without autocast on the same micro-batches (summed in fp32 over micro-batches); the parameters are fp32 again
-    after the step's forward and backward."""
+def test_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, accum):  # noqa: F811
+    """The flat gradients equal, bit for bit, the gradients of a bf16 copy of the model run without autocast on the
+    same micro-batches (one micro-batch: kept in bf16; several: summed in fp32); the parameters are fp32 again after
+    the step's forward and backward, without `.grad`."""
     tr = _trainer(data_dir, tmp_path / "w", f"--train.grad_accum={accum}")
-    assert tr.working is not None and tr.working.accumulate == (accum > 1)
+    w = tr.working
+    assert w is not None and w.accumulate == (accum > 1)
+    assert w.flat_grad.dtype == (torch.float32 if accum > 1 else torch.bfloat16)
     twin = copy.deepcopy(tr.model).to(torch.bfloat16)
     batches = iter(tr.train_loader)
     micro = [next(batches) for _ in range(accum)]
     tr._accumulate(iter(micro))
     assert all(p.dtype == torch.float32 and p.grad is None for p in tr.model.parameters())
-    tr.working.hand_over()
     from anyseek.model.mtp import count_targets
 
     counts = [count_targets(b.targets, b.cu_seqlens, len(twin.mtp)) for b in micro]
@@ -77,9 +78,50 @@ def test_gradients_are_those_of_the_bf16_model_in_fp32(data_dir, tmp_path, accum
         for n, p in twin.named_parameters():
             if p.grad is not None:
                 want[n] += p.grad.float()
+    grads = dict(zip((id(p) for p in w.trained), w.grads))
     for n, p in tr.model.named_parameters():
-        assert p.grad.dtype == torch.float32, n
-        torch.testing.assert_close(p.grad, want[n], rtol=0, atol=0, msg=n)
+        torch.testing.assert_close(grads[id(p)].float(), want[n], rtol=0, atol=0, msg=n)
+    expect = torch.cat([want[n].flatten() for n, p in tr.model.named_parameters()]).square().sum().sqrt()
+    torch.testing.assert_close(w.grad_norm(), expect, rtol=1e-5, atol=0)
+
+
+def test_flat_adamw_is_torch_adamw():
+    """FlatAdamW's step (the reference backend on CPU) is torch.optim.AdamW's, with the clip factor folded in, over
+    two parameter groups; its state loads from AdamW-shaped tensors."""
+    from anyseek.train.config import TrainConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    ref = copy.deepcopy(model)
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
+    w = precision.WorkingCopy(model, torch.bfloat16, accumulate=True)  # fp32 gradients: comparable with AdamW's
+    opt = precision.build_flat_adamw(w, cfg)
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    no_decay = [p for p in ref.parameters() if p.dim() < 2]
+    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-2, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    for step in range(4):
+        scale = 1.0 + step
+        refs = dict(ref.named_parameters())
+        names = {id(p): n for n, p in model.named_parameters()}
+        for q, g in zip(w.trained, w.grads):  # the flat order: matrices first
+            p = refs[names[id(q)]]
+            grad = torch.randn(p.shape)
+            g.copy_(grad)
+            p.grad = grad / scale
+        opt.grad_scale = torch.tensor(scale)
+        opt.step()
+        ref_opt.step()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
+        torch.testing.assert_close(w.flat_low, w.flat.to(torch.bfloat16), rtol=0, atol=0)
+        w.after_step()
+    for p in w.trained:  # a torch AdamW state handed over (as load_optimizer does)
+        opt.state[p] = {k: v.clone() for k, v in ref_opt.state[refs[names[id(p)]]].items()}
+    opt.step()
+    assert int(opt.state[w.trained[0]]["step"]) == 5
+    m = dict(zip((id(p) for p in w.trained), (opt.state[p]["exp_avg"] for p in w.trained)))
+    assert all(m[id(p)].data_ptr() == opt.m[a:b].data_ptr() for p, (a, b) in w.offsets.items())
 
 
 def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):  # noqa: F811
@@ -95,10 +137,11 @@ def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):
         tr.step += 1
         for p, low in zip(w.params, w.low):
             assert p.dtype == torch.float32 and p.grad is None
-            assert torch.equal(low, p.detach().to(torch.bfloat16))  # refreshed after the step
+            assert torch.equal(low, p.detach().to(torch.bfloat16))  # written by the optimizer step
     moved = [n for n, p in tr.model.named_parameters() if not torch.equal(before[n], p.detach())]
     assert len(moved) == len(before)  # every master weight was updated in fp32
     assert all(s["exp_avg"].dtype == torch.float32 for s in tr.optimizer.state.values())
+    assert all(p.data_ptr() == w.flat[a:b].data_ptr() for p, (a, b) in w.offsets.items())  # views of the flat
     assert losses[-1] < losses[0] - 0.3, losses
 
 
@@ -125,7 +168,7 @@ def test_lora_frozen_fp32_tensors_get_a_copy_and_stay_unchanged(data_dir, tmp_pa
     init = f"--train.init={json.dumps(str(tmp_path / 'base' / 'step-1'))}"
     tr = _trainer(data_dir, tmp_path / "lora", init, "--train.lora_rank=4")
     w = tr.working
-    trained = {id(w.params[i]) for i in w.trained}
+    trained = {id(p) for p in w.trained}
     assert trained == {id(p) for p in tr.model.parameters() if p.requires_grad}
     assert any(not p.requires_grad for p in w.params)  # frozen fp32 tensors with a copy
     frozen = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}

@@ -3,7 +3,8 @@
 (a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
 (b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine);
 (c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`);
-(d) fused elementwise chains: `rms_norm`, `cross_entropy_rows` (the output head's loss between its matmuls).
+(d) fused elementwise chains: `rms_norm`, `cross_entropy_rows` (the output head's loss between its matmuls);
+(e) the trainer's optimizer step over flat buffers: `adamw_flat`, `sq_norm` (train/precision.py; not the model's).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -112,5 +113,24 @@ def cross_entropy_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, want_gra
     return fn(logits_CV, labels_C, want_grad)
 
 
-__all__ = ["cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry", "rms_norm", "routed_experts",
-           "set_backend", "varlen_attention"]
+def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor | None,
+               scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+               ) -> None:
+    """One AdamW step (torch.optim.AdamW's maths) in place over flat 1-D buffers: fp32 weights p and moments m, v,
+    the gradient (bf16/fp16/fp32) divided by the device scalar `scale` (the folded clip factor), and the working copy
+    `low` (or None) rewritten from the new weights. step: the step number, from 1."""
+    if not (p.dim() == 1 and p.shape == grad.shape == m.shape == v.shape and (low is None or low.shape == p.shape)):
+        raise ValueError(f"adamw_flat: 1-D buffers of one length expected, got p {tuple(p.shape)}, grad "
+                         f"{tuple(grad.shape)}, m {tuple(m.shape)}, v {tuple(v.shape)}"
+                         + ("" if low is None else f", low {tuple(low.shape)}"))
+    fn = registry.get("adamw_flat", p)
+    fn(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay)
+
+
+def sq_norm(x: torch.Tensor) -> torch.Tensor:
+    """sum(x^2) of a 1-D tensor, accumulated and returned in fp32 (0-dim)."""
+    return registry.get("sq_norm", x)(x)
+
+
+__all__ = ["adamw_flat", "cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry", "rms_norm",
+           "routed_experts", "set_backend", "sq_norm", "varlen_attention"]

@@ -5,7 +5,8 @@ an availability check `available(example) -> (ok, reason)` and the device types 
 
 - explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
   for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
-  `ANYSEEK_NORM=name` for rms_norm, `ANYSEEK_XENT=name` for cross_entropy_rows.
+  `ANYSEEK_NORM=name` for rms_norm, `ANYSEEK_XENT=name` for cross_entropy_rows, `ANYSEEK_ADAMW=name` for the
+  working copy's optimizer step (adamw_flat, sq_norm).
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
   device that cannot run is skipped with ONE warning per (op, backend, reason).
@@ -33,10 +34,13 @@ ENV_VARS = {
     "mla_decode": "ANYSEEK_DECODE",
     "rms_norm": "ANYSEEK_NORM",
     "cross_entropy_rows": "ANYSEEK_XENT",
+    "adamw_flat": "ANYSEEK_ADAMW",
+    "sq_norm": "ANYSEEK_ADAMW",
 }
 # short names accepted by set_backend for groups of ops
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",), "norm": ("rms_norm",),
-             "xent": ("cross_entropy_rows",), "decode": ("mla_decode",)}
+             "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
+             "adamw": ("adamw_flat", "sq_norm")}
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,8 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024),
-             "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "cross_entropy_rows": (1, 129280)}
+             "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "cross_entropy_rows": (1, 129280),
+             "adamw_flat": (1024,), "sq_norm": (1024,)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
 
@@ -219,6 +224,11 @@ def _register_defaults() -> None:
                                            _lazy_check("anyseek.kernels.triton.xent.available"), ("cuda",)))
     register("cross_entropy_rows", Backend("reference", _lazy("anyseek.kernels.reference.xent.cross_entropy_rows"),
                                            _always("pure PyTorch (fp32 softmax)")))
+    for op in ("adamw_flat", "sq_norm"):
+        register(op, Backend("triton", _lazy(f"anyseek.kernels.triton.adamw.{op}"),
+                             _lazy_check("anyseek.kernels.triton.adamw.available"), ("cuda",)))
+        register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.adamw.{op}"),
+                             _always("pure PyTorch (foreach-free flat ops)")))
 
 
 def _sdpa_ok(example: torch.Tensor) -> tuple[bool, str]:

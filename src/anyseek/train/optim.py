@@ -58,7 +58,8 @@ def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, fol
     for p, state in optimizer.state.items():
         for key, value in state.items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
-            tensors[f"{names[id(p)]}/{key}"] = t.detach().to("cpu").contiguous()
+            # a copy of its own: states may be views of one buffer or one shared tensor (precision.FlatAdamW)
+            tensors[f"{names[id(p)]}/{key}"] = t.detach().to("cpu", copy=True).contiguous()
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
         for g in optimizer.param_groups

@@ -5,14 +5,17 @@ that evaluation reads. For each micro-batch's forward and backward the parameter
 copy (`WorkingCopy.active`), so every matmul, norm and residual add runs in bf16 without autocast:
 
 - autocast casts each weight at every use (and the activations between fp32 and bf16 around every op it lowers),
-  and casts each weight gradient back to fp32: at 32k tokens per step on the `small` flavor ~20 ms of a 131 ms
+  and casts each weight gradient back to fp32: at 32k tokens per step on the `small` flavor ~12 ms of a 131 ms
   step went to such casts and fp32 adds (docs/benchmarks.md);
-- here the weights are cast once per optimizer step (`refresh`), and the activations stay bf16 throughout, as in
-  Megatron's and torchtitan's bf16 training and in transformers with bf16 parameters.
+- here the activations stay bf16 throughout, as in Megatron's and torchtitan's bf16 training and in transformers
+  with bf16 parameters, and the weights are cast once per step, by the optimizer kernel itself.
 
-Gradients come out of the backward in bf16 and go into fp32 tensors of this object (`collect`: copied with one
-micro-batch per step, added with several), which are handed to `.grad` for clipping and the optimizer (`hand_over`).
-Within a micro-batch each weight's gradient is summed in bf16 only where a weight is used more than once.
+Flat buffers. The trained parameters live in one flat fp32 buffer (each parameter a view of it), their working copy
+in one flat bf16 buffer, their gradients in one flat buffer (bf16 with one micro-batch per step; fp32 where several
+add up), and `FlatAdamW`'s moments in two more. After each micro-batch's backward `collect` copies (or adds) the
+gradients into the flat buffer; the step is then one kernel per parameter group (`kernels.adamw_flat`: gradient,
+weights and moments in, weights, moments and the working copy out), and the gradient norm one reduction
+(`kernels.sq_norm`).
 
 Frozen parameters in another dtype (LoRA: the fp32 embedding and norms beside the bf16 base) get a working copy
 too, and no gradient.
@@ -26,6 +29,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from anyseek import kernels
+
 
 def unavailable(device: torch.device, distributed: bool, low: torch.dtype | None) -> str | None:
     """Why a working copy cannot be used here (None: it can)."""
@@ -38,19 +43,43 @@ def unavailable(device: torch.device, distributed: bool, low: torch.dtype | None
     return None
 
 
+def _flat_views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    views, at = [], 0
+    for t in tensors:
+        views.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return views
+
+
 class WorkingCopy:
-    """The swap between a model's fp32 parameters and their low-precision working copies, and the fp32 gradients."""
+    """The swap between a model's fp32 parameters and their low-precision working copies, and the flat buffers."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, accumulate: bool):
-        """accumulate: several micro-batches per step (their gradients add up), else one (copied)."""
+        """accumulate: several micro-batches per step (their gradients add up in fp32), else one (copied in bf16)."""
         self.dtype, self.accumulate = dtype, accumulate
         params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
-        self.params = params
-        self.masters = [p.data for p in params]  # the same storage as the parameters: updates show here
-        self.low = [m.to(dtype) for m in self.masters]  # fixed addresses (CUDA graphs read them)
-        self.trained = [i for i, p in enumerate(params) if p.requires_grad]
-        self.grads = [torch.zeros_like(self.masters[i]) for i in self.trained]
+        # trained ones first, matrices (weight decay) before vectors: each optimizer group is one flat range
+        trained = sorted((p for p in params if p.requires_grad), key=lambda p: p.dim() < 2)
+        self.trained = trained
+        self.frozen = [p for p in params if not p.requires_grad]
+        n = sum(p.numel() for p in trained)
+        device = trained[0].device if trained else torch.device("cpu")
+        self.flat = torch.empty(n, dtype=torch.float32, device=device)  # the master weights
+        self.flat_low = torch.empty(n, dtype=dtype, device=device)
+        self.flat_grad = torch.zeros(n, dtype=torch.float32 if accumulate else dtype, device=device)
+        self.offsets = {}
+        at = 0
+        for p, view in zip(trained, _flat_views(self.flat, trained)):
+            view.copy_(p.detach())
+            p.data = view  # the parameter now lives in the flat buffer
+            self.offsets[p] = (at, at + p.numel())
+            at += p.numel()
+        self.masters = [p.data for p in trained] + [p.data for p in self.frozen]
+        self.low = _flat_views(self.flat_low, trained) + [p.detach().to(dtype) for p in self.frozen]
+        self.grads = _flat_views(self.flat_grad, trained)
+        self.params = trained + self.frozen
         self._active = False
+        self.refresh()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -68,44 +97,119 @@ class WorkingCopy:
             self._active = False
 
     def collect(self) -> None:
-        """After a micro-batch's backward, inside `active()`: its bf16 gradients into the fp32 ones; `.grad` cleared."""
-        pairs = [(self.grads[j], self.params[i].grad) for j, i in enumerate(self.trained)]
+        """After a micro-batch's backward, inside `active()`: its gradients into the flat buffer; `.grad` cleared."""
+        pairs = [(acc, p.grad) for acc, p in zip(self.grads, self.trained)]
         have = [(acc, g) for acc, g in pairs if g is not None]
         if have:
-            accs, gs = zip(*have)
+            accs, gs = (list(t) for t in zip(*have))
             if self.accumulate:
-                torch._foreach_add_(list(accs), list(gs))
+                torch._foreach_add_(accs, gs)
             else:
-                torch._foreach_copy_(list(accs), list(gs))
+                torch._foreach_copy_(accs, gs)
         if not self.accumulate:
             for acc, g in pairs:
                 if g is None:  # a weight this micro-batch did not use: no stale gradient from the last step
                     acc.zero_()
-        for i in self.trained:
-            self.params[i].grad = None
+        for p in self.trained:
+            p.grad = None
 
-    def hand_over(self) -> None:
-        """Before clipping and the optimizer step: the fp32 gradients become the parameters' `.grad`."""
-        for j, i in enumerate(self.trained):
-            self.params[i].grad = self.grads[j]
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the step's gradients (fp32 0-dim tensor on the device; no sync)."""
+        return kernels.sq_norm(self.flat_grad).sqrt()
 
-    def after_step(self, stepped: bool) -> None:
-        """After an optimizer step (or a skipped one): take the gradients back (zeroed when they accumulate) and
-        cast the updated master weights into the working copy."""
-        for i in self.trained:
-            self.params[i].grad = None
+    def after_step(self) -> None:
+        """After an optimizer step or a skipped one: gradients that add up start again from zero."""
         if self.accumulate:
-            torch._foreach_zero_(self.grads)
-        if stepped:
-            self.refresh()
+            self.flat_grad.zero_()
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Cast the master weights into the working copy (after an optimizer step or a checkpoint load)."""
+        """Cast the master weights into the working copy (at the start and after a checkpoint load; the optimizer
+        step writes it itself)."""
         if self._active:
             raise RuntimeError("WorkingCopy.refresh() while the working copy is active")
-        torch._foreach_copy_(self.low, self.masters)
+        self.flat_low.copy_(self.flat)
+        for p, low in zip(self.frozen, self.low[len(self.trained):]):
+            low.copy_(p.detach())
 
     def nbytes(self) -> int:
-        """Memory the working copy adds (the low-precision weights; the fp32 gradients replace autocast's)."""
+        """Memory the working copy adds: the low-precision weights (the flat gradients replace `.grad`)."""
         return sum(t.numel() * t.element_size() for t in self.low)
+
+
+class FlatAdamW(torch.optim.Optimizer):
+    """AdamW over a WorkingCopy's flat buffers: one `kernels.adamw_flat` per parameter group reads the gradients and
+    writes the fp32 weights, both moments and the working copy. Its state looks like torch.optim.AdamW's (`step`,
+    `exp_avg`, `exp_avg_sq` per parameter: views of the flat moments), so `train.optim` saves and loads it the
+    same way; state loaded from a checkpoint is copied into the flat buffers at the next step.
+
+    `grad_scale` (a device scalar, default none): every gradient is divided by it (the folded clip factor)."""
+
+    def __init__(self, groups: list[dict], working: WorkingCopy, lr: float, betas: tuple[float, float], eps: float):
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.working = working
+        self.m = torch.zeros_like(working.flat)
+        self.v = torch.zeros_like(working.flat)
+        self.grad_scale: torch.Tensor | None = None
+        self._one = torch.ones((), dtype=torch.float32, device=working.flat.device)
+        self._ranges = []
+        for group in self.param_groups:
+            spans = [working.offsets[p] for p in group["params"]]
+            if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+                raise ValueError("FlatAdamW: a parameter group must be one contiguous range of the flat buffer")
+            self._ranges.append((spans[0][0], spans[-1][1]) if spans else (0, 0))
+        self._views = {}
+        for p, (a, b) in working.offsets.items():
+            self._views[p] = (self.m[a:b].view(p.shape), self.v[a:b].view(p.shape))
+        self._step = 0
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Point every parameter's state at the flat moments, copying in what a checkpoint load put there."""
+        steps = []
+        for p, (m, v) in self._views.items():
+            st = self.state[p]
+            for key, view in (("exp_avg", m), ("exp_avg_sq", v)):
+                if key in st and st[key] is not view:
+                    view.copy_(st[key])
+                st[key] = view
+            if "step" in st:
+                steps.append(int(st["step"]))
+        if steps:
+            if len(set(steps)) != 1:
+                raise ValueError(f"FlatAdamW: parameters at different steps ({sorted(set(steps))})")
+            self._step = steps[0]
+        self._step_t = torch.tensor(float(self._step))
+        for p in self._views:
+            self.state[p]["step"] = self._step_t  # one CPU scalar shared by all (saved per parameter, as AdamW's)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("FlatAdamW.step takes no closure")
+        if any(self.state[p]["exp_avg"] is not m or self.state[p]["step"] is not self._step_t
+               for p, (m, _) in self._views.items()):
+            self._adopt()
+        self._step += 1
+        self._step_t.fill_(float(self._step))
+        w = self.working
+        scale = self.grad_scale if self.grad_scale is not None else self._one
+        for group, (a, b) in zip(self.param_groups, self._ranges):
+            if a == b:
+                continue
+            beta1, beta2 = group["betas"]
+            kernels.adamw_flat(w.flat[a:b], w.flat_grad[a:b], self.m[a:b], self.v[a:b], w.flat_low[a:b], scale,
+                               self._step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients live in the working copy's flat buffer (`collect` overwrites or `after_step` zeroes them)."""
+
+
+def build_flat_adamw(working: WorkingCopy, cfg) -> FlatAdamW:
+    """AdamW with train.optim.build_optimizer's groups (weight decay on matrices) over the working copy's buffers."""
+    decay = [p for p in working.trained if p.dim() >= 2]
+    no_decay = [p for p in working.trained if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return FlatAdamW(groups, working, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps)
+
+

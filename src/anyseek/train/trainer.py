@@ -111,13 +111,19 @@ class Trainer:
         self.model_cfg = self.start.adapt(self.model)  # LoRA: wraps targets, freezes the base
         self.model = self.par.parallelize(self.model, self.autocast_dtype)  # EP, FSDP2, checkpointing: from outside
         self.model.train()
-        self.optimizer = build_optimizer(self.model, t, self.device)
+        self.working, self.working_note = self._working_copy()  # before the optimizer and graphs: its buffers
+        if self.working is not None:
+            from anyseek.train.precision import build_flat_adamw
+
+            self.optimizer = build_flat_adamw(self.working, t)
+        else:
+            self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
-        self.working, self.working_note = self._working_copy()  # before the graphs: they read its buffers
         self.graphs, self.graphs_note = self._step_graphs()
-        # fused AdamW in one process: the clip factor goes into its kernel (grad_scale divides each gradient as it is
-        # read), which saves a pass over the gradients
-        self._fold_clip = not self.par.active and bool(self.optimizer.defaults.get("fused"))
+        # fused AdamW in one process (and the working copy's): the clip factor goes into its kernel (grad_scale
+        # divides each gradient as it is read), which saves a pass over the gradients
+        self._fold_clip = not self.par.active and (self.working is not None
+                                                   or bool(self.optimizer.defaults.get("fused")))
         # flops_per_token(L) = a + b*L; computed once here, not per batch (it walks every module)
         self._flops_a = self.model.flops_per_token(0)
         self._flops_b = self.model.flops_per_token(1) - self._flops_a
@@ -314,7 +320,7 @@ class Trainer:
             loss = loss + alpha * parts["balance_loss"]
         loss.backward()
         if self.working is not None:
-            self.working.collect()  # bf16 gradients into the fp32 ones
+            self.working.collect()  # the gradients into its flat buffer
         load = out.expert_load.detach() if out.expert_load is not None else None
         return loss.detach(), {k: v.detach().float() for k, v in parts.items()}, load
 
@@ -352,13 +358,13 @@ class Trainer:
             return None, "fp32" + (f", autocast to {low}" if low else "") + f" (no working copy: {why})"
         w = precision.WorkingCopy(self.model, low, accumulate=self.cfg.train.grad_accum > 1)
         return w, (f"fp32 master weights, forward and backward on a {str(low).replace('torch.', '')} working copy "
-                   f"cast once per step (+{w.nbytes() / 2**20:,.0f} MiB; train/precision.py)")
+                   f"written by the optimizer kernel (+{w.nbytes() / 2**20:,.0f} MiB; train/precision.py)")
 
-    def _zero_grads(self, stepped: bool = False) -> None:
+    def _zero_grads(self) -> None:
         """After a step: freed, except where CUDA graphs add several micro-batches into kept tensors. With a working
-        copy: its gradients taken back (zeroed when they accumulate), and after a step the copy refreshed."""
+        copy: zeroed where they accumulate (its optimizer has already rewritten the copy)."""
         if self.working is not None:
-            self.working.after_step(stepped)
+            self.working.after_step()
             return
         self.optimizer.zero_grad(set_to_none=self.graphs is None or not self.graphs.accumulate)
 
@@ -381,9 +387,10 @@ class Trainer:
         t = self.cfg.train
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         fold = self._fold_clip and math.isfinite(max_norm)
-        if self.working is not None:
-            self.working.hand_over()  # the fp32 gradients, for the clip and the optimizer
-        grad_norm = self.par.clip_grad_norm_(self.model, max_norm, scale=not fold)  # the global norm: all ranks agree
+        if self.working is not None:  # its gradients are in one flat buffer (the clip is always folded)
+            grad_norm = self.working.grad_norm()
+        else:
+            grad_norm = self.par.clip_grad_norm_(self.model, max_norm, scale=not fold)  # global norm: ranks agree
         if fold:
             self.optimizer.grad_scale = ((grad_norm.float() + CLIP_EPS) / max_norm).clamp(min=1.0)
         stats.stop_requested = self.stop_requested
@@ -406,7 +413,7 @@ class Trainer:
             return False, loss, norm
         self.bad_in_a_row = 0
         self.optimizer.step()
-        self._zero_grads(stepped=True)
+        self._zero_grads()
         if stats.expert_load is not None:
             self.model.update_routing_bias(stats.expert_load, gamma=self.bias_update_speed())
         return True, loss, norm
