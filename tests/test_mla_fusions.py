@@ -7,25 +7,34 @@ import pytest
 import torch
 
 from anyseek.model import mla
-from anyseek.model.rope import apply_rope, rope_tail
+from anyseek.model.rope import apply_rope, rope_tail_
 
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_rope_tail_is_split_rope_cat(interleave):
+    """In place on a matmul's output (no copy of the nope part), values and gradients as split + rope + cat."""
     torch.manual_seed(0)
-    T, H, N, R = 7, 3, 10, 8
-    x = torch.randn(T, H, N + R, requires_grad=True)
+    T, H, N, R, D = 7, 3, 10, 8, 5
+    x = torch.randn(T, D, requires_grad=True)
+    w = torch.randn(H * (N + R), D)
     ang = torch.randn(T, R // 2)
     cos, sin = ang.cos(), ang.sin()
-    got = rope_tail(x, cos, sin, R, interleave)
+    y = x @ w.t()
+    ptr = y.data_ptr()
+    got = rope_tail_(y, cos, sin, H, R, interleave)
+    assert got.data_ptr() == ptr and got.shape == (T, H * (N + R))
     ref_x = x.detach().clone().requires_grad_()
-    nope, pe = ref_x.split([N, R], dim=-1)
-    want = torch.cat([nope, apply_rope(pe, cos, sin, interleave)], dim=-1)
+    nope, pe = (ref_x @ w.t()).view(T, H, N + R).split([N, R], dim=-1)
+    want = torch.cat([nope, apply_rope(pe, cos, sin, interleave)], dim=-1).view(T, -1)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     g = torch.randn_like(got)
-    got.backward(g)
-    want.backward(g)
-    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=1e-6)  # rope maths is fp32 either way
+    (got * g).sum().backward()
+    (want * g).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=1e-5)  # rope maths is fp32 either way
+    leaf = torch.randn(T, H * (N + R), requires_grad=True)  # a leaf cannot change in place: the split/cat path
+    torch.testing.assert_close(rope_tail_(leaf, cos, sin, H, R, interleave),
+                               torch.cat([leaf.view(T, H, -1)[..., :N], apply_rope(leaf.view(T, H, -1)[..., N:], cos,
+                                                                                     sin, interleave)], -1).view(T, -1))
 
 
 def test_split_last_takes_adjacent_gradients_without_a_copy():

@@ -18,7 +18,7 @@ from anyseek import kernels
 from anyseek.model.config import ModelConfig
 from anyseek.model.layout import PackedLayout
 from anyseek.model.norm import RMSNorm
-from anyseek.model.rope import apply_rope, rope_tail
+from anyseek.model.rope import apply_rope, rope_tail_
 
 
 class MLA(nn.Module):
@@ -58,8 +58,8 @@ class MLA(nn.Module):
                 [self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1
             )
             q_TQ = self.q_b_proj(self.q_a_layernorm(q_a_TQ))
-        q_THC = rope_tail(q_TQ.view(T, H, self.nope + self.rope), layout.cos, layout.sin, self.rope,
-                          self.rope_interleave)  # one copy each way, no split/cat
+        # the rope part rotated in place: no split/cat of the query either way
+        q_THC = rope_tail_(q_TQ, layout.cos, layout.sin, H, self.rope, self.rope_interleave).view(T, H, -1)
 
         latent_TL, k_pe_TR = kv_a_TX.split([self.kv_lora_rank, self.rope], dim=-1)
         k_pe_TR = apply_rope(k_pe_TR, layout.cos, layout.sin, self.rope_interleave)

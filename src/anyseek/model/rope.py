@@ -94,33 +94,37 @@ def _unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave:
 
 
 class _RopeTail(torch.autograd.Function):
-    """x [T, H, N + R] -> the same with its last R dims rotated: one output written in place of split + rope + cat,
-    and one gradient in place of the split's backward cat."""
+    """x [T, H * (N + R)] (a matmul's output) -> x itself, each head's last R dims rotated in place: nothing is
+    copied but the rope part, where split + rope + cat copied the whole query each way. The backward rotates the
+    incoming gradient's rope part back in place: x must feed one consumer (MLA: the attention, whose backward
+    hands over a gradient of its own)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, rope: int, interleave: bool):
-        n = x.shape[-1] - rope
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        out[..., :n] = x[..., :n]
-        out[..., n:] = apply_rope(x[..., n:], cos, sin, interleave)
+    def forward(ctx, x, cos, sin, heads: int, rope: int, interleave: bool):
+        x3 = x.view(x.shape[0], heads, -1)
+        x3[..., -rope:] = apply_rope(x3[..., -rope:], cos, sin, interleave)
+        ctx.mark_dirty(x)
         ctx.save_for_backward(cos, sin)
-        ctx.rope, ctx.interleave = rope, interleave
-        return out
+        ctx.heads, ctx.rope, ctx.interleave = heads, rope, interleave
+        return x
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        n = g.shape[-1] - ctx.rope
-        dx = torch.empty_like(g, memory_format=torch.contiguous_format)
-        dx[..., :n] = g[..., :n]
-        dx[..., n:] = _unrotate(g[..., n:], cos, sin, ctx.interleave)
-        return dx, None, None, None, None
+        g = g.contiguous()
+        g3 = g.view(g.shape[0], ctx.heads, -1)
+        g3[..., -ctx.rope:] = _unrotate(g3[..., -ctx.rope:], cos, sin, ctx.interleave)
+        return g, None, None, None, None, None
 
 
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int, interleave: bool) -> torch.Tensor:
-    """x [T, H, N + R] (query: nope part first) -> a new tensor, nope part copied and the last R dims rotated as
-    `apply_rope` rotates them."""
-    if cos.requires_grad or sin.requires_grad:
-        n = x.shape[-1] - rope
-        return torch.cat([x[..., :n], apply_rope(x[..., n:], cos, sin, interleave)], dim=-1)
-    return _RopeTail.apply(x, cos, sin, rope, interleave)
+def rope_tail_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rope: int, interleave: bool
+               ) -> torch.Tensor:
+    """x [T, H * (N + R)], contiguous, the output of a matmul with one consumer -> x, viewed as [T, H, N + R], with
+    the last R dims of each head rotated as `apply_rope` rotates them, in place (see `_RopeTail`)."""
+    if x.dim() != 2 or not x.is_contiguous() or x.shape[1] % heads:
+        raise ValueError(f"rope_tail_: x must be a contiguous [T, H * C] tensor, got {tuple(x.shape)} for H={heads}")
+    if cos.requires_grad or sin.requires_grad or x.is_leaf and x.requires_grad:  # no in-place: split, rope, cat
+        x3 = x.view(x.shape[0], heads, -1)
+        n = x3.shape[-1] - rope
+        return torch.cat([x3[..., :n], apply_rope(x3[..., n:], cos, sin, interleave)], dim=-1).view(x.shape)
+    return _RopeTail.apply(x, cos, sin, heads, rope, interleave)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from anyseek.kernels.triton import moe_family
 from anyseek.kernels.triton.launch import launch as _launch
@@ -122,9 +123,28 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg):
     )  # fmt: skip
 
 
+@triton.jit
+def _sum_k_kernel(X, Y, T, D, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = (t[:, None] < T) & (d[None, :] < D)
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    for k in range(K):  # in slot order: deterministic
+        acc += tl.load(X + (t[:, None] * K + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + t[:, None] * D + d[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
 def _sum_k(rows_MD: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T*K, D] in slot order -> [T, D]: the K rows of each token summed in fp32, in a fixed order."""
-    return rows_MD.view(T, -1, rows_MD.shape[-1]).sum(1, dtype=torch.float32).to(dtype)
+    """[T*K, D] in slot order -> [T, D]: the K rows of each token summed in fp32, in a fixed order, rounded to
+    `dtype` once (one kernel: torch's fp32 sum then cast read and wrote the [T, D] result twice more)."""
+    M, D = rows_MD.shape
+    out = rows_MD.new_empty(T, D, dtype=dtype)
+    if T == 0 or M == 0:
+        return out.zero_()
+    BT, BD = 16, min(256, triton.next_power_of_2(D))
+    _sum_k_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](rows_MD.contiguous(), out, T, D, K=M // T, BT=BT, BD=BD,
+                                                           num_warps=4)
+    return out
 
 
 def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool):
