@@ -47,7 +47,8 @@ def test_split_last_takes_adjacent_gradients_without_a_copy():
     assert back.data_ptr() == joint.data_ptr() and torch.equal(back, joint)  # the buffer itself, not a copy
     # other gradients (separate tensors, one missing) are concatenated, zeros for the missing one
     (a * 2).sum().backward()
-    assert torch.equal(x.grad[..., :3], torch.full((5, 2, 3), 2.0)) and torch.equal(x.grad[..., 3:], torch.zeros(5, 2, 4))
+    assert torch.equal(x.grad[..., :3], torch.full((5, 2, 3), 2.0))
+    assert torch.equal(x.grad[..., 3:], torch.zeros(5, 2, 4))
     x.grad = None
     a, b = mla._split_last(x, [3, 4])
     (a.sum() + (b * 3).sum()).backward()

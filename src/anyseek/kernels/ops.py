@@ -48,7 +48,8 @@ def _mla_bwd(
     )
     T, H, N = dk_nope.shape
     joint = (*dk_nope.shape[:-1], N + dv.shape[-1])
-    if dk_nope.stride() == (H * joint[-1], joint[-1], 1) and dv.data_ptr() == dk_nope.data_ptr() + N * dv.element_size():
+    adjacent = dv.data_ptr() == dk_nope.data_ptr() + N * dv.element_size()
+    if dk_nope.stride() == (H * joint[-1], joint[-1], 1) and adjacent:
         return dq, dk_nope.as_strided(joint, dk_nope.stride()), dk_pe
     return dq, torch.cat([dk_nope, dv], dim=-1), dk_pe
 

@@ -87,11 +87,10 @@ def count_targets(targets: torch.Tensor, cu_seqlens: torch.Tensor | None, mtp_de
     valid_T = targets != IGNORE_INDEX
     counts = [int(valid_T.sum())]
     if mtp_depths:
+        # the depth-d label of position t is targets[t + d] when t + d is in t's document: counted once per target j
+        # that is valid and at least d tokens into its document
         cu = cu_seqlens.to(torch.int64)
-        doc_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff(), output_size=T)
-        end_T = cu[1:][doc_ids]  # each token's document end
-        idx_T = torch.arange(T)
+        pos_T = torch.arange(T) - torch.repeat_interleave(cu[:-1], cu.diff(), output_size=T)
         for depth in range(1, mtp_depths + 1):
-            src_T = (idx_T + depth).clamp(max=max(T - 1, 0))
-            counts.append(int(((idx_T + depth < end_T) & valid_T[src_T]).sum()))
+            counts.append(int((valid_T & (pos_T >= depth)).sum()))
     return counts

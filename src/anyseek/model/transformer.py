@@ -203,10 +203,12 @@ class DeepSeekV3(nn.Module):
                 f"expert_load shape {tuple(expert_load.shape)} must be [n_moe_layers, E] = "
                 f"[{len(moes)}, {self.config.n_routed_experts}]"
             )
-        for moe, load_E in zip(moes, expert_load):
-            bias = moe.gate.e_score_correction_bias
-            load_E = load_E.to(device=bias.device, dtype=torch.float32)
-            bias.add_(torch.sign(load_E.mean() - load_E), alpha=gamma)
+        if not moes:
+            return
+        biases = [moe.gate.e_score_correction_bias for moe in moes]
+        load_LE = expert_load.to(device=biases[0].device, dtype=torch.float32)
+        step_LE = torch.sign(load_LE.mean(dim=1, keepdim=True) - load_LE)  # every layer in 3 kernels, not 3 each
+        torch._foreach_add_(biases, list(step_LE.unbind(0)), alpha=gamma)
 
     def num_parameters(self, active_only: bool = False) -> int:
         """All parameters (tied weights once, MTP included); active_only counts K of the E routed experts."""
