@@ -39,7 +39,7 @@ CASES = {
     "rows": ("anyseek, MTP off", "[B,S] rows"),
     "packed": ("anyseek, MTP off, packed documents", "packed varlen"),
     "mtp": ("anyseek, MTP on, packed documents (as trained)", "packed varlen"),
-    "trainer": ("`anyseek train` step as shipped (fp32 master + bf16 working copy, clip, bias update)",
+    "trainer": ("`anyseek train` step as shipped (clip, bias update; GPU: fp32 master + bf16 working copy)",
                 "packed varlen"),
     "trainer-eager": ("same step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
     "trainer-autocast": ("same step, bf16 autocast over the fp32 weights (train.working_copy=false)", "packed varlen"),
@@ -447,7 +447,7 @@ def main() -> None:
     for case, name, layout, ms, tps, mem, tuned in results:
         malloc = "-" if tuned is None else ("tuned" if tuned else "default")
         last = f" {tps / hf_tuned:.2f}x |" if tuned_col else f" {mem:.1f} |"
-        print(f"| {name} | {layout} | {malloc} | {ms:.1f} | {tps:,.0f} | {tps / hf_plain:.2f}x |{last}")
+        print(f"| {name} | {layout} | {malloc} | {ms:.1f} | {tps:,.0f} | {f'{tps / hf_plain:.2f}x' if hf_plain else '-'} |{last}")
 
 
 if __name__ == "__main__":
