@@ -124,6 +124,36 @@ def adamw_errors(n, grad_dtype, low_dtype, device, seed=0):
     return table
 
 
+# (name, T, H or 0 for [T, R], R, dtype, interleaved_in, interleaved_out, conj, in place, strided rows)
+ROPE_CASES = [
+    ("fp32_q_inplace", 37, 3, 16, "float32", True, True, False, True, True),
+    ("fp32_halves_to_pairs", 9, 2, 8, "float32", False, True, False, False, True),
+    ("fp16_backward_to_halves", 21, 4, 64, "float16", True, False, True, True, True),
+    ("fp16_k_rows", 33, 0, 64, "float16", False, True, False, False, True),
+    ("fp32_one_token", 1, 1, 4, "float32", True, True, True, False, False),
+]
+
+
+def rope_errors(T, H, R, dtype, inter_in, inter_out, conj, inplace, strided, device, seed=0):
+    """[(what, max |kernel - twin|, allowed)]: both rotate in fp32 and round once to dtype (one ulp apart at most)."""
+    from anyseek.kernels.reference.rope import rope_rotate as ref
+    from anyseek.kernels.triton.rope import rope_rotate as fused
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (T, H, R + (6 if strided else 0)) if H else (T, R + (6 if strided else 0))
+    base = torch.randn(*shape, generator=g).to(dtype)
+    ang = torch.randn(T, R // 2, generator=g)
+    cos, sin = ang.cos() * 1.1, ang.sin() * 1.1
+    want = ref(base[..., -R:].clone(), cos, sin, None, inter_in, inter_out, conj)
+    x = base.to(device)
+    view = x[..., -R:]
+    got = fused(view, cos.to(device), sin.to(device), view if inplace else None, inter_in, inter_out, conj)
+    if inplace:
+        assert got.data_ptr() == view.data_ptr() and torch.equal(x[..., :-R].cpu(), base[..., :-R])
+    ulp = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -20
+    return [("out", (got.cpu().float() - want.float()).abs().max().item(), ulp * 4 * want.abs().max().item() + 1e-6)]
+
+
 def passes(table, atol=1e-5):
     return all(err <= 2 * err_torch + atol for _, err, err_torch in table)
 
@@ -136,6 +166,9 @@ def _worker() -> None:
     for name, C, V, dt, scale, kind in XENT_CASES:
         table = xent_errors(C, V, getattr(torch, dt), scale, kind, "cpu")
         results[f"xent_{name}"] = {"pass": passes(table), "table": table}
+    for name, *case in ROPE_CASES:
+        table = rope_errors(*case[:3], getattr(torch, case[3]), *case[4:], "cpu")
+        results[f"rope_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
     for name, n, gd, ld in ADAMW_CASES:
         table = adamw_errors(n, getattr(torch, gd), getattr(torch, ld) if ld else None, "cpu")
         results[f"adamw_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
@@ -152,7 +185,7 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES]
-                         + [f"adamw_{c[0]}" for c in ADAMW_CASES])
+                         + [f"adamw_{c[0]}" for c in ADAMW_CASES] + [f"rope_{c[0]}" for c in ROPE_CASES])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (what, err, err_torch) = {r['table']}"
@@ -187,6 +220,17 @@ def test_gpu_cross_entropy_rows(dtype, V):
     for kind, scale in (("random", 3.0), ("argmax", 12.0), ("last", 30.0)):
         table = xent_errors(257, V, dtype, scale, kind, "cuda")
         assert passes(table, atol=1e-5), (kind, table)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_rope_rotate(case, dtype):
+    name, T, H, R, _, *flags = case
+    table = rope_errors(T * 97, H, R, dtype, *flags, "cuda")
+    if dtype == torch.bfloat16:  # one bf16 ulp (2^-8 relative) where the fp32 results round differently
+        table = [(w, e, max(t, 2.0 ** -7 * 4)) for w, e, t in table]
+    assert all(err <= tol for _, err, tol in table), table
 
 
 @pytest.mark.cuda

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from anyseek.model import mla
-from anyseek.model.rope import apply_rope, rope_tail_
+from anyseek.model.rope import apply_rope, rope_rows, rope_tail_
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -53,3 +53,22 @@ def test_split_last_takes_adjacent_gradients_without_a_copy():
     a, b = mla._split_last(x, [3, 4])
     (a.sum() + (b * 3).sum()).backward()
     assert torch.equal(x.grad, torch.cat([torch.ones(5, 2, 3), torch.full((5, 2, 4), 3.0)], dim=-1))
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_rows_is_apply_rope(interleave):
+    """The key's rope part, a strided slice of its projection: a new contiguous tensor, gradients as apply_rope's."""
+    torch.manual_seed(1)
+    T, L, R = 11, 6, 8
+    kv = torch.randn(T, L + R, requires_grad=True)
+    ang = torch.randn(T, R // 2)
+    cos, sin = ang.cos(), ang.sin()
+    got = rope_rows(kv[:, L:], cos, sin, interleave)
+    assert got.is_contiguous()
+    ref = kv.detach().clone().requires_grad_()
+    want = apply_rope(ref[:, L:], cos, sin, interleave)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # one fp32 rounding
+    g = torch.randn_like(got)
+    (got * g).sum().backward()
+    (want * g).sum().backward()
+    torch.testing.assert_close(kv.grad, ref.grad, rtol=0, atol=1e-6)

@@ -3,7 +3,8 @@
 (a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
 (b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine);
 (c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`);
-(d) fused elementwise chains: `rms_norm`, `cross_entropy_rows` (the output head's loss between its matmuls);
+(d) fused elementwise chains: `rms_norm`, `cross_entropy_rows` (the output head's loss between its matmuls),
+    `rope_rotate` (MLA's rope dims);
 (e) the trainer's optimizer step over flat buffers: `adamw_flat`, `sq_norm` (train/precision.py; not the model's).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
@@ -113,6 +114,20 @@ def cross_entropy_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, want_gra
     return fn(logits_CV, labels_C, want_grad)
 
 
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
+                interleaved_in: bool = True, interleaved_out: bool = True, conj: bool = False) -> torch.Tensor:
+    """Rotary embedding of the rope dims: x [T, H, R] or [T, R] (last dim contiguous, any other strides), cos/sin
+    [T, R/2] (fp32). Each pair, read as (x[2i], x[2i+1]) when interleaved_in else (x[i], x[i + R/2]), is multiplied
+    by cos + i sin (conj: cos - i sin, the backward) in fp32 and written to `out` (default a new tensor; may be x
+    itself) as (re, im) interleaved when interleaved_out, else as halves. Returns out."""
+    if x.shape[-1] % 2 or x.stride(-1) != 1 or x.dim() not in (2, 3) or cos.shape != (x.shape[0], x.shape[-1] // 2):
+        raise ValueError(f"rope_rotate: x must be [T, H, R] or [T, R] with an even, contiguous last dim and cos/sin "
+                         f"[T, R/2]; got x {tuple(x.shape)} (strides {x.stride()}), cos {tuple(cos.shape)}")
+    if out is not None and (out.shape != x.shape or out.stride(-1) != 1):
+        raise ValueError(f"rope_rotate: out {tuple(out.shape)} must match x {tuple(x.shape)}, last dim contiguous")
+    return registry.get("rope_rotate", x)(x, cos, sin, out, interleaved_in, interleaved_out, conj)
+
+
 def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor | None,
                scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
                ) -> None:
@@ -133,4 +148,4 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["adamw_flat", "cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry", "rms_norm",
-           "routed_experts", "set_backend", "sq_norm", "varlen_attention"]
+           "rope_rotate", "routed_experts", "set_backend", "sq_norm", "varlen_attention"]

@@ -5,8 +5,8 @@ an availability check `available(example) -> (ok, reason)` and the device types 
 
 - explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
   for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
-  `ANYSEEK_NORM=name` for rms_norm, `ANYSEEK_XENT=name` for cross_entropy_rows, `ANYSEEK_ADAMW=name` for the
-  working copy's optimizer step (adamw_flat, sq_norm).
+  `ANYSEEK_NORM=name` for rms_norm and rope_rotate, `ANYSEEK_XENT=name` for cross_entropy_rows,
+  `ANYSEEK_ADAMW=name` for the working copy's optimizer step (adamw_flat, sq_norm).
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
   device that cannot run is skipped with ONE warning per (op, backend, reason).
@@ -34,12 +34,13 @@ ENV_VARS = {
     "mla_decode": "ANYSEEK_DECODE",
     "rms_norm": "ANYSEEK_NORM",
     "cross_entropy_rows": "ANYSEEK_XENT",
+    "rope_rotate": "ANYSEEK_NORM",
     "adamw_flat": "ANYSEEK_ADAMW",
     "sq_norm": "ANYSEEK_ADAMW",
 }
 # short names accepted by set_backend for groups of ops
-OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",), "norm": ("rms_norm",),
-             "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
+OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",),
+             "norm": ("rms_norm", "rope_rotate"), "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
              "adamw": ("adamw_flat", "sq_norm")}
 
 
@@ -177,7 +178,8 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024),
              "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "cross_entropy_rows": (1, 129280),
-             "adamw_flat": (1024,), "sq_norm": (1024,)}
+             "adamw_flat": (1024,), "sq_norm": (1024,),
+             "rope_rotate": (1, 16, 64)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
 
@@ -224,6 +226,10 @@ def _register_defaults() -> None:
                                            _lazy_check("anyseek.kernels.triton.xent.available"), ("cuda",)))
     register("cross_entropy_rows", Backend("reference", _lazy("anyseek.kernels.reference.xent.cross_entropy_rows"),
                                            _always("pure PyTorch (fp32 softmax)")))
+    register("rope_rotate", Backend("triton", _lazy("anyseek.kernels.triton.rope.rope_rotate"),
+                                    _lazy_check("anyseek.kernels.triton.rope.available"), ("cuda",)))
+    register("rope_rotate", Backend("reference", _lazy("anyseek.kernels.reference.rope.rope_rotate"),
+                                    _always("pure PyTorch (complex multiply in fp32)")))
     for op in ("adamw_flat", "sq_norm"):
         register(op, Backend("triton", _lazy(f"anyseek.kernels.triton.adamw.{op}"),
                              _lazy_check("anyseek.kernels.triton.adamw.available"), ("cuda",)))

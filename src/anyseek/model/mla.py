@@ -18,7 +18,7 @@ from anyseek import kernels
 from anyseek.model.config import ModelConfig
 from anyseek.model.layout import PackedLayout
 from anyseek.model.norm import RMSNorm
-from anyseek.model.rope import apply_rope, rope_tail_
+from anyseek.model.rope import rope_rows, rope_tail_
 
 
 class MLA(nn.Module):
@@ -62,12 +62,12 @@ class MLA(nn.Module):
         q_THC = rope_tail_(q_TQ, layout.cos, layout.sin, H, self.rope, self.rope_interleave).view(T, H, -1)
 
         latent_TL, k_pe_TR = kv_a_TX.split([self.kv_lora_rank, self.rope], dim=-1)
-        k_pe_TR = apply_rope(k_pe_TR, layout.cos, layout.sin, self.rope_interleave)
+        k_pe_TR = rope_rows(k_pe_TR, layout.cos, layout.sin, self.rope_interleave)
         kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent_TL)).view(T, H, self.nope + self.v_dim)
         k_nope_THN, v_THV = _split_last(kv_THX, [self.nope, self.v_dim])
 
         out_THV = kernels.mla_attention(
-            q_THC, k_nope_THN, k_pe_TR.contiguous(), v_THV, layout.cu_seqlens, layout.max_seqlen, self.softmax_scale, True
+            q_THC, k_nope_THN, k_pe_TR, v_THV, layout.cu_seqlens, layout.max_seqlen, self.softmax_scale, True
         )
         return self.o_proj(out_THV.reshape(T, H * self.v_dim))
 

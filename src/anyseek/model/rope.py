@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from anyseek import kernels
 from anyseek.model.config import ModelConfig, yarn_get_mscale
 
 
@@ -86,13 +87,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(dtype)
 
 
-def _unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """The gradient of `apply_rope` for its output gradient g (pairs interleaved): the inverse rotation, then the
-    input's layout."""
-    r = apply_rope(g, cos, -sin, True)
-    return r if interleave else r.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-
-
 class _RopeTail(torch.autograd.Function):
     """x [T, H * (N + R)] (a matmul's output) -> x itself, each head's last R dims rotated in place: nothing is
     copied but the rope part, where split + rope + cat copied the whole query each way. The backward rotates the
@@ -101,8 +95,8 @@ class _RopeTail(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin, heads: int, rope: int, interleave: bool):
-        x3 = x.view(x.shape[0], heads, -1)
-        x3[..., -rope:] = apply_rope(x3[..., -rope:], cos, sin, interleave)
+        tail = x.view(x.shape[0], heads, -1)[..., -rope:]
+        kernels.rope_rotate(tail, cos, sin, out=tail, interleaved_in=interleave)
         ctx.mark_dirty(x)
         ctx.save_for_backward(cos, sin)
         ctx.heads, ctx.rope, ctx.interleave = heads, rope, interleave
@@ -112,9 +106,33 @@ class _RopeTail(torch.autograd.Function):
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
         g = g.contiguous()
-        g3 = g.view(g.shape[0], ctx.heads, -1)
-        g3[..., -ctx.rope:] = _unrotate(g3[..., -ctx.rope:], cos, sin, ctx.interleave)
+        tail = g.view(g.shape[0], ctx.heads, -1)[..., -ctx.rope:]
+        kernels.rope_rotate(tail, cos, sin, out=tail, interleaved_out=ctx.interleave, conj=True)
         return g, None, None, None, None, None
+
+
+class _Rope(torch.autograd.Function):
+    """`apply_rope` on x [T, R] (any row stride, e.g. a slice of a projection) into a new contiguous tensor, one
+    kernel each way (`kernels.rope_rotate`)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleave: bool):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleave = interleave
+        return kernels.rope_rotate(x, cos, sin, interleaved_in=interleave)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        dx = kernels.rope_rotate(g.contiguous(), cos, sin, interleaved_out=ctx.interleave, conj=True)
+        return dx, None, None, None
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """`apply_rope(x, cos, sin, interleave)` for x [T, R] whose last dim is contiguous: a new contiguous tensor."""
+    if cos.requires_grad or sin.requires_grad or x.stride(-1) != 1 or x.dim() != 2:
+        return apply_rope(x, cos, sin, interleave).contiguous()
+    return _Rope.apply(x, cos, sin, interleave)
 
 
 def rope_tail_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rope: int, interleave: bool
