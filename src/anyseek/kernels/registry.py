@@ -5,8 +5,8 @@ an availability check `available(example) -> (ok, reason)` and the device types 
 
 - explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
   for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
-  `ANYSEEK_NORM=name` for rms_norm and rope_rotate, `ANYSEEK_XENT=name` for cross_entropy_rows,
-  `ANYSEEK_ADAMW=name` for the working copy's optimizer step (adamw_flat, sq_norm).
+  `ANYSEEK_NORM=name` for rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_XENT=name` for
+  cross_entropy_rows, `ANYSEEK_ADAMW=name` for the working copy's optimizer step (adamw_flat, sq_norm).
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
   device that cannot run is skipped with ONE warning per (op, backend, reason).
@@ -34,13 +34,14 @@ ENV_VARS = {
     "mla_decode": "ANYSEEK_DECODE",
     "rms_norm": "ANYSEEK_NORM",
     "cross_entropy_rows": "ANYSEEK_XENT",
-    "rope_rotate": "ANYSEEK_NORM",
+    "rope_rotate": "ANYSEEK_ROPE",
     "adamw_flat": "ANYSEEK_ADAMW",
     "sq_norm": "ANYSEEK_ADAMW",
 }
 # short names accepted by set_backend for groups of ops
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",),
-             "norm": ("rms_norm", "rope_rotate"), "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
+             "norm": ("rms_norm",), "rope": ("rope_rotate",),
+             "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
              "adamw": ("adamw_flat", "sq_norm")}
 
 
