@@ -20,7 +20,9 @@ while capturing turns graphs off for the rest of the run with one line saying wh
 Gradients. One micro-batch per step (the default): the graph writes each gradient into a tensor of its own, which
 it hands to `.grad` before each replay (no zeroing, no accumulation pass; the tensors cost one gradient's memory per
 graph). Several micro-batches: `.grad` tensors made before the first capture, added into by every graph and eager
-micro-batch, and zeroed (not freed) after each optimizer step.
+micro-batch, and zeroed (not freed) after each optimizer step. With `train.working_copy` the graphs own no
+gradients: the captured micro-batch ends with the working copy's `collect`, which moves them into its flat buffer
+(the trainer passes no parameters here).
 """
 
 from __future__ import annotations
