@@ -510,7 +510,8 @@ class Trainer:
         name = self.cfg.train.init or self.cfg.model.flavor
         self.log(f"model: {name} | {m.num_parameters() / 1e6:.2f}M parameters "
                  f"({m.num_parameters(active_only=True) / 1e6:.2f}M active) | device {self.device} "
-                 f"| computes in {self.autocast_dtype or torch.float32} | {torch.get_num_threads()} threads | {self.allocator}")
+                 f"| computes in {self.autocast_dtype or torch.float32} | {torch.get_num_threads()} threads "
+                 f"| {self.allocator}")
         self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "
                  f"{self.cfg.train.grad_accum} micro-batches per step")
         self.log(f"weights: {self.working_note}")
