@@ -447,7 +447,8 @@ def main() -> None:
     for case, name, layout, ms, tps, mem, tuned in results:
         malloc = "-" if tuned is None else ("tuned" if tuned else "default")
         last = f" {tps / hf_tuned:.2f}x |" if tuned_col else f" {mem:.1f} |"
-        print(f"| {name} | {layout} | {malloc} | {ms:.1f} | {tps:,.0f} | {f'{tps / hf_plain:.2f}x' if hf_plain else '-'} |{last}")
+        vs = f"{tps / hf_plain:.2f}x" if hf_plain else "-"
+        print(f"| {name} | {layout} | {malloc} | {ms:.1f} | {tps:,.0f} | {vs} |{last}")
 
 
 if __name__ == "__main__":

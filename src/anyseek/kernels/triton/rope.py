@@ -4,8 +4,8 @@ PyTorch's chain for the rope part of MLA's query and key (cast to fp32, complex 
 strided copy into place) ran 5-6 kernels per call, each way; here one program reads BLOCK rows (contiguous loads of
 each row's rope dims, pairs split in registers), rotates them in fp32 and writes them in the layout asked for. A
 first version loaded each pair's halves with two stride-2 loads: 336 us per call at 32k tokens, slower than the
-PyTorch chain. Rope widths that are not a power of two go to the reference. Rows are (token, head) pairs with any strides; the last dim has
-stride 1. The maths is `kernels.reference.rope`'s.
+PyTorch chain. Rope widths that are not a power of two go to the reference. Rows are (token, head) pairs with any
+strides; the last dim has stride 1. The maths is `kernels.reference.rope`'s.
 """
 
 from __future__ import annotations
