@@ -85,10 +85,11 @@ def test_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, accum):  # no
     torch.testing.assert_close(w.grad_norm(), expect, rtol=1e-5, atol=0)
 
 
-def test_flat_adamw_is_torch_adamw():
+def test_flat_adamw_is_torch_adamw(tmp_path):
     """FlatAdamW's step (the reference backend on CPU) is torch.optim.AdamW's, with the clip factor folded in, over
     two parameter groups; its state loads from AdamW-shaped tensors."""
     from anyseek.train.config import TrainConfig
+    from anyseek.train.optim import load_optimizer, save_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
@@ -116,28 +117,38 @@ def test_flat_adamw_is_torch_adamw():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
         torch.testing.assert_close(w.flat_low, w.flat.to(torch.bfloat16), rtol=0, atol=0)
         w.after_step()
-    for p in w.trained:  # a torch AdamW state handed over (as load_optimizer does)
-        opt.state[p] = {k: v.clone() for k, v in ref_opt.state[refs[names[id(p)]]].items()}
+    save_optimizer(ref_opt, ref, tmp_path)  # a torch AdamW checkpoint, loaded into the flat buffers
+    load_optimizer(opt, model, tmp_path)
     opt.step()
     assert int(opt.state[w.trained[0]]["step"]) == 5
     m = dict(zip((id(p) for p in w.trained), (opt.state[p]["exp_avg"] for p in w.trained)))
     assert all(m[id(p)].data_ptr() == opt.m[a:b].data_ptr() for p, (a, b) in w.offsets.items())
 
 
-def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):  # noqa: F811
-    tr = _trainer(data_dir, tmp_path / "w")
-    w = tr.working
-    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+def _steps(tr, n: int, each=lambda: None) -> list[float]:
+    """n optimizer steps as the loop runs them (each one must step); `each` runs after every step."""
     batches = iter(tr.train_loader)
     losses = []
-    for _ in range(8):
+    for _ in range(n):
         ok, loss, _ = tr._apply(tr._accumulate(batches))
         assert ok
         losses.append(loss)
         tr.step += 1
+        each()
+    return losses
+
+
+def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):  # noqa: F811
+    tr = _trainer(data_dir, tmp_path / "w")
+    w = tr.working
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+
+    def copy_follows():
         for p, low in zip(w.params, w.low):
             assert p.dtype == torch.float32 and p.grad is None
             assert torch.equal(low, p.detach().to(torch.bfloat16))  # written by the optimizer step
+
+    losses = _steps(tr, 8, copy_follows)
     moved = [n for n, p in tr.model.named_parameters() if not torch.equal(before[n], p.detach())]
     assert len(moved) == len(before)  # every master weight was updated in fp32
     assert all(s["exp_avg"].dtype == torch.float32 for s in tr.optimizer.state.values())
@@ -173,13 +184,7 @@ def test_lora_frozen_fp32_tensors_get_a_copy_and_stay_unchanged(data_dir, tmp_pa
     assert any(not p.requires_grad for p in w.params)  # frozen fp32 tensors with a copy
     frozen = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
-    batches = iter(tr.train_loader)
-    losses = []
-    for _ in range(4):
-        ok, loss, _ = tr._apply(tr._accumulate(batches))
-        assert ok
-        losses.append(loss)
-        tr.step += 1
+    losses = _steps(tr, 4)
     for n, p in tr.model.named_parameters():
         if not p.requires_grad:
             assert torch.equal(p.detach(), frozen[n]), n
@@ -192,14 +197,7 @@ def _losses(data, tmp_path, working: str, graphs: str, steps: int):
     cfg = tiny_cfg(data, "--train.device=cuda", f"--train.working_copy={working}", f"--train.cuda_graphs={graphs}",
                    "--train.max_steps=100", "--train.warmup_steps=1", "--train.lr=1e-3")
     tr = Trainer(cfg, tmp_path / f"{working}{graphs}", log=lambda s: None)
-    batches = iter(tr.train_loader)
-    losses = []
-    for _ in range(steps):
-        ok, loss, _ = tr._apply(tr._accumulate(batches))
-        assert ok
-        losses.append(loss)
-        tr.step += 1
-    return losses, tr
+    return _steps(tr, steps), tr
 
 
 @pytest.mark.cuda

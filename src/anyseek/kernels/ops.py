@@ -39,19 +39,11 @@ def _(q, k_nope, k_pe, v, cu_seqlens, max_seqlen, softmax_scale, causal):
 def _mla_bwd(
     do: torch.Tensor, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float, causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dq, d[k_nope | v] [T, H, N + V] in one tensor, dk_pe): the model splits k_nope and v off one projection, so
     one gradient buffer spares the split's backward a concatenation (a custom op may not return aliasing views: the
     autograd Function below slices it)."""
-    dq, dk_nope, dk_pe, dv = _k.attention_bwd(
-        do, q, k_nope, k_pe, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared=True
-    )
-    T, H, N = dk_nope.shape
-    joint = (*dk_nope.shape[:-1], N + dv.shape[-1])
-    adjacent = dv.data_ptr() == dk_nope.data_ptr() + N * dv.element_size()
-    if dk_nope.stride() == (H * joint[-1], joint[-1], 1) and adjacent:
-        return dq, dk_nope.as_strided(joint, dk_nope.stride()), dk_pe
-    return dq, torch.cat([dk_nope, dv], dim=-1), dk_pe
+    return _k.attention_bwd(do, q, k_nope, k_pe, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal, True)
 
 
 @_mla_bwd.register_fake

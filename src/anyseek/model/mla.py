@@ -88,10 +88,8 @@ class _SplitLast(torch.autograd.Function):
             joint = _adjacent(grads)
             if joint is not None:
                 return joint, None
-        shape = next(g.shape[:-1] for g in grads if g is not None)
-        parts = [g if g is not None else torch.zeros(*shape, n, dtype=next(h for h in grads if h is not None).dtype,
-                                                      device=next(h for h in grads if h is not None).device)
-                 for g, n in zip(grads, ctx.sizes)]
+        ref = next(g for g in grads if g is not None)  # autograd calls no backward when every gradient is None
+        parts = [g if g is not None else ref.new_zeros(*ref.shape[:-1], n) for g, n in zip(grads, ctx.sizes)]
         return torch.cat(parts, dim=-1), None
 
 

@@ -85,11 +85,16 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, fol
     tensors = load_file(str(folder / "optimizer.safetensors"))
     # AdamW keeps its scalar `step` on the CPU unless fused/capturable; every other state lives with its parameter.
     step_on_param = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
+    own = {p: dict(st) for p, st in optimizer.state.items()}
     optimizer.state.clear()
     for key, value in tensors.items():
         name, state_key = key.rsplit("/", 1)
         if name not in params:
             raise ValueError(f"{folder / 'optimizer.safetensors'}: state for unknown parameter {name!r}")
         p = params[name]
+        target = own.get(p, {}).get(state_key)
+        if torch.is_tensor(target) and target.shape == value.shape:  # the optimizer's own tensor (FlatAdamW: a view
+            optimizer.state[p][state_key] = target.copy_(value)  # of its flat moments), filled in place
+            continue
         on_param = state_key != "step" or value.dim() > 0 or step_on_param
         optimizer.state[p][state_key] = value.to(p.device if on_param else "cpu")

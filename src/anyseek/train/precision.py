@@ -24,6 +24,7 @@ too, and no gradient.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -32,13 +33,13 @@ from torch import nn
 from anyseek import kernels
 
 
-def unavailable(device: torch.device, distributed: bool, low: torch.dtype | None) -> str | None:
-    """Why a working copy cannot be used here (None: it can)."""
+def unavailable(device: torch.device, distributed: bool, low: torch.dtype | None, asked: bool = False) -> str | None:
+    """Why a working copy is not used here (None: it is). asked: train.working_copy=true (the CPU then has one too)."""
     if low is None:
         return "the run computes in fp32 (train.dtype)"
     if distributed:
         return "under torchrun FSDP2 casts the weights once per step itself (parallel.param_dtype)"
-    if device.type != "cuda":
+    if device.type != "cuda" and not asked:
         return f"off by default on {device.type} (train.working_copy=true turns it on)"
     return None
 
@@ -67,14 +68,13 @@ class WorkingCopy:
         self.flat = torch.empty(n, dtype=torch.float32, device=device)  # the master weights
         self.flat_low = torch.empty(n, dtype=dtype, device=device)
         self.flat_grad = torch.zeros(n, dtype=torch.float32 if accumulate else dtype, device=device)
-        self.offsets = {}
-        at = 0
-        for p, view in zip(trained, _flat_views(self.flat, trained)):
+        ends = itertools.accumulate(p.numel() for p in trained)
+        self.offsets = {p: (end - p.numel(), end) for p, end in zip(trained, ends)}
+        masters = _flat_views(self.flat, trained)
+        for p, view in zip(trained, masters):
             view.copy_(p.detach())
             p.data = view  # the parameter now lives in the flat buffer
-            self.offsets[p] = (at, at + p.numel())
-            at += p.numel()
-        self.masters = [p.data for p in trained] + [p.data for p in self.frozen]
+        self.masters = masters + [p.data for p in self.frozen]
         self.low = _flat_views(self.flat_low, trained) + [p.detach().to(dtype) for p in self.frozen]
         self.grads = _flat_views(self.flat_grad, trained)
         self.params = trained + self.frozen
@@ -141,7 +141,7 @@ class FlatAdamW(torch.optim.Optimizer):
     """AdamW over a WorkingCopy's flat buffers: one `kernels.adamw_flat` per parameter group reads the gradients and
     writes the fp32 weights, both moments and the working copy. Its state looks like torch.optim.AdamW's (`step`,
     `exp_avg`, `exp_avg_sq` per parameter: views of the flat moments), so `train.optim` saves and loads it the
-    same way; state loaded from a checkpoint is copied into the flat buffers at the next step.
+    same way (loading copies into these tensors).
 
     `grad_scale` (a device scalar, default none): every gradient is divided by it (the folded clip factor)."""
 
@@ -158,40 +158,19 @@ class FlatAdamW(torch.optim.Optimizer):
             if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
                 raise ValueError("FlatAdamW: a parameter group must be one contiguous range of the flat buffer")
             self._ranges.append((spans[0][0], spans[-1][1]) if spans else (0, 0))
-        self._views = {}
+        # torch.optim.AdamW's state layout, as views of the flat buffers: train.optim saves these, and its loader
+        # copies a checkpoint into them in place; one CPU step counter shared by all (saved per parameter)
+        self._step_t = torch.zeros(())
         for p, (a, b) in working.offsets.items():
-            self._views[p] = (self.m[a:b].view(p.shape), self.v[a:b].view(p.shape))
-        self._step = 0
-        self._adopt()
-
-    def _adopt(self) -> None:
-        """Point every parameter's state at the flat moments, copying in what a checkpoint load put there."""
-        steps = []
-        for p, (m, v) in self._views.items():
-            st = self.state[p]
-            for key, view in (("exp_avg", m), ("exp_avg_sq", v)):
-                if key in st and st[key] is not view:
-                    view.copy_(st[key])
-                st[key] = view
-            if "step" in st:
-                steps.append(int(st["step"]))
-        if steps:
-            if len(set(steps)) != 1:
-                raise ValueError(f"FlatAdamW: parameters at different steps ({sorted(set(steps))})")
-            self._step = steps[0]
-        self._step_t = torch.tensor(float(self._step))
-        for p in self._views:
-            self.state[p]["step"] = self._step_t  # one CPU scalar shared by all (saved per parameter, as AdamW's)
+            self.state[p] = {"step": self._step_t, "exp_avg": self.m[a:b].view(p.shape),
+                             "exp_avg_sq": self.v[a:b].view(p.shape)}
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("FlatAdamW.step takes no closure")
-        if any(self.state[p]["exp_avg"] is not m or self.state[p]["step"] is not self._step_t
-               for p, (m, _) in self._views.items()):
-            self._adopt()
-        self._step += 1
-        self._step_t.fill_(float(self._step))
+        self._step_t += 1
+        step = int(self._step_t)
         w = self.working
         scale = self.grad_scale if self.grad_scale is not None else self._one
         for group, (a, b) in zip(self.param_groups, self._ranges):
@@ -199,7 +178,7 @@ class FlatAdamW(torch.optim.Optimizer):
                 continue
             beta1, beta2 = group["betas"]
             kernels.adamw_flat(w.flat[a:b], w.flat_grad[a:b], self.m[a:b], self.v[a:b], w.flat_low[a:b], scale,
-                               self._step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+                               step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients live in the working copy's flat buffer (`collect` overwrites or `after_step` zeroes them)."""

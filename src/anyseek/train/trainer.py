@@ -351,8 +351,8 @@ class Trainer:
         low = self.autocast_dtype
         if mode == "false":
             return None, f"fp32, autocast to {low} at each use (train.working_copy=false)" if low else "fp32"
-        why = precision.unavailable(self.device, self.par.active, low)
-        if why is not None and not (mode == "true" and self.device.type == "cpu" and low is not None):
+        why = precision.unavailable(self.device, self.par.active, low, asked=mode == "true")
+        if why is not None:
             if mode == "true":
                 raise ConfigError(f"train.working_copy=true but {why}")
             return None, "fp32" + (f", autocast to {low}" if low else "") + f" (no working copy: {why})"

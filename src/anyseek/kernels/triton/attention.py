@@ -191,8 +191,8 @@ def _heads_per_program(H: int, n_tiles: int, device: torch.device) -> int:
 
 
 def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, causal, b_shared):
-    """Gradients. b_shared: (dq [T, H, A+B], dka [T, H, A], dkb [T, R] summed over heads, dv [T, H, Vd]), dka and
-    dv the two halves of one [T, H, A+Vd] buffer when their dtypes agree;
+    """Gradients. b_shared (v in q's dtype): (dq [T, H, A+B], d[ka | v] [T, H, A+Vd] in one buffer, dkb [T, R]
+    summed over heads) -- MLA splits k_nope and v off one projection, whose gradient this buffer is;
     otherwise (dq, dk [T, H, A+B] for the whole key, None, dv)."""
     T, H, C = q.shape
     A, VD = ka.shape[-1], v.shape[-1]
@@ -201,20 +201,17 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
     kb = kb if has_b else ka
     do = do.contiguous() if do.stride(-1) != 1 else do
     dq = torch.empty(T, H, C, device=q.device, dtype=q.dtype)
-    if b_shared and v.dtype == q.dtype:  # dka and dv: adjacent slices of one [T, H, A + Vd] buffer (see ops.py)
+    if b_shared:  # dka and dv: the two halves of one [T, H, A + Vd] buffer, returned whole
         dkv = torch.empty(T, H, A + VD, device=q.device, dtype=q.dtype)
         dka, dv = dkv[..., :A], dkv[..., A:]
-    else:
-        dv = torch.empty(T, H, VD, device=q.device, dtype=v.dtype)
-        dka = torch.empty(T, H, A, device=q.device, dtype=q.dtype)
-    if b_shared:
         dkb32 = torch.zeros(T, B, device=q.device, dtype=torch.float32)
         dkb_arg = dkb32
     else:
+        dv = torch.empty(T, H, VD, device=q.device, dtype=v.dtype)
         dk = torch.empty(T, H, C, device=q.device, dtype=q.dtype)
         dka, dkb_arg = dk[..., :A], (dk[..., A:] if has_b else dk)
     if T == 0:
-        return (dq, dka, dkb32.to(q.dtype), dv) if b_shared else (dq, dk, None, dv)
+        return (dq, dkv, dkb32.to(q.dtype)) if b_shared else (dq, dk, None, dv)
     delta = torch.empty(H, T, device=q.device, dtype=torch.float32)
     blk = 64 if q.device.type == "cuda" else 16
     _delta_kernel[(triton.cdiv(T, blk), H)](
@@ -265,7 +262,7 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), **common,
     )  # fmt: skip
     if b_shared:
-        return dq, dka, dkb32.to(q.dtype), dv
+        return dq, dkv, dkb32.to(q.dtype)
     return dq, dk, None, dv
 
 
