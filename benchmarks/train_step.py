@@ -271,14 +271,19 @@ def gpu_case(args) -> None:
         ctx = args.seqlen if case == "rows" or case.startswith("hf") else None
         flops = [_flops_cfg(cfg, b, ctx) for b in data]
     torch.cuda.reset_peak_memory_stats(device)
-    t = []
-    for i, b in enumerate(items):
+    for b in items[:args.warmup]:
+        step(b)
+    # the timed steps run back to back, as `anyseek train` runs them (the host prepares the next step while the
+    # GPU finishes this one); a sync only at the end of each window of --window steps: t = ms per step per window
+    t, timed = [], items[args.warmup:]
+    for i in range(0, len(timed), args.window):
+        chunk = timed[i:i + args.window]
         _sync(device)
         t0 = time.perf_counter()
-        step(b)
+        for b in chunk:
+            step(b)
         _sync(device)
-        if i >= args.warmup:
-            t.append(time.perf_counter() - t0)
+        t.append((time.perf_counter() - t0) / len(chunk))
     mem = torch.cuda.max_memory_allocated(device) / 2**30
     if case.startswith("trainer"):  # the step must really train (a wrapper that drops gradients is fast and wrong)
         losses = [float(x) for x in tr.bench_losses]
@@ -306,6 +311,8 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=512, help="row length for the [B, S] layout / max document segment")
     p.add_argument("--steps", type=int, default=24, help="timed steps per case (CPU: in all rounds together)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--window", type=int, default=5, help="GPU: steps timed back to back between two syncs (1: a "
+                   "sync around every step); the table gives the median over windows")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="GPU: parameter dtype of both models")
@@ -417,7 +424,8 @@ def main() -> None:
     print(f"Training step, {args.flavor} flavor ({base.num_parameters() / 1e6:.2f}M parameters), {args.tokens} "
           f"tokens/step, {args.dtype} parameters, {where}")
     method = (f"each case in a fresh process per round, {args.rounds} rounds, allocator {args.allocator}"
-              if device.type == "cpu" else "each case in a fresh process, profiled after its timed steps")
+              if device.type == "cpu" else (f"each case in a fresh process, steps back to back in windows of "
+                                            f"{args.window} (median window), profiled after its timed steps"))
     print(f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{time.strftime('%Y-%m-%d')}, median of {args.steps} steps after {args.warmup} warm-up, {method}")
     print()

@@ -52,6 +52,82 @@ def norm_errors(lead, D, x_dtype, w_dtype, strided, device, seed=0):
             for what, o, t, r in zip(("out", "dx", "dw"), ours, torch_low, want)]
 
 
+def add_norm_errors(lead, D, x_dtype, y_dtype, w_dtype, use_h, device, seed=0):
+    """[(what, err kernel, err torch)] for add_rms_norm's h, out, dx, dy and dw against an fp32 (fp64 on GPU)
+    reference. use_h: the residual h feeds the loss too (its gradient is added in the kernel), else only the norm."""
+    from anyseek.kernels.reference.norm import add_rms_norm as ref
+    from anyseek.kernels.triton.rmsnorm import add_rms_norm as fused
+
+    g = torch.Generator().manual_seed(seed)
+    x0 = (torch.randn(*lead, D, generator=g) * 3).to(device=device)
+    y0 = (torch.randn(*lead, D, generator=g) * 2).to(device=device)
+    w0 = (1 + 0.5 * torch.randn(D, generator=g)).to(device=device)
+    dh = torch.randn(*lead, D, generator=g).to(device=device)
+    dout = torch.randn(*lead, D, generator=g).to(device=device)
+    exact = torch.float64 if device != "cpu" else torch.float32
+
+    def run(fn, dx_, dy_, dw_):
+        x = x0.detach().to(dx_).requires_grad_()
+        y = y0.detach().to(dy_).requires_grad_()
+        w = w0.detach().to(dw_).requires_grad_()
+        h, out = fn(x, y, w, 1e-6)
+        loss = (out * dout.to(out.dtype)).sum() + ((h * dh.to(h.dtype)).sum() if use_h else 0)
+        loss.backward()
+        return [t.detach().to(exact) for t in (h, out, x.grad, y.grad, w.grad)], (h.dtype, out.dtype)
+
+    want, _ = run(ref, exact, exact, exact)
+    torch_low, dts = run(ref, x_dtype, y_dtype, w_dtype)
+    ours, dto = run(fused, x_dtype, y_dtype, w_dtype)
+    assert dto == dts, (dto, dts)
+    return [(what, (o - r).abs().max().item(), (t - r).abs().max().item())
+            for what, o, t, r in zip(("h", "out", "dx", "dy", "dw"), ours, torch_low, want)]
+
+
+# (name, leading shape, D, x dtype, y dtype, weight dtype, h used)
+ADD_NORM_CASES = [
+    ("fp32_odd", (37,), 100, "float32", "float32", "float32", True),
+    ("fp16_all", (5, 7), 64, "float16", "float16", "float16", True),
+    ("fp16_fp32_w_norm_only", (19,), 33, "float16", "float16", "float32", False),
+    ("fp32_residual_fp16_branch", (11,), 48, "float32", "float16", "float32", True),
+    ("one_row", (1,), 7, "float32", "float32", "float32", True),
+]
+
+
+def swiglu_errors(N, I, dtype, device, strided=False, seed=0):
+    """[(what, err kernel, err torch)] for swiglu's output and d[gate | up] against an fp32 (fp64 on GPU) reference."""
+    from anyseek.kernels.reference.swiglu import swiglu as ref
+    from anyseek.kernels.triton.swiglu import swiglu as fused
+
+    g = torch.Generator().manual_seed(seed)
+    width = 2 * I + (6 if strided else 0)
+    full = (torch.randn(N, width, generator=g) * 2).to(device=device)
+    dout = torch.randn(N, I, generator=g).to(device=device)
+    exact = torch.float64 if device != "cpu" else torch.float32
+
+    def run(fn, dt):
+        gu = full.to(dt)[:, :2 * I].detach().requires_grad_()
+        out = fn(gu)
+        out.backward(dout.to(out.dtype))
+        assert gu.grad.shape == gu.shape
+        return [t.detach().to(exact) for t in (out, gu.grad)], out.dtype
+
+    want, _ = run(ref, exact)
+    torch_low, dtt = run(ref, dtype)
+    ours, dto = run(fused, dtype)
+    assert dto == dtt == dtype
+    return [(what, (o - r).abs().max().item(), (t - r).abs().max().item())
+            for what, o, t, r in zip(("out", "dgu"), ours, torch_low, want)]
+
+
+# (name, rows, I, dtype, strided rows)
+SWIGLU_CASES = [
+    ("fp32_odd", 37, 100, "float32", False),
+    ("fp16_wide", 9, 1300, "float16", False),
+    ("fp16_strided", 13, 64, "float16", True),
+    ("one_row", 1, 3, "float32", False),
+]
+
+
 # (name, rows, V, logits dtype, logit scale, labels: "random" | "first" | "last" | "argmax")
 XENT_CASES = [
     ("fp32_odd_vocab", 37, 1000, "float32", 3.0, "random"),
@@ -163,6 +239,12 @@ def _worker() -> None:
     for name, lead, D, xd, wd, strided in NORM_CASES:
         table = norm_errors(lead, D, getattr(torch, xd), getattr(torch, wd), strided, "cpu")
         results[f"rms_norm_{name}"] = {"pass": passes(table), "table": table}
+    for name, lead, D, xd, yd, wd, use_h in ADD_NORM_CASES:
+        table = add_norm_errors(lead, D, getattr(torch, xd), getattr(torch, yd), getattr(torch, wd), use_h, "cpu")
+        results[f"add_norm_{name}"] = {"pass": passes(table), "table": table}
+    for name, N, I, dt, strided in SWIGLU_CASES:
+        table = swiglu_errors(N, I, getattr(torch, dt), "cpu", strided)
+        results[f"swiglu_{name}"] = {"pass": passes(table), "table": table}
     for name, C, V, dt, scale, kind in XENT_CASES:
         table = xent_errors(C, V, getattr(torch, dt), scale, kind, "cpu")
         results[f"xent_{name}"] = {"pass": passes(table), "table": table}
@@ -185,7 +267,8 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES]
-                         + [f"adamw_{c[0]}" for c in ADAMW_CASES] + [f"rope_{c[0]}" for c in ROPE_CASES])
+                         + [f"adamw_{c[0]}" for c in ADAMW_CASES] + [f"rope_{c[0]}" for c in ROPE_CASES]
+                         + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES] + [f"swiglu_{c[0]}" for c in SWIGLU_CASES])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (what, err, err_torch) = {r['table']}"
@@ -211,6 +294,27 @@ def test_gpu_rms_norm(x_dtype, D, strided):
     for w_dtype in {torch.float32, x_dtype}:
         table = norm_errors((4099,), D, x_dtype, w_dtype, strided, "cuda")
         assert passes(table, atol=1e-5), table
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [1024, 7168, 100])
+@pytest.mark.parametrize("use_h", [True, False])
+def test_gpu_add_rms_norm(x_dtype, D, use_h):
+    for y_dtype, w_dtype in {(x_dtype, x_dtype), (x_dtype, torch.float32), (torch.bfloat16, torch.float32)}:
+        if y_dtype != x_dtype and x_dtype != torch.float32:
+            continue
+        table = add_norm_errors((4099,), D, x_dtype, y_dtype, w_dtype, use_h, "cuda")
+        assert passes(table, atol=1e-5), (y_dtype, w_dtype, table)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("I", [4096, 512, 1408, 100])
+@pytest.mark.parametrize("strided", [False, True])
+def test_gpu_swiglu(dtype, I, strided):
+    table = swiglu_errors(4099, I, dtype, "cuda", strided)
+    assert passes(table, atol=1e-5), table
 
 
 @pytest.mark.cuda

@@ -72,3 +72,81 @@ def test_rope_rows_is_apply_rope(interleave):
     (got * g).sum().backward()
     (want * g).sum().backward()
     torch.testing.assert_close(kv.grad, ref.grad, rtol=0, atol=1e-6)
+
+
+def test_cat_rows_is_a_view_of_adjacent_weights_with_cat_gradients():
+    """Weights lying row after row in one buffer are joined without a copy; values and gradients as torch.cat."""
+    from anyseek.model.concat import cat_rows, rows_adjacent
+
+    flat = torch.randn(7 * 5)
+    a = torch.nn.Parameter(flat[:3 * 5].view(3, 5))
+    b = torch.nn.Parameter(flat[3 * 5:].view(4, 5))
+    assert rows_adjacent([a, b]) and not rows_adjacent([b, a])
+    joined = cat_rows([a, b])
+    assert joined.data_ptr() == a.data_ptr() and joined.shape == (7, 5)
+    torch.testing.assert_close(joined, torch.cat([a, b]), rtol=0, atol=0)
+    g = torch.randn(7, 5)
+    (joined * g).sum().backward()
+    torch.testing.assert_close(a.grad, g[:3], rtol=0, atol=0)
+    torch.testing.assert_close(b.grad, g[3:], rtol=0, atol=0)
+    c, d = torch.randn(3, 5, requires_grad=True), torch.randn(4, 5, requires_grad=True)  # apart: a real cat
+    assert not rows_adjacent([c, d]) and cat_rows([c, d]).data_ptr() != c.data_ptr()
+
+
+def test_working_copy_lays_joined_weights_out_adjacent():
+    """train/precision.py keeps each pair the model joins (q_a|kv_a, gate|up) row after row, so cat_rows is a view;
+    the model's output and gradients are those of the plain model."""
+    from anyseek.model.concat import adjacent_weights, rows_adjacent
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.precision import WorkingCopy
+
+    torch.manual_seed(0)
+    model = DeepSeekV3(ModelConfig.from_name("tiny"))
+    ref = DeepSeekV3(ModelConfig.from_name("tiny"))
+    ref.load_state_dict(model.state_dict())
+    groups = adjacent_weights(model)
+    assert len(groups) >= 2 * len(list(model.model.layers))  # q_a|kv_a per layer, gate|up per dense MLP / shared
+    wc = WorkingCopy(model, torch.float16, accumulate=False)
+    assert all(rows_adjacent(list(g)) for g in groups)
+    with wc.active():
+        assert all(rows_adjacent(list(g)) for g in groups)
+    ids = torch.randint(0, 4096, (2, 16))
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_linear_fp32_is_the_fp32_linear_on_cpu():
+    from anyseek.model.matmul import linear_fp32
+
+    x, w = torch.randn(9, 16).bfloat16(), torch.randn(4, 16).bfloat16()
+    torch.testing.assert_close(linear_fp32(x, w), torch.nn.functional.linear(x.float(), w.float()), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_linear_fp32_on_tensor_cores(dtype):
+    """The router's logits from bf16/fp16 x and w: forward and both gradients within 2x the error of the fp32 path
+    they replace (F.linear on fp32 copies), against fp64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from anyseek.model.matmul import _LowFP32Linear, linear_fp32
+
+    torch.manual_seed(0)
+    x0 = torch.randn(4099, 1024, device="cuda").to(dtype)
+    w0 = (torch.randn(32, 1024, device="cuda") * 0.05).to(dtype)
+    g = torch.randn(4099, 32, device="cuda")
+
+    def run(fn, dt):
+        x = x0.detach().to(dt).requires_grad_()
+        w = w0.detach().to(dt).requires_grad_()
+        y = fn(x, w)
+        y.backward(g.to(y.dtype))
+        return [t.detach().double() for t in (y, x.grad, w.grad)], y
+
+    want, _ = run(lambda x, w: x @ w.t(), torch.float64)
+    theirs, _ = run(lambda x, w: torch.nn.functional.linear(x.float(), w.float()).float(), dtype)
+    ours, y = run(linear_fp32, dtype)
+    assert y.dtype == torch.float32 and isinstance(y.grad_fn, _LowFP32Linear._backward_cls)
+    for what, o, t, r in zip(("out", "dx", "dw"), ours, theirs, want):
+        err, err_t = (o - r).abs().max().item(), (t - r).abs().max().item()
+        assert err <= 2 * err_t + 1e-5, (what, err, err_t)

@@ -47,6 +47,14 @@ def _worker() -> None:
             grouped &= offs[e].item() <= r < offs[e + 1].item()
     ok = bool(grouped and stable and torch.equal(covered, torch.ones(120, dtype=torch.long)))
     results["plan"] = {"pass": ok and len(tile_e) == 120 // 16 + 1 + 7, "table": []}
+    # the counting sort equals the stable torch.sort plan bit for bit, any shape and routing
+    same = []
+    for i, (T, K, E, bm, routing) in enumerate([(999, 3, 16, 16, "skewed"), (1, 8, 16, 16, "balanced"),
+                                                (513, 1, 8, 16, "one_expert"), (0, 2, 4, 16, "balanced"),
+                                                (3000, 6, 64, 64, "sparse"), (40000, 2, 8, 128, "skewed")]):
+        ids = accuracy.moe_routing(T, E, K, routing, torch.Generator().manual_seed(i))
+        same.append(all(torch.equal(a, b) for a, b in zip(moe.build_plan(ids, E, bm), moe.build_plan_torch(ids, E, bm))))
+    results["plan_is_stable_sort"] = {"pass": all(same), "table": same}
     # bitwise deterministic, output and gradients
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(33, 32, 24, 6, 3, "skewed", 4)
     runs = [accuracy._run_moe(moe.routed_experts, [x, ids, w, gu, dn, dy], torch.float16, "cpu") for _ in range(2)]
@@ -78,7 +86,8 @@ def interp_results():
     return json.loads(lines[-1][len("RESULTS ") :])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["plan", "deterministic", "compile", "registry"])
+@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["plan", "plan_is_stable_sort", "deterministic", "compile",
+                                  "registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"
@@ -101,6 +110,22 @@ def test_gpu_routed_experts(shape, routing, dtype):
     T, D, I, E, K = shape
     table = accuracy.moe_error_table(moe.routed_experts, accuracy.moe_inputs(T, D, I, E, K, routing, 0), dtype, "cuda")
     assert accuracy.passes(table, dtype), table
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(8192, 4, 32, 128), (8192, 8, 256, 128), (32768, 6, 64, 128), (1, 8, 256, 128),
+                                   (0, 4, 32, 128), (65536, 8, 256, 64)])
+@pytest.mark.parametrize("routing", ["balanced", "skewed", "one_expert"])
+def test_gpu_plan_is_stable_sort(shape, routing):
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.triton import moe
+
+    T, K, E, bm = shape
+    if routing == "one_expert" and K > 1:
+        K = 1
+    ids = accuracy.moe_routing(T, E, K, routing, torch.Generator().manual_seed(T)).cuda()
+    got, want = moe.build_plan(ids, E, bm), moe.build_plan_torch(ids, E, bm)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.cuda

@@ -3,8 +3,8 @@
 (a) attention over packed variable-length batches: `mla_attention` (MLA's split form) and `varlen_attention`;
 (b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine);
 (c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`);
-(d) fused elementwise chains: `rms_norm`, `cross_entropy_rows` (the output head's loss between its matmuls),
-    `rope_rotate` (MLA's rope dims);
+(d) fused elementwise chains: `rms_norm`, `add_rms_norm` (a residual add and the norm after it),
+    `cross_entropy_rows` (the output head's loss between its matmuls), `rope_rotate` (MLA's rope dims), `swiglu`;
 (e) the trainer's optimizer step over flat buffers: `adamw_flat`, `sq_norm` (train/precision.py; not the model's).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
@@ -102,6 +102,23 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
     return fn(x, weight_D, eps)
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the RMSNorm after it: (h, rms_norm(h, weight, eps)) with h = x + y in the promotion of
+    x's and y's dtypes. x, y [..., D] of one shape."""
+    if x.shape != y.shape:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and y {tuple(y.shape)} must have one shape")
+    fn = registry.get("add_rms_norm", x)
+    return fn(x, y, weight_D, eps)
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on the gate and up projections side by side: gu [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    if gu.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dim of gu {tuple(gu.shape)} must be even ([gate | up])")
+    return registry.get("swiglu", gu)(gu)
+
+
 def cross_entropy_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, want_grad: bool
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row of a chunk of logits [C, V]: nll = logsumexp - logits[label] (fp32 [C]; labels int [C], each a valid
@@ -147,5 +164,5 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
     return registry.get("sq_norm", x)(x)
 
 
-__all__ = ["adamw_flat", "cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry", "rms_norm",
-           "rope_rotate", "routed_experts", "set_backend", "sq_norm", "varlen_attention"]
+__all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry",
+           "rms_norm", "rope_rotate", "routed_experts", "set_backend", "sq_norm", "swiglu", "varlen_attention"]

@@ -5,7 +5,8 @@ an availability check `available(example) -> (ok, reason)` and the device types 
 
 - explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
   for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
-  `ANYSEEK_NORM=name` for rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_XENT=name` for
+  `ANYSEEK_NORM=name` for rms_norm and add_rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_SWIGLU=name`
+  for swiglu, `ANYSEEK_XENT=name` for
   cross_entropy_rows, `ANYSEEK_ADAMW=name` for the working copy's optimizer step (adamw_flat, sq_norm).
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
@@ -33,6 +34,8 @@ ENV_VARS = {
     "routed_experts": "ANYSEEK_MOE",
     "mla_decode": "ANYSEEK_DECODE",
     "rms_norm": "ANYSEEK_NORM",
+    "add_rms_norm": "ANYSEEK_NORM",
+    "swiglu": "ANYSEEK_SWIGLU",
     "cross_entropy_rows": "ANYSEEK_XENT",
     "rope_rotate": "ANYSEEK_ROPE",
     "adamw_flat": "ANYSEEK_ADAMW",
@@ -40,7 +43,7 @@ ENV_VARS = {
 }
 # short names accepted by set_backend for groups of ops
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",),
-             "norm": ("rms_norm",), "rope": ("rope_rotate",),
+             "norm": ("rms_norm", "add_rms_norm"), "rope": ("rope_rotate",), "swiglu": ("swiglu",),
              "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
              "adamw": ("adamw_flat", "sq_norm")}
 
@@ -178,7 +181,8 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024),
-             "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "cross_entropy_rows": (1, 129280),
+             "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "add_rms_norm": (1, 1024), "swiglu": (1, 4096),
+             "cross_entropy_rows": (1, 129280),
              "adamw_flat": (1024,), "sq_norm": (1024,),
              "rope_rotate": (1, 16, 64)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
@@ -223,6 +227,14 @@ def _register_defaults() -> None:
                                  _lazy_check("anyseek.kernels.triton.rmsnorm.available"), ("cuda",)))
     register("rms_norm", Backend("reference", _lazy("anyseek.kernels.reference.norm.rms_norm"),
                                  _always("pure PyTorch (F.rms_norm in fp32)")))
+    register("add_rms_norm", Backend("triton", _lazy("anyseek.kernels.triton.rmsnorm.add_rms_norm"),
+                                     _lazy_check("anyseek.kernels.triton.rmsnorm.available"), ("cuda",)))
+    register("add_rms_norm", Backend("reference", _lazy("anyseek.kernels.reference.norm.add_rms_norm"),
+                                     _always("pure PyTorch (an add, then F.rms_norm in fp32)")))
+    register("swiglu", Backend("triton", _lazy("anyseek.kernels.triton.swiglu.swiglu"),
+                               _lazy_check("anyseek.kernels.triton.swiglu.available"), ("cuda",)))
+    register("swiglu", Backend("reference", _lazy("anyseek.kernels.reference.swiglu.swiglu"),
+                               _always("pure PyTorch (silu, mul)")))
     register("cross_entropy_rows", Backend("triton", _lazy("anyseek.kernels.triton.xent.cross_entropy_rows"),
                                            _lazy_check("anyseek.kernels.triton.xent.available"), ("cuda",)))
     register("cross_entropy_rows", Backend("reference", _lazy("anyseek.kernels.reference.xent.cross_entropy_rows"),

@@ -39,8 +39,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, RoutingStats | None]:
         """h [T, D] -> (h [T, D], the MoE's RoutingStats or None for a dense layer). token_mask_T and
         want_balance_loss: see MoE.forward."""
-        h_TD = h_TD + self.self_attn(self.input_layernorm(h_TD), layout)
-        x_TD = self.post_attention_layernorm(h_TD)
+        a_TD = self.self_attn(self.input_layernorm(h_TD), layout)
+        h_TD, x_TD = self.post_attention_layernorm.add_forward(h_TD, a_TD)  # h + a, and its norm
         if not self.is_moe:
             return h_TD + self.mlp(x_TD), None
         y_TD, stats = self.mlp(x_TD, layout, token_mask_T, want_balance_loss)

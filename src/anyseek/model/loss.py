@@ -15,6 +15,7 @@ import torch
 
 from anyseek import kernels
 from anyseek.constants import IGNORE_INDEX
+from anyseek.model.matmul import add_mm_fp32
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -74,7 +75,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         grad_h_TD = torch.empty_like(h_TD) if want_grad else None
         want_w = want_grad and weight_VD.requires_grad  # a frozen head (LoRA) needs no [V, D] fp32 gradient
-        grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_w else None
+        grad_w_VD = None  # fp32 [V, D]: the first chunk's product, the others added to it
         low = compute_dtype is not None  # autocast: every product in compute_dtype (tensor cores), sums in fp32
         w_VD = weight_VD.to(compute_dtype) if low else weight_VD  # one cast per call, not one per chunk and use
         with torch.autocast(device_type=h_TD.device.type, enabled=False) if low else contextlib.nullcontext():
@@ -91,10 +92,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if not want_w:
                         continue
                     hs_CD = (h_CD * scale_C1).to(g_CV.dtype)
-                    if g_CV.dtype == torch.float32:
-                        grad_w_VD.addmm_(g_CV.t(), hs_CD)
-                    else:  # bf16/fp16 products on tensor cores, summed over chunks in fp32
-                        _add_mm_fp32(grad_w_VD, g_CV.t(), hs_CD)
+                    # bf16/fp16 products on tensor cores, summed over chunks in fp32
+                    grad_w_VD = add_mm_fp32(grad_w_VD, g_CV.t(), hs_CD)
+        if want_w and grad_w_VD is None:  # no rows
+            grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
         ctx.save_for_backward(grad_h_TD, grad_w_VD)
         ctx.weight_dtype = weight_VD.dtype
         return loss / count
@@ -104,27 +105,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
         if grad_h_TD is None:
             raise RuntimeError("linear_cross_entropy ran without gradients (want_grad=False) but was differentiated")
-        grad_w = None if grad_w_VD is None else (grad_w_VD * grad_out).to(ctx.weight_dtype)
+        grad_w = None
+        if grad_w_VD is not None:  # scaled and rounded to the weight's dtype in one pass
+            grad_w = torch.empty(grad_w_VD.shape, dtype=ctx.weight_dtype, device=grad_w_VD.device)
+            torch.mul(grad_w_VD, grad_out, out=grad_w)
         return (grad_h_TD * grad_out).to(grad_h_TD.dtype), grad_w, None, None, None, None, None
 
 
-def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b for low-precision a, b: the product accumulates in fp32 and is written in fp32 where torch
-    can (`mm(..., out_dtype=float32)`, CUDA), else rounded to a's dtype first (as autocast's own gradients are)."""
-    global _MM_OUT_DTYPE
-    if _MM_OUT_DTYPE is not False and a.device.type == "cuda":
-        try:
-            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-            _MM_OUT_DTYPE = True
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            if _MM_OUT_DTYPE:
-                raise
-            _MM_OUT_DTYPE = False
-    acc.add_(a @ b)
-
-
-_MM_OUT_DTYPE: bool | None = None  # whether torch.mm takes out_dtype here (probed on first use)
 _CPU_CHUNK_ELEMENTS = 1 << 20
 
 

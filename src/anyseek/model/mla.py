@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyseek import kernels
+from anyseek.model.concat import cat_rows
 from anyseek.model.config import ModelConfig
 from anyseek.model.layout import PackedLayout
 from anyseek.model.norm import RMSNorm
@@ -46,6 +47,10 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * c.v_head_dim, c.hidden_size, bias=False)
 
+    def joined_weights(self) -> list[tuple[torch.Tensor, ...]]:
+        """Weights the forward uses side by side (`model/concat.py`)."""
+        return [] if hasattr(self, "q_proj") else [(self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight)]
+
     def forward(self, x_TD: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         """x [T, D] -> [T, D]; attention stays inside each document of `layout`."""
         T, H = x_TD.shape[0], self.n_heads
@@ -53,7 +58,7 @@ class MLA(nn.Module):
             q_TQ = self.q_proj(x_TD)
             kv_a_TX = self.kv_a_proj_with_mqa(x_TD)
         else:  # both down-projections read x: one matmul (and one for each gradient) instead of two
-            w_XD = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
+            w_XD = cat_rows([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
             q_a_TQ, kv_a_TX = F.linear(x_TD, w_XD).split(
                 [self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1
             )

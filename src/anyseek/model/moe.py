@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyseek import kernels
+from anyseek.model.concat import cat_rows
 from anyseek.model.config import ModelConfig
 from anyseek.model.layout import PackedLayout
+from anyseek.model.matmul import linear_fp32
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def joined_weights(self) -> list[tuple[torch.Tensor, ...]]:
+        """Weights the forward uses side by side (`model/concat.py`)."""
+        return [(self.gate_proj.weight, self.up_proj.weight)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gate and up read the same x: one matmul (and one per gradient) on their concatenated weights
-        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # gate and up read the same x: one matmul (and one per gradient) on their joined weights, [gate | up] out
+        gu = F.linear(x, cat_rows([self.gate_proj.weight, self.up_proj.weight]))
+        return self.down_proj(kernels.swiglu(gu))
 
 
 class Router(nn.Module):
@@ -62,7 +68,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> scores fp32 [T, E] (unbiased; for the balance loss), topk_ids [T, K], weights fp32 [T, K]."""
         with torch.autocast(device_type=x_TD.device.type, enabled=False):  # routing stays fp32 under autocast
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+            logits_TE = linear_fp32(x_TD, self.weight)  # = F.linear(x.float(), w.float()); tensor cores for bf16
         scores_TE = logits_TE.sigmoid() if self.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
         with torch.no_grad():
             choice_TE = scores_TE + self.e_score_correction_bias

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from anyseek import kernels
+from anyseek.model.concat import adjacent_weights
 
 
 def unavailable(device: torch.device, distributed: bool, low: torch.dtype | None, asked: bool = False) -> str | None:
@@ -42,6 +43,24 @@ def unavailable(device: torch.device, distributed: bool, low: torch.dtype | None
     if device.type != "cuda" and not asked:
         return f"off by default on {device.type} (train.working_copy=true turns it on)"
     return None
+
+
+def _joined_order(params: list[torch.Tensor], groups: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """`params` with each group (all of whose members are in `params`, with the same dims) moved together, in the
+    group's order, to where its first member stood."""
+    where = {id(p) for p in params}
+    follow, later = {}, set()
+    for g in groups:
+        if len(g) > 1 and all(id(w) in where for w in g) and len({w.dim() for w in g}) == 1:
+            follow[id(g[0])] = g
+            later.update(id(w) for w in g[1:])
+    out = []
+    for p in params:
+        if id(p) in follow:
+            out += follow[id(p)]
+        elif id(p) not in later:
+            out.append(p)
+    return out
 
 
 def _flat_views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -59,8 +78,10 @@ class WorkingCopy:
         """accumulate: several micro-batches per step (their gradients add up in fp32), else one (copied in bf16)."""
         self.dtype, self.accumulate = dtype, accumulate
         params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
-        # trained ones first, matrices (weight decay) before vectors: each optimizer group is one flat range
-        trained = sorted((p for p in params if p.requires_grad), key=lambda p: p.dim() < 2)
+        # trained ones first, matrices (weight decay) before vectors: each optimizer group is one flat range;
+        # weights the model joins (model/concat.py) row after row, so that it can use them without a copy
+        trained = _joined_order(sorted((p for p in params if p.requires_grad), key=lambda p: p.dim() < 2),
+                                adjacent_weights(model))
         self.trained = trained
         self.frozen = [p for p in params if not p.requires_grad]
         n = sum(p.numel() for p in trained)

@@ -14,3 +14,10 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
     shape, dtype = the promotion of x's and weight's dtypes."""
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight_D * y.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) with h = x + y (the residual stream, in the promotion of x's and y's dtypes)."""
+    h = x + y
+    return h, rms_norm(h, weight_D, eps)

@@ -7,6 +7,11 @@ times the weight, output in the promotion of x's and weight's dtypes. The backwa
 dout * y. Row r's rstd is kept from the forward ([N] fp32). dw: each backward program sums its rows in fp32 into
 one partial row; the partials are summed once in torch.
 
+`add_rms_norm` is the same with the residual add in front (h = x + y rounded to h's dtype, then the norm of h): the
+forward writes h and the normalised h in one pass, and the backward adds the residual's own gradient dh into dx
+(which is then the gradient of both x and y), so neither the add nor the sum of the two gradients is a kernel of
+its own.
+
 Shape legend: N rows (all leading dims), D the normalised dim, BD its power-of-two block, P backward programs.
 """
 
@@ -18,11 +23,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _rmsnorm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, D, eps, BD: tl.constexpr):
+def _rmsnorm_fwd_kernel(X, R, H, W, Y, RSTD, stride_x, stride_r, stride_h, stride_y, D, eps, HAS_RES: tl.constexpr,
+                        BD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     mask = cols < D
     x_raw = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:  # h = x + y, rounded to h's dtype: the residual stream as an unfused add would leave it
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        x_raw = (x_raw.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + row * stride_h + cols, x_raw, mask=mask)
     x = x_raw.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     y = (x * rstd).to(x_raw.dtype).to(tl.float32)  # rounded to x's dtype before the scale, as the reference
@@ -32,8 +42,8 @@ def _rmsnorm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, D, eps, BD: tl.conste
 
 
 @triton.jit
-def _rmsnorm_bwd_kernel(DOUT, X, W, RSTD, DX, DW_PART, stride_do, stride_x, stride_dx, N, D, rows_per_program,
-                BD: tl.constexpr):
+def _rmsnorm_bwd_kernel(DOUT, X, W, RSTD, DH, DX, DW_PART, stride_do, stride_x, stride_dh, stride_dx, N, D,
+                        rows_per_program, HAS_DH: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     mask = cols < D
@@ -51,7 +61,10 @@ def _rmsnorm_bwd_kernel(DOUT, X, W, RSTD, DX, DW_PART, stride_do, stride_x, stri
             dw += dout * xhat.to(x_raw.dtype).to(tl.float32)
             dy = dout * w
             c = tl.sum(dy * xhat, axis=0) / D
-            tl.store(DX + row * stride_dx + cols, ((dy - xhat * c) * rstd).to(DX.dtype.element_ty), mask=mask)
+            dx = (dy - xhat * c) * rstd
+            if HAS_DH:  # the residual's own gradient: the sum autograd would otherwise make
+                dx += tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW_PART + pid * D + cols, dw, mask=mask)
 
 
@@ -67,37 +80,76 @@ def _num_programs(n: int, device: torch.device) -> int:
     return max(1, min(n, 4))  # the interpreter: few programs
 
 
+def _forward(x2, r2, weight, eps, h_dtype):
+    """(h or None, y, rstd) for rows x2 (+ r2 when given)."""
+    N, D = x2.shape
+    y = torch.empty((N, D), dtype=torch.promote_types(h_dtype, weight.dtype), device=x2.device)
+    rstd = torch.empty(N, dtype=torch.float32, device=x2.device)
+    h = torch.empty((N, D), dtype=h_dtype, device=x2.device) if r2 is not None else None
+    BD = triton.next_power_of_2(D)
+    if N:
+        _rmsnorm_fwd_kernel[(N,)](
+            x2, r2 if r2 is not None else x2, h if h is not None else x2, weight, y, rstd, x2.stride(0),
+            r2.stride(0) if r2 is not None else 0, D if h is not None else 0, y.stride(0), D, eps,
+            HAS_RES=r2 is not None, BD=BD, num_warps=min(16, max(1, BD // 256)),
+        )  # fmt: skip
+    return h, y, rstd
+
+
+def _backward(dout, x2, weight, rstd, dh):
+    """(dx [N, D] in x2's dtype, with dh added when given; dw in weight's dtype)."""
+    N, D = x2.shape
+    do2 = _rows(dout)
+    dh2 = _rows(dh) if dh is not None else None
+    dx = torch.empty((N, D), dtype=x2.dtype, device=x2.device)
+    P = _num_programs(N, x2.device)
+    rows_per_program = triton.cdiv(N, P) if N else 0
+    dw_part = torch.zeros((P, D), dtype=torch.float32, device=x2.device)
+    BD = triton.next_power_of_2(D)
+    if N:
+        _rmsnorm_bwd_kernel[(P,)](
+            do2, x2, weight, rstd, dh2 if dh2 is not None else do2, dx, dw_part, do2.stride(0), x2.stride(0),
+            dh2.stride(0) if dh2 is not None else 0, dx.stride(0), N, D, rows_per_program, HAS_DH=dh2 is not None,
+            BD=BD, num_warps=min(16, max(1, BD // 256)),
+        )  # fmt: skip
+    return dx, dw_part.sum(0).to(weight.dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        D = x.shape[-1]
         x2 = _rows(x)
-        N = x2.shape[0]
-        y = torch.empty((N, D), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        rstd = torch.empty(N, dtype=torch.float32, device=x.device)
-        BD = triton.next_power_of_2(D)
-        if N:
-            _rmsnorm_fwd_kernel[(N,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), D, eps, BD=BD,
-                              num_warps=min(16, max(1, BD // 256)))
+        _, y, rstd = _forward(x2, None, weight, eps, x.dtype)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
-        return y.view(*x.shape[:-1], D)
+        return y.view(*x.shape[:-1], x.shape[-1])
 
     @staticmethod
     def backward(ctx, dout):
         x2, weight, rstd = ctx.saved_tensors
-        N, D = x2.shape
-        do2 = _rows(dout)
-        dx = torch.empty((N, D), dtype=x2.dtype, device=x2.device)
-        P = _num_programs(N, x2.device)
-        rows_per_program = triton.cdiv(N, P) if N else 0
-        dw_part = torch.zeros((P, D), dtype=torch.float32, device=x2.device)
-        BD = triton.next_power_of_2(D)
-        if N:
-            _rmsnorm_bwd_kernel[(P,)](do2, x2, weight, rstd, dx, dw_part, do2.stride(0), x2.stride(0), dx.stride(0), N, D,
-                              rows_per_program, BD=BD, num_warps=min(16, max(1, BD // 256)))
-        dw = dw_part.sum(0).to(weight.dtype)
+        dx, dw = _backward(dout, x2, weight, rstd, None)
         return dx.view(ctx.x_shape), dw, None
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, weight, eps: float):
+        h_dtype = torch.promote_types(x.dtype, y.dtype)
+        h, out, rstd = _forward(_rows(x), _rows(y), weight, eps, h_dtype)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.shape, ctx.dtypes = x.shape, (x.dtype, y.dtype)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zero tensor to add)
+        return h.view(x.shape), out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dh, dout):
+        h, weight, rstd = ctx.saved_tensors
+        if dout is None:  # only h was used: the add's backward
+            dx, dw = dh, None
+        else:
+            dx, dw = _backward(dout, h, weight, rstd, dh)
+            dx = dx.view(ctx.shape)
+        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw, None
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,6 +161,17 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
 
         return reference(x, weight_D, eps)
     return _RMSNorm.apply(x, weight_D, eps)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton backend of `kernels.add_rms_norm` (see the module docstring); the reference twin under
+    torch.compile, as `rms_norm`."""
+    if torch.compiler.is_compiling():
+        from anyseek.kernels.reference.norm import add_rms_norm as reference
+
+        return reference(x, y, weight_D, eps)
+    return _AddRMSNorm.apply(x, y, weight_D, eps)
 
 
 def available(example: torch.Tensor) -> tuple[bool, str]:

@@ -1,0 +1,81 @@
+"""Matmuls whose result is wanted in fp32 from low-precision operands, on tensor cores.
+
+A product of two bf16 (or fp16) numbers is exact in fp32, and cuBLAS sums them in fp32; so for bf16 operands
+`mm(a, b, out_dtype=float32)` is what `a.float() @ b.float()` computes, up to the order of the sums, without the
+fp32 copies of the operands and on tensor cores instead of fp32 SIMT. torch offers it on CUDA (probed once; elsewhere
+the plain fp32 path runs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_OUT_DTYPE: dict[str, bool] = {}  # "mm" / "addmm" -> whether torch takes out_dtype=float32 here (probed on first use)
+
+
+def _try(name: str, call) -> torch.Tensor | None:
+    """call() if `name` with out_dtype works here, else None. The first failure is remembered; a failure after a
+    success is a real error and raised."""
+    if _OUT_DTYPE.get(name) is False:
+        return None
+    try:
+        out = call()
+    except (RuntimeError, TypeError, NotImplementedError):
+        if _OUT_DTYPE.get(name):
+            raise
+        _OUT_DTYPE[name] = False
+        return None
+    _OUT_DTYPE[name] = True
+    return out
+
+
+def add_mm_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc (fp32, or None: start from zero) + a @ b, returned (acc updated in place when given). Low-precision a, b
+    multiply on tensor cores and accumulate in fp32, written in fp32 where torch can (`mm` / `addmm` with
+    out_dtype=float32, CUDA), else rounded to a's dtype first (as autocast's own gradients are)."""
+    if a.dtype == torch.float32:
+        return a @ b if acc is None else acc.addmm_(a, b)
+    cuda = a.device.type == "cuda"
+    if acc is not None and cuda:  # the sum in the matmul's epilogue: no separate read-add-write of acc
+        if _try("addmm", lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)) is not None:
+            return acc
+    prod = _try("mm", lambda: torch.mm(a, b, out_dtype=torch.float32)) if cuda else None
+    if prod is None:
+        prod = a @ b
+    return prod.float() if acc is None else acc.add_(prod)
+
+
+class _LowFP32Linear(torch.autograd.Function):
+    """x [N, K] @ w[M, K]^T -> fp32 [N, M] for x, w of one low-precision dtype (see `linear_fp32`)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        # the fp32 gradient as hi + lo in the operands' dtype (~16 significant bits for bf16): two tensor-core
+        # products carry it at about fp32's accuracy into the result, which is then rounded to x's / w's dtype
+        hi = g.to(x.dtype)
+        lo = (g - hi.float()).to(x.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = add_mm_fp32(add_mm_fp32(None, hi, w), lo, w).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = add_mm_fp32(add_mm_fp32(None, hi.t(), x), lo.t(), x).to(w.dtype)
+        return dx, dw
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x.float(), w.float()) (no bias; x [..., K], w [M, K]) -> fp32 [..., M]. Where x and w share a
+    low-precision dtype on CUDA the forward and both gradients run on tensor cores (see the module docstring and
+    `_LowFP32Linear`); elsewhere the fp32 linear itself."""
+    low = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+    if low and x.device.type == "cuda" and _OUT_DTYPE.get("mm") is not False and not torch.compiler.is_compiling():
+        x2 = x.reshape(-1, x.shape[-1])
+        if "mm" in _OUT_DTYPE or _try("mm", lambda: torch.mm(x2[:1], w[:1].t(), out_dtype=torch.float32)) is not None:
+            out = _LowFP32Linear.apply(x2, w)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], w.shape[0])
+    return torch.nn.functional.linear(x.float(), w.float())
