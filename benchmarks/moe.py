@@ -115,7 +115,9 @@ def make(shape: str, T: int, routing: str, seed: int = 0):
     return x.requires_grad_(), ids, w.requires_grad_(), gu, dn, torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 
 
-def time_ms(fn, inputs, backward: bool, rep: int = 120) -> float:
+def time_ms(fn, inputs, backward: bool, rep: int = 120, graph: bool = False) -> float:
+    """Median ms of the op (forward, or forward + backward). graph: replayed as one CUDA graph, as the trainer runs
+    it (no host launch overhead: what counts at small shapes, where eager launches outlast the kernels)."""
     import triton
 
     x, ids, w, gu, dn, dy = inputs
@@ -125,6 +127,11 @@ def time_ms(fn, inputs, backward: bool, rep: int = 120) -> float:
         y = fn(x, ids, w, gu, dn)
         if backward:
             torch.autograd.grad(y, leaves, dy)
+
+    if graph:
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(step, rep=rep, return_mode="median")
 
     if not backward:
         with torch.no_grad():
@@ -206,21 +213,26 @@ def check(out_dir: str | None) -> bool:
 
 
 TUNE = {
-    "swiglu": [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
-    "gemm": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)],
+    "swiglu": [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+               (64, 64, 64, 4, 4), (128, 128, 64, 8, 4)],
+    "gemm": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+             (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
     "wgrad": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-              (128, 128, 32, 8, 4), (128, 128, 64, 4, 4)],
+              (128, 128, 32, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+              (64, 64, 64, 4, 4)],
 }  # fmt: skip
 
 
-def tune(out_dir: str | None) -> None:
+def tune(out_dir: str | None, cases_arg: str = "16B:16384,671B:16384", graph: bool = False) -> None:
     from anyseek.kernels.triton import moe
 
     row = moe.family(torch.device("cuda"))
     base = dict(moe._TABLE[row])
-    lines = [f"Launch settings (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), fwd+bwd ms, {env_line()}", "",
-             "| kernel | setting | 16B 16k balanced | 671B 16k balanced |", "|---|---|---|---|"]
-    cases = [("16B", 16384, "balanced"), ("671B", 16384, "balanced")]
+    cases = [(c.split(":")[0], int(c.split(":")[1]), "balanced") for c in cases_arg.split(",")]
+    how = "one CUDA graph per call" if graph else "eager"
+    lines = [f"Launch settings (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), fwd+bwd ms ({how}), {env_line()}", "",
+             "| kernel | setting | " + " | ".join(f"{s} {t // 1024}k balanced" for s, t, _ in cases) + " |",
+             "|---|---|" + "---|" * len(cases)]
     inputs = {c: make(*c) for c in cases}
     for kind, settings in TUNE.items():
         for s in settings:
@@ -233,7 +245,7 @@ def tune(out_dir: str | None) -> None:
             cells = []
             for c in cases:
                 try:
-                    cells.append(f"{time_ms(moe.routed_experts, inputs[c], True, rep=250):.3f}")
+                    cells.append(f"{time_ms(moe.routed_experts, inputs[c], True, rep=250, graph=graph):.3f}")
                 except Exception as e:  # noqa: BLE001 - a sweep: report and go on
                     cells.append(type(e).__name__)
             lines.append(f"| {kind} | {s} | " + " | ".join(cells) + " |")
@@ -249,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--bench", action="store_true")
     p.add_argument("--shapes", default="small,16B,671B")
     p.add_argument("--tokens", default=None, help="token counts for every shape, comma-separated (default: per shape)")
+    p.add_argument("--tune-cases", default="16B:16384,671B:16384", help="--tune: SHAPE:TOKENS,... (balanced)")
+    p.add_argument("--graph", action="store_true", help="--tune: time each call as one CUDA graph replay")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args(argv)
     ok = True
@@ -256,7 +270,7 @@ def main(argv=None) -> int:
     if args.check:
         ok = check(args.out)
     if args.tune:
-        tune(args.out)
+        tune(args.out, args.tune_cases, args.graph)
     if args.bench:
         shapes = args.shapes.split(",")
         tokens = {s: tuple(int(t) for t in args.tokens.split(",")) for s in shapes} if args.tokens else TOKENS

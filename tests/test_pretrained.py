@@ -448,8 +448,18 @@ def test_memory_estimate_and_advice(monkeypatch):
     # activation checkpointing (main's parallel.activation_checkpointing): full < selective < none
     acts = {mode: memory.estimate(mc, load_run_config("small", [f"--parallel.activation_checkpointing={mode}"]),
                                   None).activations for mode in ("none", "selective", "full")}
-    assert acts["full"] < acts["selective"] < acts["none"] and acts["full"] < acts["none"] / 3
+    head = memory._head_chunk_bytes(mc, c.data.tokens_per_batch, 2)  # the loss's logits chunk: no layer's
+    assert acts["full"] < acts["selective"] < acts["none"] and acts["full"] - head < (acts["none"] - head) / 3
     assert full.activations_full_checkpointing == acts["full"]
+    # the default GPU step (train.working_copy): bf16 copies and gradients, bf16 activations; as the trainer decides
+    wc = memory.estimate(mc, c, None, working_copy=True)
+    assert (wc.weights, wc.weight_copies, wc.grads, wc.optimizer) == (4 * n, 2 * n, 2 * n, 8 * n)
+    assert wc.activations < full.activations
+    cuda = torch.device("cuda")  # the decision needs no GPU
+    assert memory._working_copy(c, cuda, True) and not memory._working_copy(c, torch.device("cpu"), False)
+    assert not memory._working_copy(load_run_config("small", ["--train.working_copy=false"]), cuda, True)
+    accum = memory.estimate(mc, load_run_config("small", ["--train.grad_accum=2"]), None, working_copy=True)
+    assert accum.grads == 4 * n  # summed over micro-batches in fp32
 
 
 # ---------------------------------------------------------------- distributed (2 ranks on the CPU, gloo)

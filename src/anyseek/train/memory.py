@@ -4,8 +4,10 @@
     print(est.table())
 
 Parameters are counted exactly on a model built on the meta device (LoRA applied there too); activations come from
-a per-token, per-layer count of the tensors autograd keeps. Against peaks measured on an H100
-(`benchmarks/finetune_memory.py`, docs/benchmarks.md "Fine-tuning memory"): within -20% .. +6%.
+a per-token, per-layer count of the tensors autograd keeps. Against peaks measured on an H100 (docs/benchmarks.md):
+the default GPU step (`train.working_copy`, CUDA graphs) of the `small` flavor at 8,192 / 32,768 tokens 10.87 /
+19.49 GiB estimated, 10.8 / 19.6 GiB measured; the autocast step (`train.working_copy=false`) is estimated ~15%
+low (its fp32 residual and the casts autocast keeps are counted only in part; not re-measured since the fusions).
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ class Estimate:
 
 
 def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch.float32,
-             autocast: bool = True) -> Estimate:
+             autocast: bool = True, working_copy: bool = False) -> Estimate:
     """Bytes for one optimizer step of `run_cfg` on `model_cfg`: fp32 AdamW (two moments) on what trains,
-    gradients of what trains, the frozen base in `base_dtype` under LoRA."""
+    gradients of what trains, the frozen base in `base_dtype` under LoRA. autocast: bf16 compute over fp32
+    weights (a bf16 copy per matrix use, an fp32 residual stream); working_copy: `train.working_copy` (bf16 copies
+    of the weights kept for the whole run, bf16 activations and gradients; train/precision.py)."""
     from anyseek.model.transformer import DeepSeekV3
     from anyseek.train import lora as lora_lib
 
@@ -51,24 +55,37 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     # head (cast chunk by chunk inside the loss)
     heads = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
     matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in heads)
-    low = 2 if autocast else 4  # bytes of a weight copy / activation element
+    low = 2 if autocast or working_copy else 4  # bytes of a weight copy / activation element
+    resid = 2 if working_copy else 4  # the residual stream: fp32 when the weights it adds are fp32
+    accumulate = run_cfg.train.grad_accum > 1
+    grad_bytes = 4 if accumulate or not working_copy else 2  # the working copy's flat gradients: bf16 unless summed
     if lora_spec is None:
         n = model.num_parameters()
-        weights, grads, optimizer = 4 * n, 4 * n, 8 * n
-        copies = low * matrices if autocast else 0
+        weights, grads, optimizer = 4 * n, grad_bytes * n, 8 * n
+        copies = 2 * n if working_copy else (low * matrices if autocast else 0)
     else:
         lora_lib.apply_lora(model, lora_spec, base_dtype)
         size = torch.finfo(base_dtype).bits // 8
+        frozen32 = sum(p.numel() for n, p in model.named_parameters()
+                       if not lora_lib._is_adapter(n) and p.dtype != base_dtype)
         base = sum(p.numel() * (size if p.dtype == base_dtype else 4) for n, p in model.named_parameters()
                    if not lora_lib._is_adapter(n))
         a = lora_lib.count_adapters(model)
-        weights, grads, optimizer = base + 4 * a, 4 * a, 8 * a
-        copies = size * _merged_elements(model)
+        weights, grads, optimizer = base + 4 * a, grad_bytes * a, 8 * a
+        copies = size * _merged_elements(model) + (2 * (a + frozen32) if working_copy else 0)
     t = run_cfg.data.tokens_per_batch
     mode = getattr(getattr(run_cfg, "parallel", None), "activation_checkpointing", "none")
-    acts = t * _activation_bytes_per_token(model_cfg, low, mode)
+    head = _head_chunk_bytes(model_cfg, t, low)
+    acts = t * _activation_bytes_per_token(model_cfg, low, mode, resid) + head
     return Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None,
-                    t * _activation_bytes_per_token(model_cfg, low, "full"))
+                    t * _activation_bytes_per_token(model_cfg, low, "full", resid) + head)
+
+
+def _head_chunk_bytes(c, tokens: int, low: int) -> float:
+    """The output head's loss works on [C, V] logits, chunk by chunk (model/loss.py: 2^27 fp32 elements on GPUs):
+    one fp32 chunk and its low-precision gradient are alive at the end of the forward, the activations' peak."""
+    rows = min(tokens, max(1, (1 << 27) // c.vocab_size))
+    return float(rows * c.vocab_size * (4 + low))
 
 
 def _merged_elements(model) -> int:
@@ -85,30 +102,36 @@ def _merged_elements(model) -> int:
     return n
 
 
-def _activation_bytes_per_token(c, low: int, checkpointing: str = "none") -> float:
-    """What autograd keeps per token: per layer the normed inputs (fp32 and a cast), MLA's projections, attention
-    output, the MoE's K routed rows (input, gate|up, activation) and shared experts, the fp32 residual; plus the
-    output head's chunked loss (small). No allowance factor: with it (1.3) the small flavor came out 20% over
-    its measured peak (docs/benchmarks.md, "Fine-tuning memory"). `checkpointing` (parallel.activation_checkpointing,
-    the layers `anyseek.distributed.fsdp.apply_activation_checkpointing` picks): a recomputed layer keeps only its
-    fp32 input, and one such layer's activations are alive again during its backward."""
-    H, D = c.num_attention_heads, c.hidden_size
-    Q = c.q_lora_rank or 0
-    attn = (4 + low) * D + low * (2 * Q + 3 * H * c.qk_head_dim + 2 * H * (c.qk_nope_head_dim + c.v_head_dim)
-                                  + 2 * (c.kv_lora_rank + c.qk_rope_head_dim) + 3 * H * c.v_head_dim)
-    dense = (4 + low) * D + low * 5 * c.intermediate_size
-    moe = (4 + low) * D + 8 * c.n_routed_experts
-    if c.n_routed_experts:
+def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid: int = 4) -> float:
+    """What autograd keeps per token, tensor by tensor as the model saves them (low: bytes of a computed
+    activation; resid: of the residual stream). Per layer: the residual input of each norm and the normed x,
+    MLA's q_a and its norm, the kv latent and its norm, the attention's q, k_nope|v (one buffer), k_pe, output and
+    log-sum-exp; a dense MLP's [gate | up] and SwiGLU output; a MoE's K routed rows ([gate | up] and activation), its
+    fp32 scores and the shared experts' [gate | up] and activation. The MTP modules add their embedding, two norms
+    and the joined input. `checkpointing` (parallel.activation_checkpointing, the layers
+    `anyseek.distributed.fsdp.apply_activation_checkpointing` picks): a recomputed layer keeps only its input, and
+    one such layer's activations are alive again during its backward. Against peaks measured on an H100
+    (docs/benchmarks.md): see the module docstring."""
+    H, D, E = c.num_attention_heads, c.hidden_size, c.n_routed_experts
+    Q, L, R = c.q_lora_rank or 0, c.kv_lora_rank, c.qk_rope_head_dim
+    attn = (resid + low) * D + low * (2 * Q + 2 * L) + low * (H * c.qk_head_dim + H * (c.qk_nope_head_dim
+                                                                                          + c.v_head_dim) + R
+                                                              + H * c.v_head_dim) + 4 * H
+    post = (resid + low) * D + 8
+    dense = low * 3 * c.intermediate_size
+    moe = 0
+    if E:
         K, I = c.num_experts_per_tok, c.moe_intermediate_size
-        moe += K * (low * (D + 5 * I) + 4 * D) + low * 5 * I * c.n_shared_experts
-    n_dense = min(c.first_k_dense_replace, c.num_hidden_layers) if c.n_routed_experts else c.num_hidden_layers
-    # decoder layers, then the MTP modules (counted as MoE layers)
-    units = [attn + dense + 8 * D] * n_dense + [attn + moe + 8 * D] * (c.num_hidden_layers - n_dense)
-    units += [attn + moe + 8 * D] * c.num_nextn_predict_layers
+        moe = low * 3 * I * K + 8 * K + 4 * E + low * 3 * I * c.n_shared_experts
+    n_dense = min(c.first_k_dense_replace, c.num_hidden_layers) if E else c.num_hidden_layers
+    # decoder layers, then the MTP modules (counted as MoE layers, with their own inputs)
+    units = [attn + post + dense] * n_dense + [attn + post + moe] * (c.num_hidden_layers - n_dense)
+    units += [attn + post + moe + (low + 2 * resid + 2 * low) * D] * c.num_nextn_predict_layers
     recomputed = [i for i in range(len(units)) if checkpointing == "full" or
                   (checkpointing == "selective" and i < c.num_hidden_layers and i % 2 == 0)]
-    kept = sum(4 * D if i in recomputed else u for i, u in enumerate(units))
-    return float(kept + max((units[i] for i in recomputed), default=0) + 8 * D)
+    kept = sum(resid * D if i in recomputed else u for i, u in enumerate(units))
+    heads = (1 + c.num_nextn_predict_layers) * (resid + low) * D  # final norms' inputs, the loss's saved grad_h
+    return float(kept + max((units[i] for i in recomputed), default=0) + heads)
 
 
 def available(device: torch.device) -> float | None:
@@ -140,9 +163,20 @@ def advice(est: Estimate, run_cfg, have: float) -> list[str]:
     return tips
 
 
+def _working_copy(run_cfg, device: torch.device, autocast: bool) -> bool:
+    """Whether the run will use train.working_copy (as the trainer decides: train/precision.py)."""
+    from anyseek.train.precision import unavailable
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+    mode = run_cfg.train.working_copy
+    if mode == "false" or not autocast:
+        return mode == "true" and run_cfg.train.dtype == "bf16"
+    return unavailable(device, distributed, torch.bfloat16, asked=mode == "true") is None
+
+
 def report(model_cfg, run_cfg, device: torch.device, lora_spec, base_dtype: torch.dtype, log=print) -> Estimate:
     autocast = device.type == "cuda" and run_cfg.train.dtype != "fp32"
-    est = estimate(model_cfg, run_cfg, lora_spec, base_dtype, autocast)
+    est = estimate(model_cfg, run_cfg, lora_spec, base_dtype, autocast, _working_copy(run_cfg, device, autocast))
     have = available(device)
     where = f"of {have / GiB:.1f} GiB on {device}" if have else f"on {device}"
     log(f"memory: {est.table()} {where}")
