@@ -53,7 +53,8 @@ def _worker() -> None:
                                                 (513, 1, 8, 16, "one_expert"), (0, 2, 4, 16, "balanced"),
                                                 (3000, 6, 64, 64, "sparse"), (40000, 2, 8, 128, "skewed")]):
         ids = accuracy.moe_routing(T, E, K, routing, torch.Generator().manual_seed(i))
-        same.append(all(torch.equal(a, b) for a, b in zip(moe.build_plan(ids, E, bm), moe.build_plan_torch(ids, E, bm))))
+        got, want = moe.build_plan(ids, E, bm), moe.build_plan_torch(ids, E, bm)
+        same.append(all(torch.equal(a, b) for a, b in zip(got, want)))
     results["plan_is_stable_sort"] = {"pass": all(same), "table": same}
     # bitwise deterministic, output and gradients
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(33, 32, 24, 6, 3, "skewed", 4)
@@ -86,8 +87,8 @@ def interp_results():
     return json.loads(lines[-1][len("RESULTS ") :])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["plan", "plan_is_stable_sort", "deterministic", "compile",
-                                  "registry"])
+@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
+                         + ["plan", "plan_is_stable_sort", "deterministic", "compile", "registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"
