@@ -56,6 +56,22 @@ def _worker() -> None:
         got, want = moe.build_plan(ids, E, bm), moe.build_plan_torch(ids, E, bm)
         same.append(all(torch.equal(a, b) for a, b in zip(got, want)))
     results["plan_is_stable_sort"] = {"pass": all(same), "table": same}
+    # weight gradients written straight into their destinations (the working copy's flat buffer), same values
+    from anyseek import kernels as kernels_mod
+
+    x, ids, w, gu, dn, dy = accuracy.moe_inputs(37, 32, 24, 6, 3, "skewed", 5)
+    flat_w = torch.cat([gu.reshape(-1), dn.reshape(-1)])
+    flat_g = torch.full_like(flat_w, float("nan"))  # every element must be written
+    pg = torch.nn.Parameter(flat_w[:gu.numel()].view(gu.shape))
+    pd = torch.nn.Parameter(flat_w[gu.numel():].view(dn.shape))
+    kernels_mod.set_grad_destination(pg, flat_g, 0)
+    kernels_mod.set_grad_destination(pd, flat_g, gu.numel())
+    (moe.routed_experts(x, ids, w, pg, pd) * dy).sum().backward()
+    in_place = pg.grad.data_ptr() == flat_g.data_ptr() and pd.grad.data_ptr() == flat_g[gu.numel():].data_ptr()
+    qg, qd = (t.detach().clone().requires_grad_() for t in (gu, dn))
+    (moe.routed_experts(x, ids, w, qg, qd) * dy).sum().backward()
+    same = torch.equal(flat_g, torch.cat([qg.grad.reshape(-1), qd.grad.reshape(-1)]))
+    results["grad_destination"] = {"pass": bool(in_place and same), "table": [in_place, same]}
     # bitwise deterministic, output and gradients
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(33, 32, 24, 6, 3, "skewed", 4)
     runs = [accuracy._run_moe(moe.routed_experts, [x, ids, w, gu, dn, dy], torch.float16, "cpu") for _ in range(2)]
@@ -88,7 +104,8 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "deterministic", "compile", "registry"])
+                         + ["plan", "plan_is_stable_sort", "grad_destination", "deterministic", "compile",
+                            "registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"

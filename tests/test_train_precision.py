@@ -211,3 +211,41 @@ def test_working_copy_on_cuda_follows_autocast_and_graphs_replay_it(data_dir, tm
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=2e-3, atol=0)
     torch.testing.assert_close(torch.tensor(eager), torch.tensor(auto), rtol=2e-2, atol=0)
     assert graphed[-1] < graphed[0] - 0.3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", ["false", "true"])
+def test_gpu_flat_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, graphs):  # noqa: F811
+    """On a GPU (Triton kernels; the routed experts write their weight gradients straight into the flat buffer, the
+    other weights are copied there): the flat gradients match a bf16 copy of the model run on the same batch, eager
+    or graphed (not bit for bit: the attention backward sums with atomics)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from anyseek.model.mtp import count_targets
+    from anyseek.model.moe import Experts
+
+    cfg = tiny_cfg(data_dir, "--train.device=cuda", "--train.working_copy=true", f"--train.cuda_graphs={graphs}",
+                   "--train.warmup_steps=1")
+    tr = Trainer(cfg, tmp_path / "w", log=lambda s: None)
+    w = tr.working
+    experts = [m for m in tr.model.modules() if isinstance(m, Experts)]
+    assert w is not None and experts
+    twin = copy.deepcopy(tr.model).to(torch.bfloat16)
+    for p in twin.parameters():  # the twin computes its gradients the plain way
+        p.__dict__.pop("_anyseek_grad_dest", None)
+    batches = iter(tr.train_loader)
+    for _ in range(3):  # graphed: warm-up, capture, then a replay
+        b = next(batches)
+        tr._accumulate(iter([b]))
+    num = torch.tensor(count_targets(b.targets, b.cu_seqlens, len(twin.mtp)), dtype=torch.float32).cuda()
+    d = b.to("cuda")
+    out = twin(d.input_ids, cu_seqlens=d.cu_seqlens, targets=d.targets, max_seqlen=d.max_seqlen, return_logits=False,
+               num_targets=num)
+    (out.lm_loss + tr.mtp_loss_weight() * out.mtp_loss + tr.model_cfg.aux_loss_alpha * out.balance_loss).backward()
+    grads = dict(zip((id(p) for p in w.trained), w.grads))
+    for (n, p), (_, q) in zip(tr.model.named_parameters(), twin.named_parameters()):
+        got, want = grads[id(p)].float(), q.grad.float()
+        err = (got - want).norm() / want.norm().clamp(min=1e-12)
+        assert err < 2e-2, (n, err.item())
+    if graphs == "true":
+        assert tr.graphs.replays >= 1

@@ -159,10 +159,34 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
     fn(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay)
 
 
+def set_grad_destination(param: torch.Tensor, buffer: torch.Tensor | None, start: int = 0) -> None:
+    """Where a backend may write `param`'s gradient itself: `buffer[start:start + numel]` (same dtype as the
+    parameter while the gradient is computed), or None to forget it. The trainer's working copy points each weight
+    at its rows of the flat gradient buffer (train/precision.py), so that a backend that computes a weight gradient
+    in a kernel of its own (the Triton routed experts) writes it there and nothing copies it again."""
+    if buffer is None:
+        param.__dict__.pop("_anyseek_grad_dest", None)
+    else:
+        param._anyseek_grad_dest = (buffer, start)
+
+
+def grad_destination(param: torch.Tensor) -> torch.Tensor | None:
+    """A fresh view of `param`'s gradient destination (see `set_grad_destination`) shaped like it, or None. Fresh:
+    autograd then keeps the returned tensor as `.grad` instead of copying it."""
+    dest = getattr(param, "_anyseek_grad_dest", None)
+    if dest is None:
+        return None
+    buffer, start = dest
+    if buffer.dtype != param.dtype:
+        return None
+    return buffer[start:start + param.numel()].view(param.shape)
+
+
 def sq_norm(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) of a 1-D tensor, accumulated and returned in fp32 (0-dim)."""
     return registry.get("sq_norm", x)(x)
 
 
 __all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry",
-           "rms_norm", "rope_rotate", "routed_experts", "set_backend", "sq_norm", "swiglu", "varlen_attention"]
+           "grad_destination", "rms_norm", "rope_rotate", "routed_experts", "set_backend", "set_grad_destination",
+           "sq_norm", "swiglu", "varlen_attention"]

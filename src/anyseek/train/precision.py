@@ -98,6 +98,9 @@ class WorkingCopy:
         self.masters = masters + [p.data for p in self.frozen]
         self.low = _flat_views(self.flat_low, trained) + [p.detach().to(dtype) for p in self.frozen]
         self.grads = _flat_views(self.flat_grad, trained)
+        if not accumulate:  # a backend that writes a weight gradient itself may write it here (the routed experts)
+            for p in trained:
+                kernels.set_grad_destination(p, self.flat_grad, self.offsets[p][0])
         self.params = trained + self.frozen
         self._active = False
         self.refresh()
@@ -120,7 +123,9 @@ class WorkingCopy:
     def collect(self) -> None:
         """After a micro-batch's backward, inside `active()`: its gradients into the flat buffer; `.grad` cleared."""
         pairs = [(acc, p.grad) for acc, p in zip(self.grads, self.trained)]
-        have = [(acc, g) for acc, g in pairs if g is not None]
+        # a gradient a kernel wrote into its destination (kernels.set_grad_destination) is in place already
+        have = [(acc, g) for acc, g in pairs if g is not None and not (g.data_ptr() == acc.data_ptr()
+                                                                       and g.dtype == acc.dtype)]
         if have:
             accs, gs = (list(t) for t in zip(*have))
             if self.accumulate:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from anyseek import kernels
 from anyseek.kernels.triton import moe_family
 from anyseek.kernels.triton.launch import launch as _launch
 from anyseek.kernels.triton.moe_gemm import (
@@ -243,14 +244,16 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool):
     return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI
 
 
-def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan):
-    """-> dx [T, D], dw [M] (slot order, fp32), d gate_up [E, F, D], d down [E, D, I]."""
+def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu=None, ddn=None):
+    """-> dx [T, D], dw [M] (slot order, fp32), d gate_up [E, F, D], d down [E, D, I] (written into dgu / ddn when
+    given: every expert's rows, zeros for an expert without tokens)."""
     T, D = x_TD.shape
     _E, F, _ = gate_up_EFD.shape
     I = F // 2
     M = plan[0].numel()
     slot, tok, offs = plan[0], plan[1], plan[2]
-    dgu, ddn = torch.empty_like(gate_up_EFD), torch.empty_like(down_EDI)
+    dgu = torch.empty_like(gate_up_EFD) if dgu is None else dgu
+    ddn = torch.empty_like(down_EDI) if ddn is None else ddn
     gemm, wgrad = _config(x_TD.device, "gemm"), _config(x_TD.device, "wgrad")
     dh_MF = x_TD.new_empty(M, F)
     dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=x_TD.device, dtype=torch.float32)
@@ -318,9 +321,26 @@ def _(dy, x, w, gate_up, down, h, act, slot, tok, offs, tile_expert, tile_row):
         down.new_empty(down.shape)  # fmt: skip
 
 
+@torch.library.custom_op("anyseek::moe_experts_bwd_into", mutates_args=("dgu", "ddn"))
+def _bwd_into_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, h: torch.Tensor,
+    act: torch.Tensor, slot: torch.Tensor, tok: torch.Tensor, offs: torch.Tensor, tile_expert: torch.Tensor,
+    tile_row: torch.Tensor, dgu: torch.Tensor, ddn: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """As moe_experts_bwd, the weight gradients written into dgu and ddn (the trainer's flat gradient buffer)."""
+    dx, dw, _, _ = experts_bwd(dy, x, w, gate_up, down, h, act, (slot, tok, offs, tile_expert, tile_row), dgu, ddn)
+    return dx, dw
+
+
+@_bwd_into_op.register_fake
+def _(dy, x, w, gate_up, down, h, act, slot, tok, offs, tile_expert, tile_row, dgu, ddn):
+    return x.new_empty(x.shape), w.new_empty(w.shape, dtype=torch.float32)
+
+
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, params):
+        ctx.params = params  # the weights as parameters, for their gradient destinations (or None)
         plan = torch.ops.anyseek.moe_plan(topk_ids_TK, gate_up_EFD.shape[0], _block_m(x_TD.device))
         w_M = topk_weights_TK.reshape(-1)
         save = any(ctx.needs_input_grad)
@@ -332,10 +352,18 @@ class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_TD):
         x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan = ctx.saved_tensors
-        dx, dw_M, dgu, ddn = torch.ops.anyseek.moe_experts_bwd(
-            dy_TD.contiguous(), x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan
-        )
-        return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn
+        dest = [kernels.grad_destination(p) for p in ctx.params] if ctx.params is not None else [None, None]
+        if all(d is not None and d.shape == t.shape and d.dtype == t.dtype
+               for d, t in zip(dest, (gate_up_EFD, down_EDI))):  # straight into the trainer's gradient buffer
+            dgu, ddn = dest
+            dx, dw_M = torch.ops.anyseek.moe_experts_bwd_into(
+                dy_TD.contiguous(), x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan, dgu, ddn
+            )
+        else:
+            dx, dw_M, dgu, ddn = torch.ops.anyseek.moe_experts_bwd(
+                dy_TD.contiguous(), x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan
+            )
+        return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn, None
 
 
 def routed_experts(
@@ -365,7 +393,8 @@ def routed_experts(
     dtype = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
     with torch.autocast(x_TD.device.type, enabled=False):
         x, gu, dn = (t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI))
-        y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn)
+        params = (gate_up_proj_EFD, down_proj_EDI) if gu is gate_up_proj_EFD and dn is down_proj_EDI else None
+        y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn, params)
     return y.to(out_dtype)
 
 
