@@ -221,8 +221,8 @@ def test_gpu_flat_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, grap
     or graphed (not bit for bit: the attention backward sums with atomics)."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    from anyseek.model.mtp import count_targets
     from anyseek.model.moe import Experts
+    from anyseek.model.mtp import count_targets
 
     cfg = tiny_cfg(data_dir, "--train.device=cuda", "--train.working_copy=true", f"--train.cuda_graphs={graphs}",
                    "--train.warmup_steps=1")
