@@ -36,12 +36,24 @@ class DecoderLayer(nn.Module):
         layout: PackedLayout,
         token_mask_T: torch.Tensor | None = None,
         want_balance_loss: bool = False,
-    ) -> tuple[torch.Tensor, RoutingStats | None]:
+        pending: torch.Tensor | None = None,
+        defer: bool = False,
+    ):
         """h [T, D] -> (h [T, D], the MoE's RoutingStats or None for a dense layer). token_mask_T and
-        want_balance_loss: see MoE.forward."""
-        a_TD = self.self_attn(self.input_layernorm(h_TD), layout)
+        want_balance_loss: see MoE.forward.
+
+        The residual adds can travel with the next norm (one kernel each way, `RMSNorm.add_forward`): `pending`
+        [T, D] is a previous layer's FFN output still to be added to h (the input is h + pending), and with `defer`
+        the layer returns ((h, y), stats) for h + y instead of adding its own FFN output y. The model's layer loop
+        uses both; one layer alone computes the same thing either way."""
+        if pending is None:
+            x_TD = self.input_layernorm(h_TD)
+        else:
+            h_TD, x_TD = self.input_layernorm.add_forward(h_TD, pending)
+        a_TD = self.self_attn(x_TD, layout)
         h_TD, x_TD = self.post_attention_layernorm.add_forward(h_TD, a_TD)  # h + a, and its norm
         if not self.is_moe:
-            return h_TD + self.mlp(x_TD), None
-        y_TD, stats = self.mlp(x_TD, layout, token_mask_T, want_balance_loss)
-        return h_TD + y_TD, stats
+            y_TD, stats = self.mlp(x_TD), None
+        else:
+            y_TD, stats = self.mlp(x_TD, layout, token_mask_T, want_balance_loss)
+        return ((h_TD, y_TD) if defer else h_TD + y_TD), stats

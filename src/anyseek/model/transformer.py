@@ -131,12 +131,13 @@ class DeepSeekV3(nn.Module):
         want_balance = targets is not None
         stats: list[RoutingStats] = []
 
-        h_TD = self.model.embed_tokens(ids_T)
-        for layer in self.model.layers:
-            h_TD, layer_stats = layer(h_TD, layout, None, want_balance)
+        h_TD, y_TD = self.model.embed_tokens(ids_T), None
+        for layer in self.model.layers:  # each FFN's residual add runs inside the next norm (DecoderLayer.forward)
+            (h_TD, y_TD), layer_stats = layer(h_TD, layout, None, want_balance, pending=y_TD, defer=True)
             if layer_stats is not None:
                 stats.append(layer_stats)
-        h_TD = self.model.norm(h_TD)  # h^0 of MTP is this normed state, as inference engines feed official MTP weights
+        # h^0 of MTP is this normed state, as inference engines feed official MTP weights
+        h_TD = self.model.norm(h_TD) if y_TD is None else self.model.norm.add_forward(h_TD, y_TD)[1]
         out = ModelOutput(logits=None)
         if return_logits or targets_T is None:
             logits_TV = self.lm_head(h_TD)
