@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
         want_balance_loss: bool = False,
         pending: torch.Tensor | None = None,
         defer: bool = False,
-    ):
+    ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], RoutingStats | None]:
         """h [T, D] -> (h [T, D], the MoE's RoutingStats or None for a dense layer). token_mask_T and
         want_balance_loss: see MoE.forward.
 

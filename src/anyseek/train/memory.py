@@ -109,7 +109,7 @@ def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid:
     log-sum-exp; a dense MLP's [gate | up] and SwiGLU output; a MoE's K routed rows ([gate | up] and activation), its
     fp32 scores and the shared experts' [gate | up] and activation. The MTP modules add their embedding, two norms
     and the joined input. `checkpointing` (parallel.activation_checkpointing, the layers
-    `anyseek.distributed.fsdp.apply_activation_checkpointing` picks): a recomputed layer keeps only its input, and
+    `anyseek.distributed.fsdp.apply_activation_checkpointing` picks): a recomputed layer keeps only its inputs, and
     one such layer's activations are alive again during its backward. Against peaks measured on an H100
     (docs/benchmarks.md): see the module docstring."""
     H, D, E = c.num_attention_heads, c.hidden_size, c.n_routed_experts
@@ -129,7 +129,9 @@ def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid:
     units += [attn + post + moe + (low + 2 * resid + 2 * low) * D] * c.num_nextn_predict_layers
     recomputed = [i for i in range(len(units)) if checkpointing == "full" or
                   (checkpointing == "selective" and i < c.num_hidden_layers and i % 2 == 0)]
-    kept = sum(resid * D if i in recomputed else u for i, u in enumerate(units))
+    # a recomputed decoder layer keeps its inputs: h and the previous FFN output still to be added (`pending`)
+    kept = sum((2 if 0 < i < c.num_hidden_layers else 1) * resid * D if i in recomputed else u
+               for i, u in enumerate(units))
     heads = (1 + c.num_nextn_predict_layers) * (resid + low) * D  # final norms' inputs, the loss's saved grad_h
     return float(kept + max((units[i] for i in recomputed), default=0) + heads)
 
