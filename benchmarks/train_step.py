@@ -319,6 +319,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096, help="BPE size when preparing the built-in sample")
     p.add_argument("--skip-eager", action="store_true")
     p.add_argument("--rounds", type=int, default=4, help="CPU: rounds of one fresh process per case")
+    p.add_argument("--repeat", type=int, default=1, help="GPU: run the cases in turn this many times (the table: "
+                   "medians over all; each round's ratios printed)")
     p.add_argument("--allocator", default="as-shipped", choices=["as-shipped", "default", "tuned"],
                    help="CPU: as-shipped = anyseek tuned as `anyseek train` does, transformers both ways; default = "
                         "nothing tuned; tuned = everything tuned")
@@ -398,23 +400,35 @@ def main() -> None:
             for case, tuned in plan:
                 record(case, times[case], float("nan"), tuned)
         else:
-            # each case in a fresh process: no case inherits another's allocator state or a profiler's hooks
+            # each case in a fresh process: no case inherits another's allocator state or a profiler's hooks;
+            # --repeat R: the cases take turns R times (the peer's speed follows the host, which drifts)
+            gathered, mems = {c: [] for c in cases}, {}
+            for rnd in range(args.repeat):
+                this = {}
+                for case in cases:
+                    spec = {"case": case, "ckpt": str(ckpt), "data": str(data_dir), "config": config_to_hf(cfg),
+                            "tmp": tmp}
+                    cmd = [sys.executable, __file__, "--gpu-case", json.dumps(spec)] + sys.argv[1:]
+                    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+                    if out.returncode != 0 or not line:
+                        raise SystemExit(f"case {case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+                    r = json.loads(line[0][len("RESULT "):])
+                    for x in out.stdout.splitlines():
+                        if "mean loss of the first" in x or "CUDA graphs" in x:
+                            print(x, flush=True)
+                    if args.profile and rnd == args.repeat - 1:
+                        print(r["table"])
+                    extra[case] = (r["mfu"], r["launches"], r["cats"])
+                    gathered[case] += r["times"]
+                    mems[case] = max(mems.get(case, 0.0), r["mem"])
+                    this[case] = statistics.median(r["times"]) * 1e3
+                if args.repeat > 1:
+                    ratios = [f"{c} {this['hf'] / ms:.2f}x" for c, ms in this.items() if c != "hf" and "hf" in this]
+                    print(f"round {rnd + 1}/{args.repeat}: " + ", ".join(f"{c} {ms:.1f} ms" for c, ms in this.items())
+                          + (f" (vs transformers in this round: {', '.join(ratios)})" if ratios else ""), flush=True)
             for case in cases:
-                spec = {"case": case, "ckpt": str(ckpt), "data": str(data_dir), "config": config_to_hf(cfg),
-                        "tmp": tmp}
-                cmd = [sys.executable, __file__, "--gpu-case", json.dumps(spec)] + sys.argv[1:]
-                out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                if out.returncode != 0 or not line:
-                    raise SystemExit(f"case {case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-                r = json.loads(line[0][len("RESULT "):])
-                for x in out.stdout.splitlines():
-                    if "mean loss of the first" in x or "CUDA graphs" in x:
-                        print(x, flush=True)
-                if args.profile:
-                    print(r["table"])
-                extra[case] = (r["mfu"], r["launches"], r["cats"])
-                record(case, r["times"], r["mem"])
+                record(case, gathered[case], mems[case])
 
     ref = {r[0]: r[4] for r in results}  # case -> tokens/s
     hf_plain = ref.get("hf")
