@@ -393,7 +393,10 @@ def routed_experts(
     dtype = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
     with torch.autocast(x_TD.device.type, enabled=False):
         x, gu, dn = (t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI))
-        params = (gate_up_proj_EFD, down_proj_EDI) if gu is gate_up_proj_EFD and dn is down_proj_EDI else None
+        # the weights as parameters, for their gradient destinations (kernels.set_grad_destination); not when
+        # torch.compile traces the step (the destination is state outside the traced graph)
+        same = gu is gate_up_proj_EFD and dn is down_proj_EDI and not torch.compiler.is_compiling()
+        params = (gate_up_proj_EFD, down_proj_EDI) if same else None
         y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn, params)
     return y.to(out_dtype)
 
