@@ -42,7 +42,7 @@ def rows_adjacent(ws: list[torch.Tensor]) -> bool:
 
 def cat_rows(ws: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat(ws) for 2-D weights [n_i, D]: a view when they are adjacent rows of one buffer, else a copy."""
-    if rows_adjacent(ws):
+    if not torch.compiler.is_compiling() and rows_adjacent(ws):  # (storage pointers do not trace)
         return _CatRowsView.apply(*ws)
     return torch.cat(ws)
 
