@@ -53,15 +53,15 @@ def _worker() -> None:
     ops.mla_attention(*x, cu, 17).square().sum().backward()
     results["compile"] = {"pass": all(torch.allclose(a, t.grad, atol=1e-5) for a, t in zip(eager, x)), "table": []}
     # MLA splits k_nope and v off one projection: the backward hands their gradients over as one buffer (no cat)
-    from anyseek.model import mla
+    from anyseek.model import concat
 
-    seen, adjacent = [], mla._adjacent
-    mla._adjacent = lambda grads: seen.append(adjacent(grads)) or seen[-1]
+    seen, joined = [], concat.joined_view
+    concat.joined_view = lambda parts, dim: seen.append(joined(parts, dim)) or seen[-1]
     kv = torch.randn(20, 2, 64, requires_grad=True)
     q, kpe, g = torch.randn(20, 2, 48), torch.randn(20, 16), torch.randn(20, 2, 32)
-    k_nope, v = mla._split_last(kv, [32, 32])
+    k_nope, v = concat.split_last(kv, [32, 32])
     ops.mla_attention(q, k_nope, kpe, v, cu, 17).backward(g)
-    mla._adjacent = adjacent
+    concat.joined_view = joined
     ref = kv.detach().clone().requires_grad_()
     k2, v2 = ref.split([32, 32], dim=-1)
     ops.mla_attention(q, k2, kpe, v2, cu, 17).backward(g)

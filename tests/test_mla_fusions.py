@@ -1,12 +1,12 @@
 """MLA's copy-saving autograd pieces: `rope_tail` (the query's rope part rotated in one output, no split/cat) and
-`_split_last` (k_nope and v split off one projection; a backward that takes adjacent gradient slices as they are)."""
+`split_last` (k_nope and v split off one projection; a backward that takes adjacent gradient slices as they are)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from anyseek.model import mla
+from anyseek.model import concat
 from anyseek.model.rope import apply_rope, rope_rows, rope_tail_
 
 
@@ -39,18 +39,18 @@ def test_rope_tail_is_split_rope_cat(interleave):
 
 def test_split_last_takes_adjacent_gradients_without_a_copy():
     x = torch.randn(5, 2, 7, requires_grad=True)
-    a, b = mla._split_last(x, [3, 4])
+    a, b = concat.split_last(x, [3, 4])
     assert torch.equal(a, x[..., :3]) and torch.equal(b, x[..., 3:])
     joint = torch.randn(5, 2, 7)
     (ga, gb), = [(joint[..., :3], joint[..., 3:])]
-    back = mla._SplitLast.backward(type("Ctx", (), {"sizes": [3, 4]})(), ga, gb)[0]
+    back = concat._SplitLast.backward(type("Ctx", (), {"sizes": [3, 4]})(), ga, gb)[0]
     assert back.data_ptr() == joint.data_ptr() and torch.equal(back, joint)  # the buffer itself, not a copy
     # other gradients (separate tensors, one missing) are concatenated, zeros for the missing one
     (a * 2).sum().backward()
     assert torch.equal(x.grad[..., :3], torch.full((5, 2, 3), 2.0))
     assert torch.equal(x.grad[..., 3:], torch.zeros(5, 2, 4))
     x.grad = None
-    a, b = mla._split_last(x, [3, 4])
+    a, b = concat.split_last(x, [3, 4])
     (a.sum() + (b * 3).sum()).backward()
     assert torch.equal(x.grad, torch.cat([torch.ones(5, 2, 3), torch.full((5, 2, 4), 3.0)], dim=-1))
 

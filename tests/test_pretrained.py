@@ -455,9 +455,13 @@ def test_memory_estimate_and_advice(monkeypatch):
     wc = memory.estimate(mc, c, None, working_copy=True)
     assert (wc.weights, wc.weight_copies, wc.grads, wc.optimizer) == (4 * n, 2 * n, 2 * n, 8 * n)
     assert wc.activations < full.activations
-    cuda = torch.device("cuda")  # the decision needs no GPU
-    assert memory._working_copy(c, cuda, True) and not memory._working_copy(c, torch.device("cpu"), False)
-    assert not memory._working_copy(load_run_config("small", ["--train.working_copy=false"]), cuda, True)
+    from anyseek.train import precision  # the decision report() and the trainer share; it needs no GPU
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert precision.wanted(c.train.working_copy, cuda, False, bf16)
+    assert not precision.wanted(c.train.working_copy, torch.device("cpu"), False, None)
+    assert not precision.wanted(load_run_config("small", ["--train.working_copy=false"]).train.working_copy, cuda,
+                                False, bf16)
     accum = memory.estimate(mc, load_run_config("small", ["--train.grad_accum=2"]), None, working_copy=True)
     assert accum.grads == 4 * n  # summed over micro-batches in fp32
 

@@ -187,6 +187,6 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
     return registry.get("sq_norm", x)(x)
 
 
-__all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "mla_attention", "mla_decode", "registry",
-           "grad_destination", "rms_norm", "rope_rotate", "routed_experts", "set_backend", "set_grad_destination",
-           "sq_norm", "swiglu", "varlen_attention"]
+__all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination", "mla_attention",
+           "mla_decode", "registry", "rms_norm", "rope_rotate", "routed_experts", "set_backend",
+           "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]

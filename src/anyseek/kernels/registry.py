@@ -223,31 +223,20 @@ def _register_defaults() -> None:
                                    _lazy_check("anyseek.kernels.triton.mla_decode.available"), ("cuda",)))
     register("mla_decode", Backend("reference", _lazy("anyseek.kernels.reference.decode.mla_decode"),
                                    _always("pure PyTorch (gathers the pages)")))
-    register("rms_norm", Backend("triton", _lazy("anyseek.kernels.triton.rmsnorm.rms_norm"),
-                                 _lazy_check("anyseek.kernels.triton.rmsnorm.available"), ("cuda",)))
-    register("rms_norm", Backend("reference", _lazy("anyseek.kernels.reference.norm.rms_norm"),
-                                 _always("pure PyTorch (F.rms_norm in fp32)")))
-    register("add_rms_norm", Backend("triton", _lazy("anyseek.kernels.triton.rmsnorm.add_rms_norm"),
-                                     _lazy_check("anyseek.kernels.triton.rmsnorm.available"), ("cuda",)))
-    register("add_rms_norm", Backend("reference", _lazy("anyseek.kernels.reference.norm.add_rms_norm"),
-                                     _always("pure PyTorch (an add, then F.rms_norm in fp32)")))
-    register("swiglu", Backend("triton", _lazy("anyseek.kernels.triton.swiglu.swiglu"),
-                               _lazy_check("anyseek.kernels.triton.swiglu.available"), ("cuda",)))
-    register("swiglu", Backend("reference", _lazy("anyseek.kernels.reference.swiglu.swiglu"),
-                               _always("pure PyTorch (silu, mul)")))
-    register("cross_entropy_rows", Backend("triton", _lazy("anyseek.kernels.triton.xent.cross_entropy_rows"),
-                                           _lazy_check("anyseek.kernels.triton.xent.available"), ("cuda",)))
-    register("cross_entropy_rows", Backend("reference", _lazy("anyseek.kernels.reference.xent.cross_entropy_rows"),
-                                           _always("pure PyTorch (fp32 softmax)")))
-    register("rope_rotate", Backend("triton", _lazy("anyseek.kernels.triton.rope.rope_rotate"),
-                                    _lazy_check("anyseek.kernels.triton.rope.available"), ("cuda",)))
-    register("rope_rotate", Backend("reference", _lazy("anyseek.kernels.reference.rope.rope_rotate"),
-                                    _always("pure PyTorch (complex multiply in fp32)")))
-    for op in ("adamw_flat", "sq_norm"):
-        register(op, Backend("triton", _lazy(f"anyseek.kernels.triton.adamw.{op}"),
-                             _lazy_check("anyseek.kernels.triton.adamw.available"), ("cuda",)))
-        register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.adamw.{op}"),
-                             _always("pure PyTorch (foreach-free flat ops)")))
+    # the fused chains: a Triton kernel on CUDA, its PyTorch twin everywhere; op -> (module in kernels/triton/ and
+    # kernels/reference/, what the twin runs)
+    fused = {"rms_norm": ("rmsnorm", "norm", "F.rms_norm in fp32"),
+             "add_rms_norm": ("rmsnorm", "norm", "an add, then F.rms_norm in fp32"),
+             "swiglu": ("swiglu", "swiglu", "silu, mul"),
+             "cross_entropy_rows": ("xent", "xent", "fp32 softmax"),
+             "rope_rotate": ("rope", "rope", "complex multiply in fp32"),
+             "adamw_flat": ("adamw", "adamw", "foreach-free flat ops"),
+             "sq_norm": ("adamw", "adamw", "foreach-free flat ops")}
+    for op, (mod, ref, what) in fused.items():
+        register(op, Backend("triton", _lazy(f"anyseek.kernels.triton.{mod}.{op}"),
+                             _lazy_check(f"anyseek.kernels.triton.{mod}.available"), ("cuda",)))
+        register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{ref}.{op}"),
+                             _always(f"pure PyTorch ({what})")))
 
 
 def _sdpa_ok(example: torch.Tensor) -> tuple[bool, str]:

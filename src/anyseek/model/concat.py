@@ -1,10 +1,14 @@
-"""Weights used side by side without copying them together.
+"""Joining and splitting tensors without copies, where the pieces already lie side by side in one buffer.
 
-The model runs a few pairs of projections that read the same input as one matmul: MLA's q_a_proj | kv_a_proj_with_mqa
-and an MLP's gate_proj | up_proj. Their weights are separate parameters (Hugging Face names), so joining them is a
-`torch.cat` per forward. Where the pair already lies row after row in one buffer (the trainer's working copy lays
-them out that way: `adjacent_weights` below, `train/precision.py`), `cat_rows` returns a view instead; the backward
-hands each weight its rows of the joint gradient, as the concatenation's backward does.
+- `cat_rows`: the model runs a few pairs of projections that read the same input as one matmul: MLA's q_a_proj |
+  kv_a_proj_with_mqa and an MLP's gate_proj | up_proj. Their weights are separate parameters (Hugging Face names), so
+  joining them is a `torch.cat` per forward. Where the pair already lies row after row in one buffer (the trainer's
+  working copy lays them out that way: `adjacent_weights` below, `train/precision.py`), it is a view instead; the
+  backward hands each weight its rows of the joint gradient, as the concatenation's backward does.
+- `split_last`: MLA splits k_nope and v off one projection; when their gradients come back as adjacent slices of one
+  buffer (the Triton attention writes them that way), the split's backward takes that buffer as it is.
+
+Both rest on `joined_view`.
 """
 
 from __future__ import annotations
@@ -13,12 +17,31 @@ import torch
 from torch import nn
 
 
+def joined_view(parts, dim: int) -> torch.Tensor | None:
+    """The tensor of which `parts` are consecutive slices along `dim` (one storage and dtype, equal strides and other
+    dims, each starting where the one before ends, and the next index of the dim before `dim` where the joined slice
+    ends), as a view; None when they are not."""
+    first = parts[0]
+    d = dim % first.dim()
+    ptr = first.untyped_storage().data_ptr()
+    at = first.storage_offset()
+    for t in parts:
+        if (t.dtype != first.dtype or t.stride() != first.stride() or t.untyped_storage().data_ptr() != ptr
+                or t.shape[:d] + t.shape[d + 1:] != first.shape[:d] + first.shape[d + 1:] or t.storage_offset() != at):
+            return None
+        at += t.shape[d] * t.stride(d)
+    shape = list(first.shape)
+    shape[d] = sum(t.shape[d] for t in parts)
+    if d and first.stride(d - 1) != shape[d] * first.stride(d):  # the joined rows must not overlap the next ones
+        return None
+    return first.as_strided(shape, first.stride())
+
+
 class _CatRowsView(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, *ws):
+    def forward(ctx, *ws):  # the caller checked that ws are adjacent rows (`rows_adjacent`)
         ctx.sizes = [w.shape[0] for w in ws]
-        first = ws[0]
-        return first.as_strided((sum(ctx.sizes), first.shape[1]), (first.shape[1], 1))
+        return ws[0].as_strided((sum(ctx.sizes), ws[0].shape[1]), ws[0].stride())
 
     @staticmethod
     def backward(ctx, grad):
@@ -26,18 +49,8 @@ class _CatRowsView(torch.autograd.Function):
 
 
 def rows_adjacent(ws: list[torch.Tensor]) -> bool:
-    """Whether the 2-D tensors `ws` are consecutive row blocks of one contiguous buffer (same width and dtype)."""
-    first = ws[0]
-    if first.dim() != 2 or not first.is_contiguous():
-        return False
-    at = first.storage_offset()
-    ptr = first.untyped_storage().data_ptr()
-    for w in ws:
-        if (w.dim() != 2 or w.shape[1] != first.shape[1] or not w.is_contiguous() or w.dtype != first.dtype
-                or w.untyped_storage().data_ptr() != ptr or w.storage_offset() != at):
-            return False
-        at += w.numel()
-    return True
+    """Whether the 2-D tensors `ws` are consecutive row blocks of one buffer (same width and dtype)."""
+    return all(w.dim() == 2 for w in ws) and joined_view(ws, 0) is not None
 
 
 def cat_rows(ws: list[torch.Tensor]) -> torch.Tensor:
@@ -45,6 +58,32 @@ def cat_rows(ws: list[torch.Tensor]) -> torch.Tensor:
     if not torch.compiler.is_compiling() and rows_adjacent(ws):  # (storage pointers do not trace)
         return _CatRowsView.apply(*ws)
     return torch.cat(ws)
+
+
+class _SplitLast(torch.autograd.Function):
+    """x.split(sizes, dim=-1) whose backward copies nothing when the gradients arrive as adjacent views of one
+    buffer; otherwise it concatenates them as split's does."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.sizes = sizes
+        ctx.set_materialize_grads(False)
+        return x.split(sizes, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if all(g is not None for g in grads):
+            joint = joined_view(grads, -1)
+            if joint is not None:
+                return joint, None
+        ref = next(g for g in grads if g is not None)  # autograd calls no backward when every gradient is None
+        parts = [g if g is not None else ref.new_zeros(*ref.shape[:-1], n) for g, n in zip(grads, ctx.sizes)]
+        return torch.cat(parts, dim=-1), None
+
+
+def split_last(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """x.split(sizes, dim=-1), with the copy-free backward of `_SplitLast`."""
+    return _SplitLast.apply(x, sizes)
 
 
 def adjacent_weights(model: nn.Module) -> list[tuple[nn.Parameter, ...]]:

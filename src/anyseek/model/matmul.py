@@ -8,25 +8,24 @@ the plain fp32 path runs).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-_OUT_DTYPE: dict[str, bool] = {}  # "mm" / "addmm" -> whether torch takes out_dtype=float32 here (probed on first use)
 
-
-def _try(name: str, call) -> torch.Tensor | None:
-    """call() if `name` with out_dtype works here, else None. The first failure is remembered; a failure after a
-    success is a real error and raised."""
-    if _OUT_DTYPE.get(name) is False:
-        return None
+@functools.cache
+def _out_dtype_ok(op: str) -> bool:
+    """Whether torch's `mm` / `addmm` take out_dtype=float32 for bf16 operands on this CUDA build (probed once)."""
+    a = torch.zeros(1, 1, dtype=torch.bfloat16, device="cuda")
+    acc = torch.zeros(1, 1, device="cuda")
     try:
-        out = call()
+        if op == "mm":
+            torch.mm(a, a, out_dtype=torch.float32)
+        else:
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
     except (RuntimeError, TypeError, NotImplementedError):
-        if _OUT_DTYPE.get(name):
-            raise
-        _OUT_DTYPE[name] = False
-        return None
-    _OUT_DTYPE[name] = True
-    return out
+        return False
+    return True
 
 
 def add_mm_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -36,11 +35,11 @@ def add_mm_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> t
     if a.dtype == torch.float32:
         return a @ b if acc is None else acc.addmm_(a, b)
     cuda = a.device.type == "cuda"
-    if acc is not None and cuda:  # the sum in the matmul's epilogue: no separate read-add-write of acc
-        if _try("addmm", lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)) is not None:
-            return acc
-    prod = _try("mm", lambda: torch.mm(a, b, out_dtype=torch.float32)) if cuda else None
-    if prod is None:
+    if acc is not None and cuda and _out_dtype_ok("addmm"):  # the sum in the matmul's epilogue
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    if cuda and _out_dtype_ok("mm"):
+        prod = torch.mm(a, b, out_dtype=torch.float32)
+    else:
         prod = a @ b
     return prod.float() if acc is None else acc.add_(prod)
 
@@ -73,9 +72,7 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     low-precision dtype on CUDA the forward and both gradients run on tensor cores (see the module docstring and
     `_LowFP32Linear`); elsewhere the fp32 linear itself."""
     low = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-    if low and x.device.type == "cuda" and _OUT_DTYPE.get("mm") is not False and not torch.compiler.is_compiling():
-        x2 = x.reshape(-1, x.shape[-1])
-        if "mm" in _OUT_DTYPE or _try("mm", lambda: torch.mm(x2[:1], w[:1].t(), out_dtype=torch.float32)) is not None:
-            out = _LowFP32Linear.apply(x2, w)
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], w.shape[0])
+    if low and x.device.type == "cuda" and not torch.compiler.is_compiling() and _out_dtype_ok("mm"):
+        out = _LowFP32Linear.apply(x.reshape(-1, x.shape[-1]), w)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], w.shape[0])
     return torch.nn.functional.linear(x.float(), w.float())

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyseek import kernels
-from anyseek.model.concat import cat_rows
+from anyseek.model.concat import cat_rows, split_last
 from anyseek.model.config import ModelConfig
 from anyseek.model.layout import PackedLayout
 from anyseek.model.norm import RMSNorm
@@ -69,49 +69,9 @@ class MLA(nn.Module):
         latent_TL, k_pe_TR = kv_a_TX.split([self.kv_lora_rank, self.rope], dim=-1)
         k_pe_TR = rope_rows(k_pe_TR, layout.cos, layout.sin, self.rope_interleave)
         kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent_TL)).view(T, H, self.nope + self.v_dim)
-        k_nope_THN, v_THV = _split_last(kv_THX, [self.nope, self.v_dim])
+        k_nope_THN, v_THV = split_last(kv_THX, [self.nope, self.v_dim])  # copy-free backward
 
         out_THV = kernels.mla_attention(
             q_THC, k_nope_THN, k_pe_TR, v_THV, layout.cu_seqlens, layout.max_seqlen, self.softmax_scale, True
         )
         return self.o_proj(out_THV.reshape(T, H * self.v_dim))
-
-
-class _SplitLast(torch.autograd.Function):
-    """x.split(sizes, dim=-1) whose backward copies nothing when the gradients arrive as adjacent views of one
-    buffer (the Triton attention writes dk_nope and dv that way); otherwise it concatenates them as split's does."""
-
-    @staticmethod
-    def forward(ctx, x, sizes):
-        ctx.sizes = sizes
-        ctx.set_materialize_grads(False)
-        return x.split(sizes, dim=-1)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if all(g is not None for g in grads):
-            joint = _adjacent(grads)
-            if joint is not None:
-                return joint, None
-        ref = next(g for g in grads if g is not None)  # autograd calls no backward when every gradient is None
-        parts = [g if g is not None else ref.new_zeros(*ref.shape[:-1], n) for g, n in zip(grads, ctx.sizes)]
-        return torch.cat(parts, dim=-1), None
-
-
-def _adjacent(grads) -> torch.Tensor | None:
-    """The tensor of which `grads` are consecutive last-dim slices (same storage, strides and rows), or None."""
-    first = grads[0]
-    width = sum(g.shape[-1] for g in grads)
-    if first.stride(-1) != 1 or first.stride(-2) != width:
-        return None
-    offset = first.storage_offset()
-    for g in grads:
-        if (g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or g.stride() != first.stride()
-                or g.shape[:-1] != first.shape[:-1] or g.storage_offset() != offset or g.dtype != first.dtype):
-            return None
-        offset += g.shape[-1]
-    return first.as_strided((*first.shape[:-1], width), first.stride())
-
-
-def _split_last(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
-    return _SplitLast.apply(x, sizes)

@@ -84,7 +84,9 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
 def _head_chunk_bytes(c, tokens: int, low: int) -> float:
     """The output head's loss works on [C, V] logits, chunk by chunk (model/loss.py: 2^27 fp32 elements on GPUs):
     one fp32 chunk and its low-precision gradient are alive at the end of the forward, the activations' peak."""
-    rows = min(tokens, max(1, (1 << 27) // c.vocab_size))
+    from anyseek.model.loss import chunk_rows
+
+    rows = min(tokens, chunk_rows(c.vocab_size, "cuda"))
     return float(rows * c.vocab_size * (4 + low))
 
 
@@ -165,20 +167,13 @@ def advice(est: Estimate, run_cfg, have: float) -> list[str]:
     return tips
 
 
-def _working_copy(run_cfg, device: torch.device, autocast: bool) -> bool:
-    """Whether the run will use train.working_copy (as the trainer decides: train/precision.py)."""
-    from anyseek.train.precision import unavailable
-
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
-    mode = run_cfg.train.working_copy
-    if mode == "false" or not autocast:
-        return mode == "true" and run_cfg.train.dtype == "bf16"
-    return unavailable(device, distributed, torch.bfloat16, asked=mode == "true") is None
-
-
 def report(model_cfg, run_cfg, device: torch.device, lora_spec, base_dtype: torch.dtype, log=print) -> Estimate:
-    autocast = device.type == "cuda" and run_cfg.train.dtype != "fp32"
-    est = estimate(model_cfg, run_cfg, lora_spec, base_dtype, autocast, _working_copy(run_cfg, device, autocast))
+    """Print the estimate for a one-process run on `device` (its precision as the trainer decides it)."""
+    from anyseek.train import precision
+
+    low = precision.compute_dtype(run_cfg.train.dtype, device)
+    working = precision.wanted(run_cfg.train.working_copy, device, False, low)
+    est = estimate(model_cfg, run_cfg, lora_spec, base_dtype, low is not None, working)
     have = available(device)
     where = f"of {have / GiB:.1f} GiB on {device}" if have else f"on {device}"
     log(f"memory: {est.table()} {where}")

@@ -34,6 +34,18 @@ from anyseek import kernels
 from anyseek.model.concat import adjacent_weights
 
 
+def compute_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The low precision a run computes in (train.dtype: auto = bf16 on CUDA), or None for fp32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"bf16": torch.bfloat16, "fp32": None}[name]
+
+
+def wanted(mode: str, device: torch.device, distributed: bool, low: torch.dtype | None) -> bool:
+    """Whether train.working_copy=`mode` gives this run a working copy (why not: `unavailable`)."""
+    return mode != "false" and unavailable(device, distributed, low, asked=mode == "true") is None
+
+
 def unavailable(device: torch.device, distributed: bool, low: torch.dtype | None, asked: bool = False) -> str | None:
     """Why a working copy is not used here (None: it is). asked: train.working_copy=true (the CPU then has one too)."""
     if low is None:

@@ -25,6 +25,7 @@ from anyseek.constants import IGNORE_INDEX
 from anyseek.distributed.parallel import Parallel, Silent
 from anyseek.model.mtp import count_targets
 from anyseek.train import checkpoint as ckpt_lib
+from anyseek.train import precision
 from anyseek.train.config import ConfigError, RunConfig, piecewise
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer, lr_at, set_lr
@@ -78,7 +79,7 @@ class Trainer:
             from anyseek.runtime import tune_cpu_allocator
 
             self.allocator = tune_cpu_allocator()
-        self.autocast_dtype = _autocast_dtype(t.dtype, self.device)
+        self.autocast_dtype = precision.compute_dtype(t.dtype, self.device)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         from anyseek.kernels import registry
@@ -345,8 +346,6 @@ class Trainer:
 
     def _working_copy(self):
         """(WorkingCopy or None, a line saying which and why) from train.working_copy."""
-        from anyseek.train import precision
-
         mode = self.cfg.train.working_copy
         low = self.autocast_dtype
         if mode == "false":
@@ -554,10 +553,3 @@ def _pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"train.device={name!r} but this PyTorch build sees no CUDA GPU (see `anyseek doctor`)")
     return device
-
-
-def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    return {"bf16": torch.bfloat16, "fp32": None}[name]
-

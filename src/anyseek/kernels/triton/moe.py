@@ -352,9 +352,9 @@ class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_TD):
         x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan = ctx.saved_tensors
-        dest = [kernels.grad_destination(p) for p in ctx.params] if ctx.params is not None else [None, None]
-        if all(d is not None and d.shape == t.shape and d.dtype == t.dtype
-               for d, t in zip(dest, (gate_up_EFD, down_EDI))):  # straight into the trainer's gradient buffer
+        # ctx.params are the very tensors computed with: a destination (shaped and typed like them) takes the gradient
+        dest = [kernels.grad_destination(p) for p in ctx.params] if ctx.params is not None else [None]
+        if all(d is not None for d in dest):  # straight into the trainer's gradient buffer
             dgu, ddn = dest
             dx, dw_M = torch.ops.anyseek.moe_experts_bwd_into(
                 dy_TD.contiguous(), x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan, dgu, ddn

@@ -21,25 +21,27 @@ BR, BC = 8, 512  # 4096 elements per program at 4 warps: 32 per thread, 16-byte 
 
 
 @triton.jit
-def _swiglu_fwd_kernel(GU, OUT, N, I, stride_gu, stride_out, BR: tl.constexpr, BC: tl.constexpr):
+def _tile(GU, N, I, stride_gu, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's rows and columns, their mask, and the gate and up values there (fp32)."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = (rows < N)[:, None] & (cols < I)[None, :]
     at = rows[:, None] * stride_gu + cols[None, :]
     g = tl.load(GU + at, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + at + I, mask=mask, other=0.0).to(tl.float32)
+    return rows, cols, mask, g, u
+
+
+@triton.jit
+def _swiglu_fwd_kernel(GU, OUT, N, I, stride_gu, stride_out, BR: tl.constexpr, BC: tl.constexpr):
+    rows, cols, mask, g, u = _tile(GU, N, I, stride_gu, BR, BC)
     out = g * tl.sigmoid(g) * u
     tl.store(OUT + rows[:, None] * stride_out + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(GU, DOUT, DGU, N, I, stride_gu, stride_do, stride_dgu, BR: tl.constexpr, BC: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    mask = (rows < N)[:, None] & (cols < I)[None, :]
-    at = rows[:, None] * stride_gu + cols[None, :]
-    g = tl.load(GU + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + at + I, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, g, u = _tile(GU, N, I, stride_gu, BR, BC)
     dout = tl.load(DOUT + rows[:, None] * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     du = dout * g * s
