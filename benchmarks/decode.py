@@ -80,8 +80,9 @@ def kernel_grid(out_rows: list, sweep: bool) -> None:
                 row = _kernel_case(H, B, S, dev)
                 out_rows.append(row)
                 print(f"H={H:3d} B={B:3d} S={S:5d}  triton {row['triton_us']:8.1f} us {row['triton_GBps']:6.0f} GB/s "
-                      f"{row['triton_TFLOPs']:6.1f} TFLOP/s | naive {row['naive_us']:8.1f} us | sdpa(expanded) "
-                      f"{row['sdpa_us']:8.1f} us | err {row['err']:.1e} pt {row['err_pt']:.1e}", flush=True)  # fmt: skip
+                      f"{row['triton_TFLOPs']:6.1f} TFLOP/s | no TMA {row['no_tma_us']:8.1f} us "
+                      f"| naive {row['naive_us']:8.1f} us | sdpa(expanded) {row['sdpa_us']:8.1f} us "
+                      f"| err {row['err']:.1e} pt {row['err_pt']:.1e}", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
 
 
@@ -91,6 +92,7 @@ def _kernel_case(H: int, B: int, S: int, dev: torch.device, L: int = 512, R: int
 
     q, cache, table, lens = _case(B, S, H, dev)
     t_tri = _bench(lambda: mla_decode(q, cache, table, lens, L))
+    t_ptr = _bench(lambda: mla_decode(q, cache, table, lens, L, config={"tma": False}))  # the same kernel, no TMA
     err = err_pt = float("nan")
     if B * S <= 64 * 4096:  # the 2x rule against the fp32 oracle, where the oracle fits
         ref = ref_decode(q.float(), cache.float(), table, lens, L)
@@ -113,7 +115,8 @@ def _kernel_case(H: int, B: int, S: int, dev: torch.device, L: int = 512, R: int
         t_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, k, v))
     cache_bytes, flops = B * S * (L + R) * 2, 2 * B * H * S * (L + R + L)
     return {"H": H, "B": B, "S": S, "triton_us": t_tri * 1e6, "triton_GBps": cache_bytes / t_tri / 1e9,
-            "triton_TFLOPs": flops / t_tri / 1e12, "naive_us": t_naive * 1e6, "sdpa_us": t_sdpa * 1e6,
+            "triton_TFLOPs": flops / t_tri / 1e12, "no_tma_us": t_ptr * 1e6, "naive_us": t_naive * 1e6,
+            "sdpa_us": t_sdpa * 1e6,
             "sdpa_GBps": kv_bytes / t_sdpa / 1e9, "err": err, "err_pt": err_pt}  # fmt: skip
 
 

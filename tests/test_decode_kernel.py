@@ -16,6 +16,10 @@ INTERP_CASES = [
     ("fp16_odd_heads", [17, 1, 48], 17, 32, 16, 16, "float16", {"splits": 2}),
     ("fp16_many_splits", [3, 90], 2, 16, 16, 32, "float16", {"splits": 5, "BLOCK_N": 16}),
     ("fp16_one_split", [33, 64], 4, 32, 16, 32, "float16", {"splits": 1}),
+    # power-of-two widths: whole tiles by TMA descriptors (the interpreter runs them), partial ones by pointers;
+    # and the same shapes through pointers only
+    ("fp16_tma", [1, 16, 17, 47, 64], 5, 64, 16, 32, "float16", {"splits": 2, "tma": True}),
+    ("fp16_no_tma", [1, 16, 17, 47, 64], 5, 64, 16, 32, "float16", {"splits": 2, "tma": False}),
 ]
 
 
@@ -61,6 +65,51 @@ def test_reference_matches_dense_attention():
         rows = torch.cat([cache[p] for p in table[t].tolist()])[:n]
         p = torch.softmax(q[t] @ rows.T * 0.3, dim=-1)
         torch.testing.assert_close(out[t], p @ rows[:, :8])
+
+
+def test_tma_is_chosen_only_where_it_applies():
+    from anyseek.kernels.triton.mla_decode import launch_config
+
+    cpu = torch.device("cpu")
+    assert launch_config(2, 16, 4, cpu, torch.float16, 512, 64)["tma"]
+    assert not launch_config(2, 16, 4, cpu, torch.float32, 512, 64)["tma"]  # fp32 runs IEEE dots through pointers
+    assert not launch_config(2, 16, 4, cpu, torch.float16, 24, 8)["tma"]  # widths that are not powers of two
+    assert not launch_config(2, 16, 4, cpu, torch.float16, 512, 48)["tma"]
+
+
+def test_workspace_allocator_keeps_one_the_user_set():
+    """The TMA path builds its descriptors on the device, which needs a Triton workspace allocator: the kernel
+    installs one only where Triton's default (which refuses every request) is in place."""
+    import contextvars
+
+    def check():
+        import triton
+        from triton.runtime import _allocation
+
+        from anyseek.kernels.triton import mla_decode as k
+
+        k._ensure_allocator()
+        assert _allocation._allocator.get() is k._scratch
+        mine = lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)  # noqa: E731
+        triton.set_allocator(mine)
+        k._ensure_allocator()
+        assert _allocation._allocator.get() is mine
+
+    contextvars.copy_context().run(check)  # the allocator is a context variable: leave this thread's as it was
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("LR", [(256, 64), (32, 16)])
+@pytest.mark.parametrize("tma", [True, False])
+def test_gpu_decode_other_widths(LR, tma):
+    """The `small` and `tiny` flavors' latent widths, through TMA and through pointers."""
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.triton.mla_decode import mla_decode
+
+    for dtype in (torch.bfloat16, torch.float16):
+        table = accuracy.decode_error_table(mla_decode, [1, 63, 64, 65, 700], 16, *LR, dtype, "cuda",
+                                            config={"tma": tma})  # fmt: skip
+        assert accuracy.passes(table, dtype), (dtype, table)
 
 
 @pytest.mark.cuda

@@ -163,13 +163,19 @@ def decode_inputs(kv_lens: list[int], H: int, L: int, R: int, page: int, device,
 
 def decode_error_table(fn: Callable, kv_lens: list[int], H: int, L: int, R: int, dtype: torch.dtype, device,
                        page: int = 64, seed: int = 0, **kw) -> list[tuple[str, float, float]]:  # fmt: skip
-    """[("out", max|fn - fp32 ref|, max|PyTorch in dtype - fp32 ref|)] for an `mla_decode` implementation."""
+    """[("out", max|fn - fp32 ref|, max|PyTorch in dtype - fp32 ref|)] for an `mla_decode` implementation. `fn` sees
+    NaN in every cache slot no row owns (past each row's length in its last page, and the padding page 0): a kernel
+    that reads a whole tile must still give those slots no weight and no NaN."""
     from anyseek.kernels.reference.decode import mla_decode as ref_fn
 
     q, cache, table, lens = decode_inputs(kv_lens, H, L, R, page, device, dtype, seed)
     ref = ref_fn(q.float(), cache.float(), table, lens, L)
     pt = ref_fn(q, cache, table, lens, L, compute_dtype=dtype).float()
-    got = fn(q, cache, table, lens, L, **kw).float()
+    poisoned = cache.clone()
+    poisoned[0] = float("nan")
+    for t, n in enumerate(kv_lens):
+        poisoned[int(table[t, (n - 1) // page]), (n - 1) % page + 1 :] = float("nan")
+    got = fn(q, poisoned, table, lens, L, **kw).float()
     return [("out", (got - ref).abs().max().item(), (pt - ref).abs().max().item())]
 
 
