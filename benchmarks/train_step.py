@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -46,6 +47,8 @@ CASES = {
     "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params, fp32 reduce)",
                      "packed varlen"),
     "trainer-compile": ("same step with train.compile=true", "packed varlen"),
+    "trainer-lora": ("same step, LoRA rank 16 on every target (train.lora_rank=16; base frozen in bf16)",
+                     "packed varlen"),
 }
 
 # kernel name -> category for --profile (first match wins; lower-case substrings)
@@ -114,6 +117,14 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
         overrides.append("--train.cuda_graphs=false")
     if case == "trainer-autocast":
         overrides.append("--train.working_copy=false")
+    if case == "trainer-lora":  # the base: one full step of this same run, saved as step-1 (the data's tokenizer)
+        base_cfg = load_run_config(args.flavor, overrides + ["--train.max_steps=1", "--train.cuda_graphs=false"])
+        if not (tmp / "lora-base" / "step-1").is_dir():  # made once per benchmark run (--repeat reuses it)
+            Trainer(base_cfg, tmp / "lora-base", log=lambda *a: None).run()
+            gc.collect()  # that trainer's tensors must not count in this case's peak memory
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        overrides += [f"--train.init={json.dumps(str(tmp / 'lora-base' / 'step-1'))}", "--train.lora_rank=16"]
     if case == "trainer-fsdp":  # what torchrun sets for one process: the trainer then wraps the model with FSDP2
         import socket
 
