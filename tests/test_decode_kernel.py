@@ -98,6 +98,43 @@ def test_workspace_allocator_keeps_one_the_user_set():
     contextvars.copy_context().run(check)  # the allocator is a context variable: leave this thread's as it was
 
 
+def test_a_tma_failure_falls_back_to_pointers(monkeypatch):
+    """Where the TMA variant cannot be built (an old Triton, a driver without it), the first launch says so once
+    and the kernel loads through pointers from then on. The launches are recorded, not run (no GPU here; the
+    interpreter cases above run both variants for real)."""
+    import warnings
+
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.triton import mla_decode as k
+
+    calls = []
+
+    def launch(kernel, grid, cfg):
+        def go(*args, **meta):
+            calls.append(meta["TMA"])
+            if meta["TMA"]:
+                raise RuntimeError("no TMA here\nsecond line")
+
+        return go
+
+    class Reduce:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: None
+
+    monkeypatch.setattr(k, "_launch", launch)
+    monkeypatch.setattr(k, "_decode_reduce_kernel", Reduce())
+    monkeypatch.setattr(k, "_TMA_STATE", {})
+    monkeypatch.setattr(k, "_ensure_allocator", lambda: None)
+    q, cache, table, lens = accuracy.decode_inputs([5, 40], 4, 32, 16, 16, "cpu", torch.float16, seed=3)
+    with pytest.warns(RuntimeWarning, match="TMA variant failed .RuntimeError: no TMA here"):
+        k.mla_decode(q, cache, table, lens, 32, config={"tma": True})
+    assert calls == [True, False] and k._TMA_STATE[("cpu", None)] == "RuntimeError: no TMA here"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second try
+        k.mla_decode(q, cache, table, lens, 32, config={"tma": True})
+    assert calls == [True, False, False]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("LR", [(256, 64), (32, 16)])
 @pytest.mark.parametrize("tma", [True, False])

@@ -9,7 +9,8 @@ latent is 512. On Hopper and later whole tiles arrive by TMA, through descriptor
 (`tl.make_tensor_descriptor`; descriptors built on the host cost Triton 3.6 ~50-200 us of host time per eager
 launch). The copy engine computes the addresses, so the threads' registers go to the 64 x 512 fp32 accumulator
 (H=128, B=64, 4k on H100: 216 -> 262 TFLOP/s). The last partial tile of a range, and every tile where TMA is not
-used, is loaded through pointers with a mask: slots past a row's length are never read.
+used, is loaded through pointers with a mask: slots past a row's length are never read. If the first TMA launch on
+a device fails (a Triton or driver that cannot build it), a warning says so and that device uses pointers.
 Kernel 2, grid (T, H): combines the splits' partials weighted by exp2(lse - max lse).
 
 Splitting the sequence keeps every SM busy when rows x head blocks alone are too few (decode at small batch).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -145,6 +147,10 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if interpret else "cuda")
 
 
+# per device: True once a TMA launch worked, a reason string after one failed (then pointers only)
+_TMA_STATE: dict[tuple, bool | str] = {}
+
+
 def _tma_supported() -> bool:
     """Whether this Triton builds tensor descriptors inside kernels (they need a workspace allocator)."""
     return hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
@@ -233,18 +239,36 @@ def mla_decode(
     table = block_table_TM if block_table_TM.stride(-1) == 1 else block_table_TM.contiguous()
     # TMA reads the cache as one [blocks * page, X] matrix: 16-byte aligned rows, and the rope part's start
     tma = bool(cfg.get("tma")) and cache_NPX.is_contiguous() and cache_NPX.data_ptr() % 16 == 0 and X % 16 == 0
-    if tma:
-        _ensure_allocator()
+    device_key = (q_THX.device.type, q_THX.device.index)
+    tma = tma and isinstance(_TMA_STATE.get(device_key, True), bool)
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]), S)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    _launch(_decode_split_kernel, grid, launch)(
-        q_THX, cache_NPX, table, kv_lens_T, o_part, lse_part, scale * LOG2E,
-        q_THX.stride(0), q_THX.stride(1), cache_NPX.stride(0), cache_NPX.stride(1), table.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        H, triton.cdiv(M, S), cache_NPX.shape[0] * P, X,
-        L=L, R=R, PAGE=P, BLOCK_H=cfg["BLOCK_H"], HALF=half, BLOCK_R=block_r, BLOCK_N=block_n,
-        IEEE=q_THX.dtype == torch.float32, TMA=tma,
-    )  # fmt: skip
+
+    def split(use_tma: bool) -> None:
+        _launch(_decode_split_kernel, grid, launch)(
+            q_THX, cache_NPX, table, kv_lens_T, o_part, lse_part, scale * LOG2E,
+            q_THX.stride(0), q_THX.stride(1), cache_NPX.stride(0), cache_NPX.stride(1), table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+            H, triton.cdiv(M, S), cache_NPX.shape[0] * P, X,
+            L=L, R=R, PAGE=P, BLOCK_H=cfg["BLOCK_H"], HALF=half, BLOCK_R=block_r, BLOCK_N=block_n,
+            IEEE=q_THX.dtype == torch.float32, TMA=use_tma,
+        )  # fmt: skip
+
+    if tma:
+        _ensure_allocator()
+    if not tma:
+        split(False)
+    elif _TMA_STATE.get(device_key) is True:
+        split(True)
+    else:  # the first TMA launch on this device: where this Triton or driver cannot build it, use pointers for good
+        try:
+            split(True)
+            _TMA_STATE[device_key] = True
+        except Exception as e:  # noqa: BLE001 - any compile or launch failure of the TMA variant
+            _TMA_STATE[device_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            warnings.warn(f"anyseek: the MLA decode kernel loads through pointers on this device; its TMA variant "
+                          f"failed ({_TMA_STATE[device_key]})", RuntimeWarning, stacklevel=2)  # fmt: skip
+            split(False)
     _decode_reduce_kernel[(T, H)](
         o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), out.stride(0), out.stride(1), L, S,
