@@ -3,12 +3,13 @@
 Kernel 1, grid (T rows, head blocks, splits): each program takes BLOCK_H heads of one query row and a contiguous
 range of that row's cached tokens (`pages_per_split` pages), walks it BLOCK_N tokens at a time through the block
 table, and keeps an online softmax: s = q_lat . c_lat + q_pe . k_pe (tensor-core dots over one loaded tile),
-acc += p @ c_lat. It writes its normalized partial output and log-sum-exp (base 2) in fp32. The latent is held as
-two halves (two [BLOCK_N, HALF] tiles, two accumulators): a TMA box is at most 256 columns wide, and DeepSeek's
-latent is 512. On Hopper and later whole tiles arrive by TMA, through descriptors the kernel builds on the device
-(`tl.make_tensor_descriptor`; descriptors built on the host cost Triton 3.6 ~50-200 us of host time per eager
-launch). The copy engine computes the addresses, so the threads' registers go to the 64 x 512 fp32 accumulator
-(H=128, B=64, 4k on H100: 216 -> 262 TFLOP/s). The last partial tile of a range, and every tile where TMA is not
+acc += p @ c_lat. It writes its normalized partial output and log-sum-exp (base 2) in fp32 (with one split: the
+output itself, and kernel 2 does not run). The latent is held as two halves (two [BLOCK_N, HALF] tiles, two
+accumulators): a TMA box is at most 256 columns wide, and DeepSeek's latent is 512. On Hopper and later whole
+tiles arrive by TMA, through descriptors the kernel builds on the device (`tl.make_tensor_descriptor`; descriptors
+built on the host cost Triton 3.6 ~50-200 us of host time per eager launch). The copy engine computes the
+addresses, so the threads' registers go to the 64 x 512 fp32 accumulator (H=128, B=64, 4k on H100: 216 -> 262
+TFLOP/s). The last partial tile of a range, and every tile where TMA is not
 used, is loaded through pointers with a mask: slots past a row's length are never read. If the first TMA launch on
 a device fails (a Triton or driver that cannot build it), a warning says so and that device uses pointers.
 Kernel 2, grid (T, H): combines the splits' partials weighted by exp2(lse - max lse).
@@ -109,8 +110,9 @@ def _decode_split_kernel(
     inv = 1.0 / tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     o_ptr = O_part + t * stride_ot + heads[:, None] * stride_oh + sp * stride_os + offs_l[None, :]
-    tl.store(o_ptr, acc0 * inv[:, None], mask=hmask[:, None] & lmask0[None, :])
-    tl.store(o_ptr + HALF, acc1 * inv[:, None], mask=hmask[:, None] & lmask1[None, :])
+    o_ty = O_part.dtype.element_ty  # fp32 partials, or the output itself when there is one split
+    tl.store(o_ptr, (acc0 * inv[:, None]).to(o_ty), mask=hmask[:, None] & lmask0[None, :])
+    tl.store(o_ptr + HALF, (acc1 * inv[:, None]).to(o_ty), mask=hmask[:, None] & lmask1[None, :])
     tl.store(LSE_part + t * stride_lt + heads * stride_lh + sp, lse, mask=hmask)
 
 
@@ -231,9 +233,11 @@ def mla_decode(
     S = cfg["splits"]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(X)
     half, block_r = _tile_widths(L, R)
-    o_part = torch.empty(T, H, S, L, device=q_THX.device, dtype=torch.float32)
-    lse_part = torch.empty(T, H, S, device=q_THX.device, dtype=torch.float32)
     out = torch.empty(T, H, L, device=q_THX.device, dtype=q_THX.dtype)
+    # one split: the split kernel's normalized output is the answer; it writes `out` itself (no fp32 partials, no
+    # reduction launch; the values are the same, rounded once)
+    o_part = out.unsqueeze(2) if S == 1 else torch.empty(T, H, S, L, device=q_THX.device, dtype=torch.float32)
+    lse_part = torch.empty(T, H, S, device=q_THX.device, dtype=torch.float32)
     if T == 0:
         return out
     table = block_table_TM if block_table_TM.stride(-1) == 1 else block_table_TM.contiguous()
@@ -269,6 +273,8 @@ def mla_decode(
             warnings.warn(f"anyseek: the MLA decode kernel loads through pointers on this device; its TMA variant "
                           f"failed ({_TMA_STATE[device_key]})", RuntimeWarning, stacklevel=2)  # fmt: skip
             split(False)
+    if S == 1:
+        return out
     _decode_reduce_kernel[(T, H)](
         o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), out.stride(0), out.stride(1), L, S,
