@@ -244,6 +244,16 @@ def test_routed_expert_adapters_match_per_expert_reference():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the seam combines in fp32
 
 
+def test_lora_experts_switch_names_its_values(monkeypatch):
+    monkeypatch.delenv("ANYSEEK_LORA_EXPERTS", raising=False)
+    assert not lora_lib._adapter_kernels()  # the merged path is the default
+    monkeypatch.setenv("ANYSEEK_LORA_EXPERTS", "adapters")
+    assert lora_lib._adapter_kernels()
+    monkeypatch.setenv("ANYSEEK_LORA_EXPERTS", "fused")
+    with pytest.raises(ValueError, match="ANYSEEK_LORA_EXPERTS='fused': use 'merged'"):
+        lora_lib._adapter_kernels()
+
+
 # ---------------------------------------------------------------- LoRA: training, checkpoints, export
 
 

@@ -8,13 +8,18 @@ layer (the fused gate|up of an MLP, the fused q_a|kv_a of MLA), so `LoRALinear.w
 W + s * B A: every way the model uses a layer sees the adapter. Called as a layer it takes the unmerged path (no
 [out, in] weight gradient, dropout on the adapter input); read as `.weight` it is merged (no dropout there).
 
-Routed experts get per-expert adapters, stacked: `LoRAExperts` forms the effective weights W_e + s * B_e A_e with
-one batched matmul per projection (torch.baddbmm) and calls the unchanged `anyseek.kernels.routed_experts` seam,
-so every backend (reference, grouped_mm, any later Triton kernel) runs LoRA experts without knowing of them and no
-Python loop runs over experts. The price: the backward forms the full [E, F, D] gradient of the effective weights
-(then two batched matmuls reduce it to dA, dB), as full fine-tuning does; the adapters are a few MB. Code that reads
-the stacked weights itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer prints) gets the
-effective weights from `LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
+Routed experts get per-expert adapters, stacked. Where the Triton routed experts run, `LoRAExperts` hands them the
+adapters (`kernels/triton/moe.py: lora_routed_experts`): the effective weights W_e + s * B_e A_e are formed for the
+forward kernels and again in backward, and the adapters' gradients come from rank-r products per expert (dB = s
+dh^T (x A^T), dA = s (dh B)^T x), so no [E, F, D] gradient is formed and no effective weights wait for backward.
+That path is opt-in for now (`ANYSEEK_LORA_EXPERTS=adapters`): it is checked against the merged path under the
+Triton interpreter and has a `cuda` test, but has not been timed on a GPU (it reads the routed rows four more times
+for its rank-r products, which may cost what the [E, F, D] gradient did). Without it, and on every other backend
+(reference, grouped_mm), the experts get the effective weights through the unchanged
+`anyseek.kernels.routed_experts` seam (one torch.baddbmm per projection, no Python loop over experts); there the
+backward forms the full [E, F, D] gradient of the effective weights and two batched matmuls reduce it to dA, dB.
+Code that reads the stacked weights itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer
+prints) gets the effective weights from `LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
 
 Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +39,15 @@ from torch import nn
 
 from anyseek.model.moe import MLP, Experts, MoE, Router
 from anyseek.model.norm import RMSNorm
+
+
+def _adapter_kernels() -> bool:
+    """ANYSEEK_LORA_EXPERTS=adapters: routed-expert adapters inside the Triton experts (see the module docstring)."""
+    choice = os.environ.get("ANYSEEK_LORA_EXPERTS", "merged")
+    if choice not in ("merged", "adapters"):
+        raise ValueError(f"ANYSEEK_LORA_EXPERTS={choice!r}: use 'merged' (the default) or 'adapters'")
+    return choice == "adapters"
+
 
 ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -130,7 +145,17 @@ class LoRAExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         from anyseek import kernels
+        from anyseek.kernels import registry
 
+        if (_adapter_kernels() and registry.choose("routed_experts", x_TD)[1] == "triton"
+                and not torch.compiler.is_compiling()):  # fmt: skip
+            # the Triton experts take the adapters themselves: no [E, F, D] weight gradient, no effective weights
+            # kept for backward (kernels/triton/moe.py: lora_routed_experts)
+            from anyseek.kernels.triton.moe import lora_routed_experts
+
+            return lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
+                                       self.base.down_proj, self.gate_up_lora_A, self.gate_up_lora_B,
+                                       self.down_lora_A, self.down_lora_B, self.scale)  # fmt: skip
         gate_up_EFD, down_EDI = self.effective()
         return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI)
 

@@ -271,6 +271,46 @@ def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu
     return _sum_k(dx_slot_MD, T, x_TD.dtype) if M else torch.zeros_like(x_TD), dw_M, dgu, ddn
 
 
+def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, adapters, scale: float):
+    """experts_bwd for frozen base weights with per-expert LoRA adapters, gate_up / down being the effective weights
+    W + s B A: -> dx [T, D], dw [M] (fp32), d A_gu [E, r, D], d B_gu [E, F, r], d A_dn [E, r, I], d B_dn [E, D, r].
+    The adapters' gradients come from rank-r products (dB = s dh^T (x A^T), dA = s (dh B)^T x per expert, and the
+    same for the down projection), so the [E, F, D] and [E, D, I] weight gradients are never formed.
+    adapters: (A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]) in x's dtype."""
+    A_gu, B_gu, A_dn, B_dn = adapters
+    T, D = x_TD.shape
+    F = gate_up_EFD.shape[1]
+    I, r = F // 2, A_gu.shape[1]
+    M = plan[0].numel()
+    slot, tok, offs = plan[0], plan[1], plan[2]
+    gemm, wgrad = _config(x_TD.device, "gemm"), _config(x_TD.device, "wgrad")
+    dh_MF = x_TD.new_empty(M, F)
+    dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=x_TD.device, dtype=torch.float32)
+    u_Mr, g_Mr, v_Mr, g2_Mr = (x_TD.new_empty(M, r) for _ in range(4))
+    dn, gu = down_EDI, gate_up_EFD
+    if M:
+        _gemm(dy_TD, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), dh_MF, plan, I, D, gemm,
+              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I)  # fmt: skip
+        _gemm(x_TD, A_gu, (A_gu.stride(0), A_gu.stride(2), A_gu.stride(1)), u_Mr, plan, r, D, gemm, gather=True)
+        _gemm(dh_MF, B_gu, (B_gu.stride(0), B_gu.stride(1), B_gu.stride(2)), g_Mr, plan, r, F, gemm)
+        _gemm(act_MI, A_dn, (A_dn.stride(0), A_dn.stride(2), A_dn.stride(1)), v_Mr, plan, r, I, gemm)
+        _gemm(dy_TD, B_dn, (B_dn.stride(0), B_dn.stride(1), B_dn.stride(2)), g2_Mr, plan, r, D, gemm, gather=True)
+    d_A_gu, d_B_gu, d_A_dn, d_B_dn = (torch.empty_like(t) for t in adapters)
+    _wgrad(dh_MF, None, u_Mr, None, d_B_gu, offs, wgrad)  # dh^T (x A^T)
+    _wgrad(g_Mr, None, x_TD, tok, d_A_gu, offs, wgrad)  # (dh B)^T x
+    _wgrad(dy_TD, tok, v_Mr, None, d_B_dn, offs, wgrad)  # dy^T (act A^T)
+    _wgrad(g2_Mr, None, act_MI, None, d_A_dn, offs, wgrad)  # (dy B)^T act
+    for g in (d_A_gu, d_B_gu, d_A_dn, d_B_dn):
+        g.mul_(scale)
+    dx_slot_MD = x_TD.new_empty(M, D)
+    if M:
+        _gemm(dh_MF, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), dx_slot_MD, plan, D, F, gemm, scatter=True)
+    dw_M = torch.empty(M, device=x_TD.device, dtype=torch.float32)
+    dw_M[slot.long()] = dw_parts.sum(1)
+    dx = _sum_k(dx_slot_MD, T, x_TD.dtype) if M else torch.zeros_like(x_TD)
+    return dx, dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # PyTorch ops: custom_op (fake implementations for torch.compile) + autograd
 
@@ -366,6 +406,52 @@ class _RoutedExperts(torch.autograd.Function):
         return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn, None
 
 
+class _LoRARoutedExperts(torch.autograd.Function):
+    """Routed experts with frozen base weights and per-expert LoRA adapters. The effective weights W + s B A are
+    formed for the forward kernels and again in backward (not kept between the two: one [E, F, D] and one [E, D, I]
+    tensor per MoE layer would stay alive until backward)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, scale):
+        gu, dn = _effective(W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, scale)
+        plan = torch.ops.anyseek.moe_plan(topk_ids_TK, W_gu.shape[0], _block_m(x_TD.device))
+        w_M = topk_weights_TK.reshape(-1)
+        y_TD, h_MF, act_MI = torch.ops.anyseek.moe_experts_fwd(x_TD, w_M, gu, dn, *plan, True)
+        ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, act_MI, *plan)
+        ctx.scale, ctx.w_shape, ctx.w_dtype = scale, topk_weights_TK.shape, topk_weights_TK.dtype
+        return y_TD
+
+    @staticmethod
+    def backward(ctx, dy_TD):
+        x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, act_MI, *plan = ctx.saved_tensors
+        gu, dn = _effective(W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, ctx.scale)
+        dx, dw_M, *d_adapters = experts_bwd_lora(dy_TD.contiguous(), x_TD, w_M, gu, dn, h_MF, act_MI, plan,
+                                                 (A_gu, B_gu, A_dn, B_dn), ctx.scale)  # fmt: skip
+        return (dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), None, None, *d_adapters, None)
+
+
+def _effective(W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, scale):
+    with torch.no_grad():
+        return torch.baddbmm(W_gu, B_gu, A_gu, alpha=scale), torch.baddbmm(W_dn, B_dn, A_dn, alpha=scale)
+
+
+def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn,
+                        B_dn, scale: float) -> torch.Tensor:  # fmt: skip
+    """Triton routed experts for LoRA (`anyseek.train.lora.LoRAExperts`): the frozen base gate_up [E, F, D] and
+    down [E, D, I], adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]; the output equals
+    `routed_experts` with the effective weights W + scale * B A. Gradients: x, topk_weights and the four adapters
+    (the base gets none). -> [T, D] in x's dtype."""
+    out_dtype = x_TD.dtype
+    dtype = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
+    with torch.autocast(x_TD.device.type, enabled=False):
+        x, W_gu, W_dn, a_gu, b_gu, a_dn, b_dn = (
+            t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn, B_dn)
+        )
+        y = _LoRARoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), W_gu.detach(),
+                                     W_dn.detach(), a_gu, b_gu, a_dn, b_dn, float(scale))  # fmt: skip
+    return y.to(out_dtype)
+
+
 def routed_experts(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -401,4 +487,5 @@ def routed_experts(
     return y.to(out_dtype)
 
 
-__all__ = ["build_plan", "build_plan_torch", "experts_bwd", "experts_fwd", "family", "routed_experts"]
+__all__ = ["build_plan", "build_plan_torch", "experts_bwd", "experts_bwd_lora", "experts_fwd", "family",
+           "lora_routed_experts", "routed_experts"]
