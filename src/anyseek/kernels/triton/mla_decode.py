@@ -149,7 +149,7 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if interpret else "cuda")
 
 
-# per device: True once a TMA launch worked, a reason string after one failed (then pointers only)
+# per device and kernel variant: True once a TMA launch worked, a reason string after one failed (then pointers)
 _TMA_STATE: dict[tuple, bool | str] = {}
 
 
@@ -243,7 +243,8 @@ def mla_decode(
     table = block_table_TM if block_table_TM.stride(-1) == 1 else block_table_TM.contiguous()
     # TMA reads the cache as one [blocks * page, X] matrix: 16-byte aligned rows, and the rope part's start
     tma = bool(cfg.get("tma")) and cache_NPX.is_contiguous() and cache_NPX.data_ptr() % 16 == 0 and X % 16 == 0
-    device_key = (q_THX.device.type, q_THX.device.index)
+    # one verdict per device and kernel variant (a later specialization could fail where the first one built)
+    device_key = (q_THX.device.type, q_THX.device.index, q_THX.dtype, L, R, P, cfg["BLOCK_H"], block_n)
     tma = tma and isinstance(_TMA_STATE.get(device_key, True), bool)
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]), S)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
@@ -270,8 +271,9 @@ def mla_decode(
             _TMA_STATE[device_key] = True
         except Exception as e:  # noqa: BLE001 - any compile or launch failure of the TMA variant
             _TMA_STATE[device_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            warnings.warn(f"anyseek: the MLA decode kernel loads through pointers on this device; its TMA variant "
-                          f"failed ({_TMA_STATE[device_key]})", RuntimeWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(f"anyseek: the MLA decode kernel loads through pointers here ({q_THX.device}, latent "
+                          f"{L}+{R}, {q_THX.dtype}); its TMA variant failed ({_TMA_STATE[device_key]})",
+                          RuntimeWarning, stacklevel=2)  # fmt: skip
             split(False)
     if S == 1:
         return out
