@@ -5,6 +5,7 @@
   joining them is a `torch.cat` per forward. Where the pair already lies row after row in one buffer (the trainer's
   working copy lays them out that way: `adjacent_weights` below, `train/precision.py`), it is a view instead; the
   backward hands each weight its rows of the joint gradient, as the concatenation's backward does.
+  `fused_linear` is that matmul, for the layers themselves (a layer may add a low-rank term of its own: LoRA).
 - `split_last`: MLA splits k_nope and v off one projection; when their gradients come back as adjacent slices of one
   buffer (the Triton attention writes them that way), the split's backward takes that buffer as it is.
 
@@ -14,6 +15,7 @@ Both rest on `joined_view`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -58,6 +60,26 @@ def cat_rows(ws: list[torch.Tensor]) -> torch.Tensor:
     if not torch.compiler.is_compiling() and rows_adjacent(ws):  # (storage pointers do not trace)
         return _CatRowsView.apply(*ws)
     return torch.cat(ws)
+
+
+def fused_linear(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
+    """x @ [W_1; W_2; ...]^T for linear layers that read the same input: one matmul on their joined weights
+    (`cat_rows`) -> [..., sum of their out_features], the layers' outputs side by side.
+
+    A layer that carries a low-rank term outside its weight (LoRA, applied to a built model from outside) exposes
+    `fused_weight` (the weight to join) and `add_low_rank_` (None, or a function adding its term in place into its
+    own columns of the [N, out] output, given the [N, in] input); a plain nn.Linear has neither."""
+    ws = [getattr(m, "fused_weight", m.weight) for m in layers]
+    y = F.linear(x, cat_rows(ws))
+    adds = [getattr(m, "add_low_rank_", None) for m in layers]
+    if any(a is not None for a in adds):
+        y2, x2 = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
+        start = 0
+        for w, add in zip(ws, adds):
+            if add is not None:
+                add(y2[:, start : start + w.shape[0]], x2)
+            start += w.shape[0]
+    return y
 
 
 class _SplitLast(torch.autograd.Function):

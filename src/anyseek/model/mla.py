@@ -11,11 +11,10 @@ Shape legend: T tokens, D hidden, H heads, N nope dim, R rope dim, V v dim, L kv
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from anyseek import kernels
-from anyseek.model.concat import cat_rows, split_last
+from anyseek.model.concat import fused_linear, split_last
 from anyseek.model.config import ModelConfig
 from anyseek.model.layout import PackedLayout
 from anyseek.model.norm import RMSNorm
@@ -58,8 +57,7 @@ class MLA(nn.Module):
             q_TQ = self.q_proj(x_TD)
             kv_a_TX = self.kv_a_proj_with_mqa(x_TD)
         else:  # both down-projections read x: one matmul (and one for each gradient) instead of two
-            w_XD = cat_rows([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
-            q_a_TQ, kv_a_TX = F.linear(x_TD, w_XD).split(
+            q_a_TQ, kv_a_TX = fused_linear(x_TD, [self.q_a_proj, self.kv_a_proj_with_mqa]).split(
                 [self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1
             )
             q_TQ = self.q_b_proj(self.q_a_layernorm(q_a_TQ))

@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from anyseek import kernels
-from anyseek.model.concat import cat_rows
+from anyseek.model.concat import fused_linear
 from anyseek.model.config import ModelConfig
 from anyseek.model.layout import PackedLayout
 from anyseek.model.matmul import linear_fp32
@@ -49,7 +48,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up read the same x: one matmul (and one per gradient) on their joined weights, [gate | up] out
-        gu = F.linear(x, cat_rows([self.gate_proj.weight, self.up_proj.weight]))
+        gu = fused_linear(x, [self.gate_proj, self.up_proj])
         return self.down_proj(kernels.swiglu(gu))
 
 

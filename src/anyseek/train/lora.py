@@ -4,15 +4,17 @@
 
 A target Linear W [out, in] becomes `LoRALinear`: y = x W^T + s * B A x with A [r, in], B [out, r], s = alpha / r,
 B = 0 at the start (the output equals the base's). The model reads some weights directly instead of calling the
-layer (the fused gate|up of an MLP, the fused q_a|kv_a of MLA), so `LoRALinear.weight` is the merged weight
-W + s * B A: every way the model uses a layer sees the adapter. Called as a layer it takes the unmerged path (no
-[out, in] weight gradient, dropout on the adapter input); read as `.weight` it is merged (no dropout there).
+layer (the fused gate|up of an MLP, the fused q_a|kv_a of MLA, through `model.concat.fused_linear`), so
+`LoRALinear.weight` is the merged weight W + s * B A: every way the model uses a layer sees the adapter. Called as
+a layer it takes the unmerged path (no [out, in] weight gradient, dropout on the adapter input); in the fused
+matmuls it is merged (no dropout there), or, with `ANYSEEK_LORA=adapters`, the base weight is joined and the
+adapter added into the layer's columns of the fused output (`add_low_rank_`: unmerged, with dropout).
 
 Routed experts get per-expert adapters, stacked. Where the Triton routed experts run, `LoRAExperts` hands them the
 adapters (`kernels/triton/moe.py: lora_routed_experts`): the effective weights W_e + s * B_e A_e are formed for the
 forward kernels and again in backward, and the adapters' gradients come from rank-r products per expert (dB = s
 dh^T (x A^T), dA = s (dh B)^T x), so no [E, F, D] gradient is formed and no effective weights wait for backward.
-That path is opt-in for now (`ANYSEEK_LORA_EXPERTS=adapters`): it is checked against the merged path under the
+That path is opt-in for now (`ANYSEEK_LORA=adapters`): it is checked against the merged path under the
 Triton interpreter and has a `cuda` test, but has not been timed on a GPU (it reads the routed rows four more times
 for its rank-r products, which may cost what the [E, F, D] gradient did). Without it, and on every other backend
 (reference, grouped_mm), the experts get the effective weights through the unchanged
@@ -41,11 +43,12 @@ from anyseek.model.moe import MLP, Experts, MoE, Router
 from anyseek.model.norm import RMSNorm
 
 
-def _adapter_kernels() -> bool:
-    """ANYSEEK_LORA_EXPERTS=adapters: routed-expert adapters inside the Triton experts (see the module docstring)."""
-    choice = os.environ.get("ANYSEEK_LORA_EXPERTS", "merged")
+def _unmerged() -> bool:
+    """ANYSEEK_LORA=adapters: adapters outside the weights wherever the model reads weights itself (the fused
+    projections, the Triton routed experts); see the module docstring. The default, merged, is what was timed."""
+    choice = os.environ.get("ANYSEEK_LORA", "merged")
     if choice not in ("merged", "adapters"):
-        raise ValueError(f"ANYSEEK_LORA_EXPERTS={choice!r}: use 'merged' (the default) or 'adapters'")
+        raise ValueError(f"ANYSEEK_LORA={choice!r}: use 'merged' (the default) or 'adapters'")
     return choice == "adapters"
 
 
@@ -95,6 +98,22 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         return y + self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B).to(y.dtype)
+
+    @property
+    def fused_weight(self) -> torch.Tensor:
+        """The weight `model.concat.fused_linear` joins with its neighbour's: the base's with ANYSEEK_LORA=adapters
+        (the adapter then runs in `add_low_rank_`), else the merged one."""
+        return self.base.weight if _unmerged() else self.weight
+
+    @property
+    def add_low_rank_(self):
+        """For `fused_linear` with ANYSEEK_LORA=adapters: y += s * (dropout(x) A^T) B^T in place, y being this
+        layer's columns of the fused output (one addmm: no [out, in] product, no weight gradient of the base)."""
+        return self._add_low_rank if _unmerged() else None
+
+    def _add_low_rank(self, y_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
+        u_NR = F.linear(self.dropout(x_NI), self.lora_A.to(x_NI.dtype))
+        y_NO.addmm_(u_NR, self.lora_B.to(y_NO.dtype).T, alpha=self.scale)
 
     def merged(self) -> nn.Linear:
         """A plain nn.Linear holding W + s * B A, computed in fp32, in the base weight's dtype."""
@@ -147,7 +166,7 @@ class LoRAExperts(nn.Module):
         from anyseek import kernels
         from anyseek.kernels import registry
 
-        if (_adapter_kernels() and registry.choose("routed_experts", x_TD)[1] == "triton"
+        if (_unmerged() and registry.choose("routed_experts", x_TD)[1] == "triton"
                 and not torch.compiler.is_compiling()):  # fmt: skip
             # the Triton experts take the adapters themselves: no [E, F, D] weight gradient, no effective weights
             # kept for backward (kernels/triton/moe.py: lora_routed_experts)
