@@ -24,6 +24,32 @@ INTERP_CASES = [
 ] + [(f"top{k}_fp32", 6, 16, 24, 8, k, "balanced", "float32") for k in range(1, 9)]
 
 
+def _lora_case(inputs, rank: int, scale: float, seed: int):
+    """run(merged, dtype) -> [y, dx, dw, dA_gu, dB_gu, dA_dn, dB_dn] in fp32 for LoRA routed experts (adapter scale
+    0.5) on `inputs` (accuracy.moe_inputs) with random adapters: through the Triton LoRA path, or (merged) the
+    Triton experts on the effective weights W + s B A."""
+    from anyseek.kernels.triton import moe
+
+    x, ids, w, gu, dn, dy = inputs
+    E, F, D = gu.shape
+    g = torch.Generator(device=x.device).manual_seed(seed)
+    ad = [torch.randn(*shape, generator=g, device=x.device) * scale
+          for shape in ((E, rank, D), (E, F, rank), (E, rank, F // 2), (E, D, rank))]
+
+    def run(merged: bool, dtype):
+        xs = [t.to(dtype).detach().requires_grad_() for t in (x, w, *ad)]
+        a_gu, b_gu, a_dn, b_dn = xs[2:]
+        if merged:
+            y = moe.routed_experts(xs[0], ids, xs[1], torch.baddbmm(gu.to(dtype), b_gu, a_gu, alpha=0.5),
+                                   torch.baddbmm(dn.to(dtype), b_dn, a_dn, alpha=0.5))  # fmt: skip
+        else:
+            y = moe.lora_routed_experts(xs[0], ids, xs[1], gu.to(dtype), dn.to(dtype), a_gu, b_gu, a_dn, b_dn, 0.5)
+        (y.float() * dy).sum().backward()
+        return [y.float()] + [t.grad.float() for t in xs]
+
+    return run
+
+
 def _worker() -> None:
     """Runs in the subprocess: every case, determinism, torch.compile, the registry; prints one JSON line."""
     from anyseek.kernels import accuracy
@@ -74,23 +100,7 @@ def _worker() -> None:
     results["grad_destination"] = {"pass": bool(in_place and same), "table": [in_place, same]}
     # LoRA experts: the adapters' gradients from rank-r products equal the merged-weight path's (fp32), and in fp16
     # both land as close to the fp32 truth (the 2x rule against the merged path in fp16)
-    x, ids, w, gu, dn, dy = accuracy.moe_inputs(37, 32, 24, 6, 3, "skewed", 7)
-    E, F, D = gu.shape
-    g = torch.Generator().manual_seed(3)
-    ad = [torch.randn(E, 4, D, generator=g) * 0.2, torch.randn(E, F, 4, generator=g) * 0.2,
-          torch.randn(E, 4, F // 2, generator=g) * 0.2, torch.randn(E, D, 4, generator=g) * 0.2]
-
-    def lora_run(merged: bool, dtype):
-        xs = [t.to(dtype).detach().requires_grad_() for t in (x, w, *ad)]
-        a_gu, b_gu, a_dn, b_dn = xs[2:]
-        if merged:
-            y = moe.routed_experts(xs[0], ids, xs[1], torch.baddbmm(gu.to(dtype), b_gu, a_gu, alpha=0.5),
-                                   torch.baddbmm(dn.to(dtype), b_dn, a_dn, alpha=0.5))  # fmt: skip
-        else:
-            y = moe.lora_routed_experts(xs[0], ids, xs[1], gu.to(dtype), dn.to(dtype), a_gu, b_gu, a_dn, b_dn, 0.5)
-        (y.float() * dy).sum().backward()
-        return [y.float()] + [t.grad.float() for t in xs]
-
+    lora_run = _lora_case(accuracy.moe_inputs(37, 32, 24, 6, 3, "skewed", 7), rank=4, scale=0.2, seed=3)
     truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
     close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
     lora16, merged16 = lora_run(False, torch.float16), lora_run(True, torch.float16)
@@ -145,25 +155,9 @@ def test_gpu_lora_experts(dtype):
     """LoRA routed experts (adapters inside the Triton path) against the fp32 merged-weight truth, within twice the
     error of the merged-weight path in the same low precision: output, dx, routing weights, the four adapters."""
     from anyseek.kernels import accuracy
-    from anyseek.kernels.triton import moe
 
-    x, ids, w, gu, dn, dy = (t.cuda() for t in accuracy.moe_inputs(2048, 256, 128, 16, 4, "skewed", 11))
-    E, F, D = gu.shape
-    g = torch.Generator(device="cuda").manual_seed(5)
-    ad = [torch.randn(*shape, generator=g, device="cuda") * 0.05
-          for shape in ((E, 16, D), (E, F, 16), (E, 16, F // 2), (E, D, 16))]
-
-    def run(merged: bool, dt):
-        xs = [t.to(dt).detach().requires_grad_() for t in (x, w, *ad)]
-        a_gu, b_gu, a_dn, b_dn = xs[2:]
-        if merged:
-            y = moe.routed_experts(xs[0], ids, xs[1], torch.baddbmm(gu.to(dt), b_gu, a_gu, alpha=0.5),
-                                   torch.baddbmm(dn.to(dt), b_dn, a_dn, alpha=0.5))  # fmt: skip
-        else:
-            y = moe.lora_routed_experts(xs[0], ids, xs[1], gu.to(dt), dn.to(dt), a_gu, b_gu, a_dn, b_dn, 0.5)
-        (y.float() * dy).sum().backward()
-        return [y.float()] + [t.grad.float() for t in xs]
-
+    run = _lora_case([t.cuda() for t in accuracy.moe_inputs(2048, 256, 128, 16, 4, "skewed", 11)], rank=16,
+                     scale=0.05, seed=5)  # fmt: skip
     truth, got, pt = run(True, torch.float32), run(False, dtype), run(True, dtype)
     table = [((a - t).abs().max().item(), (b - t).abs().max().item()) for a, b, t in zip(got, pt, truth)]
     assert all(e <= 2 * e_pt + 1e-3 for e, e_pt in table), table

@@ -69,7 +69,7 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
     A layer that carries a low-rank term outside its weight (LoRA, applied to a built model from outside) exposes
     `fused_weight` (the weight to join) and `add_low_rank_` (None, or a function adding its term in place into its
     own columns of the [N, out] output, given the [N, in] input); a plain nn.Linear has neither."""
-    ws = [getattr(m, "fused_weight", m.weight) for m in layers]
+    ws = [m.fused_weight if hasattr(m, "fused_weight") else m.weight for m in layers]  # (LoRA's .weight merges)
     y = F.linear(x, cat_rows(ws))
     adds = [getattr(m, "add_low_rank_", None) for m in layers]
     if any(a is not None for a in adds):

@@ -143,10 +143,13 @@ def _device_limits(device: torch.device) -> tuple[int, int, bool]:
     return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 99 * 1024), p.major >= 9
 
 
+# Triton's interpreter (decided once, when Triton reads the variable at import) runs kernels on CPU tensors
+_SCRATCH_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Triton's workspace for the descriptors a kernel builds on the device (128 bytes per program and descriptor)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return torch.empty(size, dtype=torch.int8, device="cpu" if interpret else "cuda")
+    return torch.empty(size, dtype=torch.int8, device=_SCRATCH_DEVICE)
 
 
 # per device and kernel variant: True once a TMA launch worked, a reason string after one failed (then pointers)
@@ -193,7 +196,7 @@ def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dty
     head_blocks = triton.cdiv(H, block_h)
     splits = max(1, min(M, 64, sms // (T * head_blocks)))
     half, block_r = _tile_widths(L, R)
-    tma = has_tma and 2 * half == L and block_r == R and (L + R) % 16 == 0 and _tma_supported()
+    tma = has_tma and 2 * half == L and block_r == R and _tma_supported()  # (then L + R is a multiple of 16 too)
     if dtype == torch.float32 or device.type != "cuda":
         return {"BLOCK_H": block_h, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "splits": splits,
                 "tma": tma and dtype != torch.float32}  # fmt: skip
@@ -245,7 +248,7 @@ def mla_decode(
     tma = bool(cfg.get("tma")) and cache_NPX.is_contiguous() and cache_NPX.data_ptr() % 16 == 0 and X % 16 == 0
     # one verdict per device and kernel variant (a later specialization could fail where the first one built)
     device_key = (q_THX.device.type, q_THX.device.index, q_THX.dtype, L, R, P, cfg["BLOCK_H"], block_n)
-    tma = tma and isinstance(_TMA_STATE.get(device_key, True), bool)
+    verdict = _TMA_STATE.get(device_key)  # None: not tried yet; True: works; a reason: failed
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]), S)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
@@ -259,17 +262,16 @@ def mla_decode(
             IEEE=q_THX.dtype == torch.float32, TMA=use_tma,
         )  # fmt: skip
 
-    if tma:
-        _ensure_allocator()
-    if not tma:
+    if not tma or isinstance(verdict, str):
         split(False)
-    elif _TMA_STATE.get(device_key) is True:
-        split(True)
-    else:  # the first TMA launch on this device: where this Triton or driver cannot build it, use pointers for good
+    else:
+        _ensure_allocator()
         try:
             split(True)
             _TMA_STATE[device_key] = True
-        except Exception as e:  # noqa: BLE001 - any compile or launch failure of the TMA variant
+        except Exception as e:  # noqa: BLE001 - the first TMA launch of this variant: where this Triton or driver
+            if verdict:  # cannot build it, pointers from now on; once it has worked, an error is a real one
+                raise
             _TMA_STATE[device_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             warnings.warn(f"anyseek: the MLA decode kernel loads through pointers here ({q_THX.device}, latent "
                           f"{L}+{R}, {q_THX.dtype}); its TMA variant failed ({_TMA_STATE[device_key]})",

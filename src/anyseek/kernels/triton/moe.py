@@ -244,31 +244,47 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool):
     return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI
 
 
+def _dh(dy_TD, w_M, down_EDI, h_MF, plan):
+    """The backward's first pass: dh [M, F] (the gradient at the gate|up pre-activations, through the weighted
+    SwiGLU) and dw [M] (the routing weights' gradient, slot order, fp32)."""
+    M, F = plan[0].numel(), h_MF.shape[1]
+    I = F // 2
+    gemm = _config(dy_TD.device, "gemm")
+    dh_MF = dy_TD.new_empty(M, F)
+    dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=dy_TD.device, dtype=torch.float32)
+    dn = down_EDI
+    if M:
+        _gemm(dy_TD, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), dh_MF, plan, I, dy_TD.shape[1], gemm,
+              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I)  # fmt: skip
+    dw_M = torch.empty(M, device=dy_TD.device, dtype=torch.float32)
+    dw_M[plan[0].long()] = dw_parts.sum(1)
+    return dh_MF, dw_M
+
+
+def _dx(dh_MF, x_TD, gate_up_EFD, plan):
+    """dx [T, D] = the K slots' dh @ gate_up of their experts, summed per token."""
+    T, D = x_TD.shape
+    M, F = dh_MF.shape
+    if not M:
+        return torch.zeros_like(x_TD)
+    gu = gate_up_EFD
+    dx_slot_MD = x_TD.new_empty(M, D)
+    _gemm(dh_MF, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), dx_slot_MD, plan, D, F, _config(x_TD.device, "gemm"),
+          scatter=True)  # fmt: skip
+    return _sum_k(dx_slot_MD, T, x_TD.dtype)
+
+
 def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu=None, ddn=None):
     """-> dx [T, D], dw [M] (slot order, fp32), d gate_up [E, F, D], d down [E, D, I] (written into dgu / ddn when
     given: every expert's rows, zeros for an expert without tokens)."""
-    T, D = x_TD.shape
-    _E, F, _ = gate_up_EFD.shape
-    I = F // 2
-    M = plan[0].numel()
-    slot, tok, offs = plan[0], plan[1], plan[2]
+    tok, offs = plan[1], plan[2]
     dgu = torch.empty_like(gate_up_EFD) if dgu is None else dgu
     ddn = torch.empty_like(down_EDI) if ddn is None else ddn
-    gemm, wgrad = _config(x_TD.device, "gemm"), _config(x_TD.device, "wgrad")
-    dh_MF = x_TD.new_empty(M, F)
-    dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=x_TD.device, dtype=torch.float32)
-    dn, gu = down_EDI, gate_up_EFD
-    if M:
-        _gemm(dy_TD, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), dh_MF, plan, I, D, gemm,
-              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I)  # fmt: skip
+    wgrad = _config(x_TD.device, "wgrad")
+    dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan)
     _wgrad(dy_TD, tok, act_MI, None, ddn, offs, wgrad)
     _wgrad(dh_MF, None, x_TD, tok, dgu, offs, wgrad)
-    dx_slot_MD = x_TD.new_empty(M, D)
-    if M:
-        _gemm(dh_MF, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), dx_slot_MD, plan, D, F, gemm, scatter=True)
-    dw_M = torch.empty(M, device=x_TD.device, dtype=torch.float32)
-    dw_M[slot.long()] = dw_parts.sum(1)
-    return _sum_k(dx_slot_MD, T, x_TD.dtype) if M else torch.zeros_like(x_TD), dw_M, dgu, ddn
+    return _dx(dh_MF, x_TD, gate_up_EFD, plan), dw_M, dgu, ddn
 
 
 def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, adapters, scale: float):
@@ -278,22 +294,16 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan
     same for the down projection), so the [E, F, D] and [E, D, I] weight gradients are never formed.
     adapters: (A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]) in x's dtype."""
     A_gu, B_gu, A_dn, B_dn = adapters
-    T, D = x_TD.shape
-    F = gate_up_EFD.shape[1]
-    I, r = F // 2, A_gu.shape[1]
+    D, (F, r) = x_TD.shape[1], B_gu.shape[1:]
     M = plan[0].numel()
-    slot, tok, offs = plan[0], plan[1], plan[2]
+    tok, offs = plan[1], plan[2]
     gemm, wgrad = _config(x_TD.device, "gemm"), _config(x_TD.device, "wgrad")
-    dh_MF = x_TD.new_empty(M, F)
-    dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=x_TD.device, dtype=torch.float32)
+    dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan)
     u_Mr, g_Mr, v_Mr, g2_Mr = (x_TD.new_empty(M, r) for _ in range(4))
-    dn, gu = down_EDI, gate_up_EFD
     if M:
-        _gemm(dy_TD, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), dh_MF, plan, I, D, gemm,
-              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I)  # fmt: skip
         _gemm(x_TD, A_gu, (A_gu.stride(0), A_gu.stride(2), A_gu.stride(1)), u_Mr, plan, r, D, gemm, gather=True)
         _gemm(dh_MF, B_gu, (B_gu.stride(0), B_gu.stride(1), B_gu.stride(2)), g_Mr, plan, r, F, gemm)
-        _gemm(act_MI, A_dn, (A_dn.stride(0), A_dn.stride(2), A_dn.stride(1)), v_Mr, plan, r, I, gemm)
+        _gemm(act_MI, A_dn, (A_dn.stride(0), A_dn.stride(2), A_dn.stride(1)), v_Mr, plan, r, F // 2, gemm)
         _gemm(dy_TD, B_dn, (B_dn.stride(0), B_dn.stride(1), B_dn.stride(2)), g2_Mr, plan, r, D, gemm, gather=True)
     d_A_gu, d_B_gu, d_A_dn, d_B_dn = (torch.empty_like(t) for t in adapters)
     _wgrad(dh_MF, None, u_Mr, None, d_B_gu, offs, wgrad)  # dh^T (x A^T)
@@ -302,13 +312,7 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan
     _wgrad(g2_Mr, None, act_MI, None, d_A_dn, offs, wgrad)  # (dy B)^T act
     for g in (d_A_gu, d_B_gu, d_A_dn, d_B_dn):
         g.mul_(scale)
-    dx_slot_MD = x_TD.new_empty(M, D)
-    if M:
-        _gemm(dh_MF, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), dx_slot_MD, plan, D, F, gemm, scatter=True)
-    dw_M = torch.empty(M, device=x_TD.device, dtype=torch.float32)
-    dw_M[slot.long()] = dw_parts.sum(1)
-    dx = _sum_k(dx_slot_MD, T, x_TD.dtype) if M else torch.zeros_like(x_TD)
-    return dx, dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
+    return _dx(dh_MF, x_TD, gate_up_EFD, plan), dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -406,6 +410,12 @@ class _RoutedExperts(torch.autograd.Function):
         return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn, None
 
 
+def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in: autocast's where it is on (as it would cast a matmul's inputs), else x's."""
+    kind = x_TD.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_TD.dtype
+
+
 class _LoRARoutedExperts(torch.autograd.Function):
     """Routed experts with frozen base weights and per-expert LoRA adapters. The effective weights W + s B A are
     formed for the forward kernels and again in backward (not kept between the two: one [E, F, D] and one [E, D, I]
@@ -442,7 +452,7 @@ def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, do
     `routed_experts` with the effective weights W + scale * B A. Gradients: x, topk_weights and the four adapters
     (the base gets none). -> [T, D] in x's dtype."""
     out_dtype = x_TD.dtype
-    dtype = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
+    dtype = _compute_dtype(x_TD)
     with torch.autocast(x_TD.device.type, enabled=False):
         x, W_gu, W_dn, a_gu, b_gu, a_dn, b_dn = (
             t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn, B_dn)
@@ -476,7 +486,7 @@ def routed_experts(
             f"{tuple(down_proj_EDI.shape)} [E, D, I] with D = {D}"
         )
     out_dtype = x_TD.dtype
-    dtype = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
+    dtype = _compute_dtype(x_TD)
     with torch.autocast(x_TD.device.type, enabled=False):
         x, gu, dn = (t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI))
         # the weights as parameters, for their gradient destinations (kernels.set_grad_destination); not when
