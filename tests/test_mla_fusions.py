@@ -93,6 +93,39 @@ def test_cat_rows_is_a_view_of_adjacent_weights_with_cat_gradients():
     assert not rows_adjacent([c, d]) and cat_rows([c, d]).data_ptr() != c.data_ptr()
 
 
+@pytest.mark.parametrize("dropout_input", [False, True])
+def test_low_rank_linear_gradients(dropout_input):
+    """x W^T + (xd A^T) B^T: values and the gradients of x, W, A, B (and xd) by torch.autograd.gradcheck, fp64."""
+    g = torch.Generator().manual_seed(0)
+    x, W, A, B = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                  for s in ((2, 5, 7), (6, 7), (3, 7), (6, 3)))  # fmt: skip
+    xd = torch.randn(2, 5, 7, generator=g, dtype=torch.float64, requires_grad=True) if dropout_input else None
+    want = x @ W.t() + ((x if xd is None else xd) @ A.t()) @ B.t()
+    torch.testing.assert_close(concat.low_rank_linear(x, W, A, B, xd), want, rtol=1e-12, atol=1e-12)
+    args = (x, W, A, B) + ((xd,) if xd is not None else ())
+    assert torch.autograd.gradcheck(lambda *t: concat.low_rank_linear(*t[:4], t[4] if len(t) > 4 else None), args)
+
+
+def test_fused_linear_joins_low_rank_terms():
+    """Layers exposing fused_weight / fused_low_rank: one matmul whose columns equal each layer's own x W^T +
+    (x A^T) B^T, and a plain nn.Linear beside them."""
+
+    class Low(torch.nn.Module):
+        def __init__(self, out, r):
+            super().__init__()
+            self.fused_weight = torch.randn(out, 7, dtype=torch.float64)
+            self.A, self.B = torch.randn(r, 7, dtype=torch.float64), torch.randn(out, r, dtype=torch.float64)
+            self.fused_low_rank = (self.A, self.B, None)
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(7, 4, bias=False, dtype=torch.float64)
+    layers = [Low(5, 2), plain, Low(3, 4)]
+    x = torch.randn(9, 7, dtype=torch.float64)
+    want = torch.cat([x @ layers[0].fused_weight.t() + x @ layers[0].A.t() @ layers[0].B.t(), plain(x),
+                      x @ layers[2].fused_weight.t() + x @ layers[2].A.t() @ layers[2].B.t()], dim=-1)
+    torch.testing.assert_close(concat.fused_linear(x, layers), want, rtol=1e-12, atol=1e-12)
+
+
 def test_working_copy_lays_joined_weights_out_adjacent():
     """train/precision.py keeps each pair the model joins (q_a|kv_a, gate|up) row after row, so cat_rows is a view;
     the model's output and gradients are those of the plain model."""

@@ -107,6 +107,11 @@ def _worker() -> None:
     table = [((a - t).abs().max().item(), (m - t).abs().max().item()) for a, m, t in zip(lora16, merged16, truth)]
     rule16 = [e <= 2 * e_pt + 1e-3 for e, e_pt in table]
     results["lora"] = {"pass": all(close32) and all(rule16), "table": [close32, table]}
+    # a rank that is not a power of two (the rank tiles padded to 32), every expert busy
+    lora_run = _lora_case(accuracy.moe_inputs(41, 48, 40, 4, 2, "balanced", 8), rank=20, scale=0.1, seed=4)
+    truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
+    close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
+    results["lora_rank20"] = {"pass": all(close32), "table": close32}
     # bitwise deterministic, output and gradients
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(33, 32, 24, 6, 3, "skewed", 4)
     runs = [accuracy._run_moe(moe.routed_experts, [x, ids, w, gu, dn, dy], torch.float16, "cpu") for _ in range(2)]
@@ -139,8 +144,8 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "deterministic", "compile",
-                            "registry"])
+                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "deterministic",
+                            "compile", "registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"
@@ -151,12 +156,15 @@ def test_interpreter(interp_results, name):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_lora_experts(dtype):
+@pytest.mark.parametrize("shape,rank", [((2048, 256, 128, 16, 4), 16), ((777, 200, 136, 16, 6), 8),
+                                        ((1000, 256, 96, 8, 2), 64)])  # fmt: skip
+def test_gpu_lora_experts(shape, rank, dtype):
     """LoRA routed experts (adapters inside the Triton path) against the fp32 merged-weight truth, within twice the
-    error of the merged-weight path in the same low precision: output, dx, routing weights, the four adapters."""
+    error of the merged-weight path in the same low precision: output, dx, routing weights, the four adapters.
+    Widths that are no multiple of the tiles, ranks below and above the 16-wide rank tile."""
     from anyseek.kernels import accuracy
 
-    run = _lora_case([t.cuda() for t in accuracy.moe_inputs(2048, 256, 128, 16, 4, "skewed", 11)], rank=16,
+    run = _lora_case([t.cuda() for t in accuracy.moe_inputs(*shape, "skewed", 11)], rank=rank,
                      scale=0.05, seed=5)  # fmt: skip
     truth, got, pt = run(True, torch.float32), run(False, dtype), run(True, dtype)
     table = [((a - t).abs().max().item(), (b - t).abs().max().item()) for a, b, t in zip(got, pt, truth)]

@@ -191,6 +191,12 @@ def test_lora_starts_at_the_base_and_trains_only_adapters(data_dir):
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trained)
     kinds = {n.rsplit(".", 2)[-2] for n in trained}
     assert {"q_a_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj", "experts"} <= kinds
+    # the frozen weights the model joins (q_a|kv_a, gate|up) lie row after row: read as views, never copied
+    from anyseek.model.concat import rows_adjacent
+
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert rows_adjacent([attn.q_a_proj.base.weight, attn.kv_a_proj_with_mqa.base.weight])
+    assert rows_adjacent([mlp.gate_proj.base.weight, mlp.up_proj.base.weight])
     from anyseek.train.config import TrainConfig
     from anyseek.train.optim import build_optimizer
 
@@ -271,11 +277,11 @@ def test_routed_expert_adapters_match_per_expert_reference():
 
 def test_lora_switch_names_its_values(monkeypatch):
     monkeypatch.delenv("ANYSEEK_LORA", raising=False)
-    assert not lora_lib._unmerged()  # the merged path is the default
-    monkeypatch.setenv("ANYSEEK_LORA", "adapters")
-    assert lora_lib._unmerged()
+    assert lora_lib._unmerged()  # adapters outside the weights is the default
+    monkeypatch.setenv("ANYSEEK_LORA", "merged")
+    assert not lora_lib._unmerged()
     monkeypatch.setenv("ANYSEEK_LORA", "fused")
-    with pytest.raises(ValueError, match="ANYSEEK_LORA='fused': use 'merged'"):
+    with pytest.raises(ValueError, match="ANYSEEK_LORA='fused': use 'adapters'"):
         lora_lib._unmerged()
 
 

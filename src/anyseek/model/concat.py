@@ -5,7 +5,8 @@
   joining them is a `torch.cat` per forward. Where the pair already lies row after row in one buffer (the trainer's
   working copy lays them out that way: `adjacent_weights` below, `train/precision.py`), it is a view instead; the
   backward hands each weight its rows of the joint gradient, as the concatenation's backward does.
-  `fused_linear` is that matmul, for the layers themselves (a layer may add a low-rank term of its own: LoRA).
+  `fused_linear` is that matmul, for the layers themselves (a layer may add a low-rank term of its own: LoRA,
+  through `low_rank_linear`).
 - `split_last`: MLA splits k_nope and v off one projection; when their gradients come back as adjacent slices of one
   buffer (the Triton attention writes them that way), the split's backward takes that buffer as it is.
 
@@ -67,19 +68,66 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
     (`cat_rows`) -> [..., sum of their out_features], the layers' outputs side by side.
 
     A layer that carries a low-rank term outside its weight (LoRA, applied to a built model from outside) exposes
-    `fused_weight` (the weight to join) and `add_low_rank_` (None, or a function adding its term in place into its
-    own columns of the [N, out] output, given the [N, in] input); a plain nn.Linear has neither."""
+    `fused_weight` (the weight to join) and `fused_low_rank` (None, or (A [r, in], B [out, r] with its scale,
+    dropout or None)); a plain nn.Linear has neither. The low-rank terms join too: A's stacked, B's block-diagonal, one
+    `low_rank_linear` (the layers share one dropout mask on their common input)."""
     ws = [m.fused_weight if hasattr(m, "fused_weight") else m.weight for m in layers]  # (LoRA's .weight merges)
-    y = F.linear(x, cat_rows(ws))
-    adds = [getattr(m, "add_low_rank_", None) for m in layers]
-    if any(a is not None for a in adds):
-        y2, x2 = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
-        start = 0
-        for w, add in zip(ws, adds):
-            if add is not None:
-                add(y2[:, start : start + w.shape[0]], x2)
-            start += w.shape[0]
-    return y
+    lows = [getattr(m, "fused_low_rank", None) for m in layers]
+    w = cat_rows(ws)
+    if all(lo is None for lo in lows):
+        return F.linear(x, w)
+    ref = next(lo for lo in lows if lo)
+    A = torch.cat([lo[0] if lo else ref[0].new_zeros(0, w.shape[1]) for lo in lows])
+    B = torch.block_diag(*[lo[1] if lo else ref[1].new_zeros(wi.shape[0], 0) for lo, wi in zip(lows, ws)])
+    drop = next((lo[2] for lo in lows if lo and lo[2] is not None), None)
+    return low_rank_linear(x, w, A, B, None if drop is None else drop(x))
+
+
+class _LowRankLinear(torch.autograd.Function):
+    """y = x W^T + u B^T with u = xd A^T for 2-D x [N, in] (xd: the low-rank term's own input, e.g. x after
+    dropout; x where None). The low-rank term is added into the base matmul's output (addmm: no [N, out]
+    temporary, no extra pass); in backward dx = g W + (g B) A the same way, dA = (g B)^T xd, dB = g^T u, and W's
+    gradient only where asked for."""
+
+    @staticmethod
+    def forward(ctx, x, W, A, B, xd):
+        u = (x if xd is None else xd) @ A.t()
+        y = x @ W.t()
+        y.addmm_(u, B.t())
+        ctx.save_for_backward(x, W, A, B, u, xd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, W, A, B, u, xd = ctx.saved_tensors
+        gB = g @ B
+        dx = dW = dA = dB = dxd = None
+        if ctx.needs_input_grad[0]:
+            dx = g @ W
+            if xd is None:
+                dx.addmm_(gB, A)
+        if xd is not None and ctx.needs_input_grad[4]:
+            dxd = gB @ A
+        if ctx.needs_input_grad[1]:
+            dW = g.t() @ x
+        if ctx.needs_input_grad[2]:
+            dA = gB.t() @ (x if xd is None else xd)
+        if ctx.needs_input_grad[3]:
+            dB = g.t() @ u
+        return dx, dW, dA, dB, dxd
+
+
+def low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                    xd: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x W^T + (xd A^T) B^T (xd defaults to x) -> [..., out], W [out, in], A [r, in], B [out, r]: a linear layer
+    with a low-rank term beside its weight (LoRA), in two matmuls and two narrow ones, without forming W + B A.
+    Computes in autocast's dtype where autocast is on (as F.linear would), else in x's."""
+    kind = x.device.type
+    dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    flat = [None if t is None else t.reshape(-1, t.shape[-1]).to(dt) for t in (x, xd)]
+    with torch.autocast(kind, enabled=False):
+        y = _LowRankLinear.apply(flat[0], W.to(dt), A.to(dt), B.to(dt), flat[1])
+    return y.view(*x.shape[:-1], W.shape[0])
 
 
 class _SplitLast(torch.autograd.Function):

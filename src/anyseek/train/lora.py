@@ -39,16 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from anyseek.model.concat import adjacent_weights, joined_view, low_rank_linear
 from anyseek.model.moe import MLP, Experts, MoE, Router
 from anyseek.model.norm import RMSNorm
 
 
 def _unmerged() -> bool:
-    """ANYSEEK_LORA=adapters: adapters outside the weights wherever the model reads weights itself (the fused
-    projections, the Triton routed experts); see the module docstring. The default, merged, is what was timed."""
-    choice = os.environ.get("ANYSEEK_LORA", "merged")
+    """ANYSEEK_LORA=adapters (the default): adapters outside the weights wherever the model reads weights itself
+    (the fused projections, the Triton routed experts); =merged: W + s B A formed there (see the module docstring)."""
+    choice = os.environ.get("ANYSEEK_LORA", "adapters")
     if choice not in ("merged", "adapters"):
-        raise ValueError(f"ANYSEEK_LORA={choice!r}: use 'merged' (the default) or 'adapters'")
+        raise ValueError(f"ANYSEEK_LORA={choice!r}: use 'adapters' (the default) or 'merged'")
     return choice == "adapters"
 
 
@@ -96,24 +97,27 @@ class LoRALinear(nn.Module):
         return self.base.weight + (self.scale * delta).to(self.base.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        return y + self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B).to(y.dtype)
+        A, B, drop = self.low_rank
+        y = low_rank_linear(x, self.base.weight, A, B, None if drop is None else drop(x))
+        return y if self.base.bias is None else y + self.base.bias.to(y.dtype)
+
+    @property
+    def low_rank(self) -> tuple[torch.Tensor, torch.Tensor, nn.Module | None]:
+        """(A [r, in], s * B [out, r], the dropout on the adapter input or None): the term `model.concat`'s
+        `low_rank_linear` adds beside the base weight, called as a layer or inside `fused_linear`."""
+        drop = self.dropout if self.training and isinstance(self.dropout, nn.Dropout) else None
+        return self.lora_A, self.lora_B * self.scale, drop
 
     @property
     def fused_weight(self) -> torch.Tensor:
-        """The weight `model.concat.fused_linear` joins with its neighbour's: the base's with ANYSEEK_LORA=adapters
-        (the adapter then runs in `add_low_rank_`), else the merged one."""
+        """The weight `model.concat.fused_linear` joins with its neighbour's: the base's (the adapter joins as
+        `fused_low_rank`), or with ANYSEEK_LORA=merged the merged one."""
         return self.base.weight if _unmerged() else self.weight
 
     @property
-    def add_low_rank_(self):
-        """For `fused_linear` with ANYSEEK_LORA=adapters: y += s * (dropout(x) A^T) B^T in place, y being this
-        layer's columns of the fused output (one addmm: no [out, in] product, no weight gradient of the base)."""
-        return self._add_low_rank if _unmerged() else None
-
-    def _add_low_rank(self, y_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
-        u_NR = F.linear(self.dropout(x_NI), self.lora_A.to(x_NI.dtype))
-        y_NO.addmm_(u_NR, self.lora_B.to(y_NO.dtype).T, alpha=self.scale)
+    def fused_low_rank(self):
+        """`low_rank` for `fused_linear` (None with ANYSEEK_LORA=merged: the adapter is inside `fused_weight`)."""
+        return self.low_rank if _unmerged() else None
 
     def merged(self) -> nn.Linear:
         """A plain nn.Linear holding W + s * B A, computed in fp32, in the base weight's dtype."""
@@ -221,6 +225,7 @@ def apply_lora(model: nn.Module, spec: LoRASpec, base_dtype: torch.dtype = torch
         want = torch.float32 if id(p) in keep_fp32 or p.dim() < 2 else base_dtype
         if p.is_floating_point() and p.dtype != want:
             p.data = p.data.to(want)
+    _join_frozen(model)
     found = list(target_modules(model, spec.targets))
     if not found:
         raise ValueError(f"train.lora_targets {list(spec.targets)} match no layer of this model")
@@ -228,6 +233,18 @@ def apply_lora(model: nn.Module, spec: LoRASpec, base_dtype: torch.dtype = torch
         base = getattr(owner, attr)
         setattr(owner, attr, LoRAExperts(base, spec) if isinstance(base, Experts) else LoRALinear(base, spec))
     return model
+
+
+def _join_frozen(model: nn.Module) -> None:
+    """Lay out each weight group the model joins (`model.concat.adjacent_weights`: q_a|kv_a, gate|up) row after
+    row in one buffer, so that `cat_rows` reads the frozen base weights as a view instead of copying them at every
+    forward (the working copy does this for trained weights; frozen ones are not in it). One group at a time."""
+    for group in adjacent_weights(model):
+        parts = [p.data for p in group]
+        if len({t.dtype for t in parts}) == 1 and joined_view(parts, 0) is None:
+            joined = torch.cat(parts)
+            for p, view in zip(group, joined.split([t.shape[0] for t in parts])):
+                p.data = view
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

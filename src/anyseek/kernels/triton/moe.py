@@ -175,18 +175,27 @@ def build_plan_torch(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int) 
 
 
 def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=False, epi=EPI_PLAIN, h=None,
-          w=None, dw=None, save_h=False, up_cols=0):  # fmt: skip
-    """C[r] = A[row(r)] @ B_e over the plan's row tiles (see `_grouped_gemm_kernel`)."""
+          w=None, dw=None, save_h=False, up_cols=0, low_rank=None):  # fmt: skip
+    """C[r] = A[row(r)] @ B_e over the plan's row tiles (see `_grouped_gemm_kernel`); low_rank = (L [M, r] in row
+    order, R [E, ...], R's strides as (expert, k, n)) adds L[r] @ R_e to the product before the epilogue."""
     slot, tok, offs, tile_expert, tile_row = plan
     n_m = tile_expert.numel()
     h = c if h is None else h
     grid = (n_m * triton.cdiv(N, cfg["BLOCK_N"]),)
+    l_, r_, strides_r = low_rank if low_rank is not None else (c, c, (0, 0, 0))
+    rank = l_.shape[1] if low_rank is not None else 0
     _launch(_grouped_gemm_kernel, grid, cfg)(
         a, tok, slot, b_e, c, h, c if w is None else w, c if dw is None else dw, offs, tile_expert, tile_row,
         n_m, N, K_red, a.stride(0), *strides_b, c.stride(0), h.stride(0), up_cols,
+        l_, r_, l_.stride(0), *strides_r, rank,
         GATHER_A=gather, SCATTER_C=scatter, EPI=epi, SAVE_H=save_h, EVEN_K=K_red % cfg["BLOCK_K"] == 0,
-        PREC=_prec(a.dtype),
+        EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=low_rank is not None, RANK=_rank_block(rank), PREC=_prec(a.dtype),
     )  # fmt: skip
+
+
+def _rank_block(r: int) -> int:
+    """The K (or N) extent of a tile over a rank-r dimension: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(r))
 
 
 def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg):
@@ -196,7 +205,8 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg):
     _launch(_grouped_wgrad_kernel, grid, cfg)(
         a, offs if a_idx is None else a_idx, b, offs if b_idx is None else b_idx, out_EN1N2, offs,
         N1, N2, a.stride(0), b.stride(0), out_EN1N2.stride(0), out_EN1N2.stride(1),
-        GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, PREC=_prec(a.dtype),
+        GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, EVEN_N1=N1 % cfg["BLOCK_M"] == 0,
+        EVEN_N2=N2 % cfg["BLOCK_N"] == 0, PREC=_prec(a.dtype),
     )  # fmt: skip
 
 
@@ -244,9 +254,9 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool):
     return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI
 
 
-def _dh(dy_TD, w_M, down_EDI, h_MF, plan):
+def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None):
     """The backward's first pass: dh [M, F] (the gradient at the gate|up pre-activations, through the weighted
-    SwiGLU) and dw [M] (the routing weights' gradient, slot order, fp32)."""
+    SwiGLU) and dw [M] (the routing weights' gradient, slot order, fp32). low_rank: see `_gemm` (LoRA)."""
     M, F = plan[0].numel(), h_MF.shape[1]
     I = F // 2
     gemm = _config(dy_TD.device, "gemm")
@@ -255,13 +265,13 @@ def _dh(dy_TD, w_M, down_EDI, h_MF, plan):
     dn = down_EDI
     if M:
         _gemm(dy_TD, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), dh_MF, plan, I, dy_TD.shape[1], gemm,
-              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I)  # fmt: skip
+              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I, low_rank=low_rank)  # fmt: skip
     dw_M = torch.empty(M, device=dy_TD.device, dtype=torch.float32)
     dw_M[plan[0].long()] = dw_parts.sum(1)
     return dh_MF, dw_M
 
 
-def _dx(dh_MF, x_TD, gate_up_EFD, plan):
+def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None):
     """dx [T, D] = the K slots' dh @ gate_up of their experts, summed per token."""
     T, D = x_TD.shape
     M, F = dh_MF.shape
@@ -270,7 +280,7 @@ def _dx(dh_MF, x_TD, gate_up_EFD, plan):
     gu = gate_up_EFD
     dx_slot_MD = x_TD.new_empty(M, D)
     _gemm(dh_MF, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), dx_slot_MD, plan, D, F, _config(x_TD.device, "gemm"),
-          scatter=True)  # fmt: skip
+          scatter=True, low_rank=low_rank)  # fmt: skip
     return _sum_k(dx_slot_MD, T, x_TD.dtype)
 
 
@@ -287,32 +297,86 @@ def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu
     return _dx(dh_MF, x_TD, gate_up_EFD, plan), dw_M, dgu, ddn
 
 
-def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, adapters, scale: float):
-    """experts_bwd for frozen base weights with per-expert LoRA adapters, gate_up / down being the effective weights
-    W + s B A: -> dx [T, D], dw [M] (fp32), d A_gu [E, r, D], d B_gu [E, F, r], d A_dn [E, r, I], d B_dn [E, D, r].
-    The adapters' gradients come from rank-r products (dB = s dh^T (x A^T), dA = s (dh B)^T x per expert, and the
-    same for the down projection), so the [E, F, D] and [E, D, I] weight gradients are never formed.
-    adapters: (A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]) in x's dtype."""
+# ---------------------------------------------------------------- LoRA: frozen base, per-expert adapters
+#
+# Effective weights W_e + B_e A_e (the scale folded into B): each big GEMM takes the base weight and adds the rank-r
+# term L @ R_e in its epilogue (`_gemm(low_rank=)`), L [M, r] being the rows' product with the other adapter
+# matrix, computed first by a narrow grouped GEMM (N = r). Nothing [E, F, D]-sized is formed or kept.
+#   forward   u_gu = x[tok] A_gu^T;  h = x[tok] W_gu^T + u_gu B_gu^T  -> SwiGLU -> act
+#             u_dn = act A_dn^T;     y_slot = act W_dn^T + u_dn B_dn^T
+#   backward  g_dn = dy[tok] B_dn;   d(act) = dy[tok] W_dn + g_dn A_dn -> dSwiGLU -> dh
+#             g_gu = dh B_gu;        dx_slot = dh W_gu + g_gu A_gu
+#             dB_gu = dh^T u_gu, dA_gu = g_gu^T x[tok], dB_dn = dy[tok]^T u_dn, dA_dn = g_dn^T act  (per expert)
+
+
+def _rank_config(device: torch.device, kind: str, r: int) -> dict:
+    """Tiles for the narrow products over a rank-r dimension: "rows" (C [M, r], the plan's row tiles), "wgrad_n"
+    (out [E, N1, r]), "wgrad_m" (out [E, r, N2])."""
+    rb = _rank_block(r)
+    base = _config(device, "gemm" if kind == "rows" else "wgrad")
+    cfg = {**base, "num_warps": min(base["num_warps"], 4)}
+    if kind == "wgrad_m":
+        return {**cfg, "BLOCK_M": rb}
+    return {**cfg, "BLOCK_N": rb}
+
+
+def _rows_times(a, b_e, strides_b, plan, r, K_red, gather=False):
+    """[M, r] = A[row(r)] @ B_e for a narrow B_e [K_red, r] (through strides)."""
+    out = a.new_empty(plan[0].numel(), r)
+    if out.shape[0]:
+        _gemm(a, b_e, strides_b, out, plan, r, K_red, _rank_config(a.device, "rows", r), gather=gather)
+    return out
+
+
+def _kn(t):
+    """Strides (expert, k, n) reading t [E, k, n] as it lies."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _nk(t):
+    """Strides (expert, k, n) reading t [E, n, k] transposed."""
+    return t.stride(0), t.stride(2), t.stride(1)
+
+
+def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: bool):
+    """experts_fwd for frozen base weights plus adapters (A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I],
+    B_dn [E, D, r], the scale in the B's): -> y [T, D], h [M, F], act [M, I], u_gu [M, r], u_dn [M, r]."""
     A_gu, B_gu, A_dn, B_dn = adapters
-    D, (F, r) = x_TD.shape[1], B_gu.shape[1:]
-    M = plan[0].numel()
+    T, D = x_TD.shape
+    F = gate_up_EFD.shape[1]
+    I, r, M = F // 2, A_gu.shape[1], plan[0].numel()
+    act_MI = x_TD.new_empty(M, I)
+    h_MF = x_TD.new_empty(M if save else 0, F)
+    u_gu = _rows_times(x_TD, A_gu, _nk(A_gu), plan, r, D, gather=True)
+    if M == 0:
+        return x_TD.new_zeros(T, D), h_MF, act_MI, u_gu, u_gu
+    gu, dn = gate_up_EFD, down_EDI
+    _gemm(x_TD, gu, _nk(gu), act_MI, plan, I, D, _config(x_TD.device, "swiglu"), gather=True, epi=EPI_SWIGLU,
+          h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=(u_gu, B_gu, _nk(B_gu)))  # fmt: skip
+    u_dn = _rows_times(act_MI, A_dn, _nk(A_dn), plan, r, I)
+    y_slot_MD = x_TD.new_empty(M, D)
+    _gemm(act_MI, dn, _nk(dn), y_slot_MD, plan, D, I, _config(x_TD.device, "gemm"), scatter=True,
+          low_rank=(u_dn, B_dn, _nk(B_dn)))  # fmt: skip
+    return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI, u_gu, u_dn
+
+
+def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, u_gu, u_dn, plan, adapters):
+    """Backward of `experts_fwd_lora`: -> dx [T, D], dw [M] (fp32), dA_gu, dB_gu, dA_dn, dB_dn (the adapters'
+    shapes; B's gradient being that of the scaled B). The base weights get none."""
+    A_gu, B_gu, A_dn, B_dn = adapters
+    D, r, F = x_TD.shape[1], A_gu.shape[1], gate_up_EFD.shape[1]
     tok, offs = plan[1], plan[2]
-    gemm, wgrad = _config(x_TD.device, "gemm"), _config(x_TD.device, "wgrad")
-    dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan)
-    u_Mr, g_Mr, v_Mr, g2_Mr = (x_TD.new_empty(M, r) for _ in range(4))
-    if M:
-        _gemm(x_TD, A_gu, (A_gu.stride(0), A_gu.stride(2), A_gu.stride(1)), u_Mr, plan, r, D, gemm, gather=True)
-        _gemm(dh_MF, B_gu, (B_gu.stride(0), B_gu.stride(1), B_gu.stride(2)), g_Mr, plan, r, F, gemm)
-        _gemm(act_MI, A_dn, (A_dn.stride(0), A_dn.stride(2), A_dn.stride(1)), v_Mr, plan, r, F // 2, gemm)
-        _gemm(dy_TD, B_dn, (B_dn.stride(0), B_dn.stride(1), B_dn.stride(2)), g2_Mr, plan, r, D, gemm, gather=True)
+    g_dn = _rows_times(dy_TD, B_dn, _kn(B_dn), plan, r, D, gather=True)
+    dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=(g_dn, A_dn, _kn(A_dn)))
+    g_gu = _rows_times(dh_MF, B_gu, _kn(B_gu), plan, r, F)
+    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, A_gu, _kn(A_gu)))
+    wg_n, wg_m = _rank_config(x_TD.device, "wgrad_n", r), _rank_config(x_TD.device, "wgrad_m", r)
     d_A_gu, d_B_gu, d_A_dn, d_B_dn = (torch.empty_like(t) for t in adapters)
-    _wgrad(dh_MF, None, u_Mr, None, d_B_gu, offs, wgrad)  # dh^T (x A^T)
-    _wgrad(g_Mr, None, x_TD, tok, d_A_gu, offs, wgrad)  # (dh B)^T x
-    _wgrad(dy_TD, tok, v_Mr, None, d_B_dn, offs, wgrad)  # dy^T (act A^T)
-    _wgrad(g2_Mr, None, act_MI, None, d_A_dn, offs, wgrad)  # (dy B)^T act
-    for g in (d_A_gu, d_B_gu, d_A_dn, d_B_dn):
-        g.mul_(scale)
-    return _dx(dh_MF, x_TD, gate_up_EFD, plan), dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
+    _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, wg_n)  # dh^T u_gu
+    _wgrad(g_gu, None, x_TD, tok, d_A_gu, offs, wg_m)  # g_gu^T x
+    _wgrad(dy_TD, tok, u_dn, None, d_B_dn, offs, wg_n)  # dy^T u_dn
+    _wgrad(g_dn, None, act_MI, None, d_A_dn, offs, wg_m)  # g_dn^T act
+    return dx, dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -417,48 +481,41 @@ def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
 
 
 class _LoRARoutedExperts(torch.autograd.Function):
-    """Routed experts with frozen base weights and per-expert LoRA adapters. The effective weights W + s B A are
-    formed for the forward kernels and again in backward (not kept between the two: one [E, F, D] and one [E, D, I]
-    tensor per MoE layer would stay alive until backward)."""
+    """Routed experts with frozen base weights and per-expert LoRA adapters (`experts_fwd_lora`): saved for backward
+    are the forward's own [M, *] tensors plus two [M, r] products; no effective weights."""
 
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, scale):
-        gu, dn = _effective(W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, scale)
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn):
         plan = torch.ops.anyseek.moe_plan(topk_ids_TK, W_gu.shape[0], _block_m(x_TD.device))
         w_M = topk_weights_TK.reshape(-1)
-        y_TD, h_MF, act_MI = torch.ops.anyseek.moe_experts_fwd(x_TD, w_M, gu, dn, *plan, True)
-        ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, act_MI, *plan)
-        ctx.scale, ctx.w_shape, ctx.w_dtype = scale, topk_weights_TK.shape, topk_weights_TK.dtype
+        adapters = (A_gu, B_gu, A_dn, B_dn)
+        y_TD, h_MF, act_MI, u_gu, u_dn = experts_fwd_lora(x_TD, w_M, W_gu, W_dn, adapters, plan, True)
+        ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, *adapters, h_MF, act_MI, u_gu, u_dn, *plan)
+        ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
-        x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, act_MI, *plan = ctx.saved_tensors
-        gu, dn = _effective(W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, ctx.scale)
-        dx, dw_M, *d_adapters = experts_bwd_lora(dy_TD.contiguous(), x_TD, w_M, gu, dn, h_MF, act_MI, plan,
-                                                 (A_gu, B_gu, A_dn, B_dn), ctx.scale)  # fmt: skip
-        return (dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), None, None, *d_adapters, None)
-
-
-def _effective(W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, scale):
-    with torch.no_grad():
-        return torch.baddbmm(W_gu, B_gu, A_gu, alpha=scale), torch.baddbmm(W_dn, B_dn, A_dn, alpha=scale)
+        x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, act_MI, u_gu, u_dn, *plan = ctx.saved_tensors
+        dx, dw_M, *d_adapters = experts_bwd_lora(dy_TD.contiguous(), x_TD, w_M, W_gu, W_dn, h_MF, act_MI, u_gu,
+                                                 u_dn, plan, (A_gu, B_gu, A_dn, B_dn))  # fmt: skip
+        return (dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), None, None, *d_adapters)
 
 
 def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn,
                         B_dn, scale: float) -> torch.Tensor:  # fmt: skip
     """Triton routed experts for LoRA (`anyseek.train.lora.LoRAExperts`): the frozen base gate_up [E, F, D] and
     down [E, D, I], adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]; the output equals
-    `routed_experts` with the effective weights W + scale * B A. Gradients: x, topk_weights and the four adapters
-    (the base gets none). -> [T, D] in x's dtype."""
+    `routed_experts` with the effective weights W + scale * B A, which are never formed. Gradients: x,
+    topk_weights and the four adapters (the base gets none). -> [T, D] in x's dtype."""
     out_dtype = x_TD.dtype
     dtype = _compute_dtype(x_TD)
     with torch.autocast(x_TD.device.type, enabled=False):
-        x, W_gu, W_dn, a_gu, b_gu, a_dn, b_dn = (
-            t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn, B_dn)
-        )
+        x, W_gu, W_dn, a_gu, a_dn = (t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI, A_gu,
+                                                                         A_dn))  # fmt: skip
+        b_gu, b_dn = ((b * scale).to(dtype).contiguous() for b in (B_gu, B_dn))
         y = _LoRARoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), W_gu.detach(),
-                                     W_dn.detach(), a_gu, b_gu, a_dn, b_dn, float(scale))  # fmt: skip
+                                     W_dn.detach(), a_gu, b_gu, a_dn, b_dn)  # fmt: skip
     return y.to(out_dtype)
 
 
@@ -497,5 +554,5 @@ def routed_experts(
     return y.to(out_dtype)
 
 
-__all__ = ["build_plan", "build_plan_torch", "experts_bwd", "experts_bwd_lora", "experts_fwd", "family",
+__all__ = ["build_plan", "build_plan_torch", "experts_bwd", "experts_bwd_lora", "experts_fwd", "experts_fwd_lora", "family",
            "lora_routed_experts", "routed_experts"]

@@ -16,6 +16,8 @@ B_e is read through strides, so nn.Linear weights serve as B or B^T without a co
   2  SwiGLU backward: the accumulator is d(act*w); with the saved h it writes dh = [dg, du] and the partial
      routing-weight gradient sum_j act * d(act*w) of this column tile (summed over tiles on the host side,
      in a fixed order: deterministic).
+With LORA, a rank-r term L[r] @ R_e (L [M, r] in row order, R_e [r, N] through strides) joins the accumulator(s)
+before the epilogue: the effective weight W_e + B_e A_e of a LoRA expert without forming it (moe.py).
 
 `_grouped_wgrad_kernel`: dW_e = A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
 bounds are read from offs on the device). Empty experts get zeros.
@@ -48,8 +50,9 @@ def _grouped_gemm_kernel(
     offs_ptr, tile_expert_ptr, tile_row_ptr,
     n_tiles_m, N, K_red,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_hm, up_cols,
+    l_ptr, r_ptr, stride_lm, stride_re, stride_rk, stride_rn, rank,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, EPI: tl.constexpr, SAVE_H: tl.constexpr,
-    EVEN_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LORA: tl.constexpr, RANK: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_of(tl.program_id(0), n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -67,7 +70,9 @@ def _grouped_gemm_kernel(
         a_rows = rows_c.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    cols_c = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)  # wrapped: B loads need no col mask
+    cols_c = cols % N  # wrapped: B loads need no col mask
+    if EVEN_N:  # (a wrapped tile is not contiguous: the hint only where no tile wraps)
+        cols_c = tl.max_contiguous(tl.multiple_of(cols_c, BLOCK_N), BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols_c[None, :].to(tl.int64) * stride_bn
@@ -90,6 +95,16 @@ def _grouped_gemm_kernel(
             acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+
+    if LORA:  # + L[rows] @ R_e: a rank-r term of the effective weight (LoRA: W + B A), K = rank
+        kr = tl.arange(0, RANK)
+        l_tile = tl.load(l_ptr + rows_c.to(tl.int64)[:, None] * stride_lm + kr[None, :], mask=(kr < rank)[None, :],
+                         other=0.0)  # fmt: skip
+        r_ptrs = r_ptr + e.to(tl.int64) * stride_re + kr[:, None] * stride_rk + cols_c[None, :].to(tl.int64) * stride_rn
+        acc = tl.dot(l_tile, tl.load(r_ptrs, mask=(kr < rank)[:, None], other=0.0), acc, input_precision=PREC)
+        if EPI == 1:
+            r_u = tl.load(r_ptrs + up_cols * stride_rn, mask=(kr < rank)[:, None], other=0.0)
+            acc_u = tl.dot(l_tile, r_u, acc_u, input_precision=PREC)
 
     mask = rmask[:, None] & cmask[None, :]
     if SCATTER_C or EPI != 0:
@@ -131,7 +146,8 @@ def _grouped_gemm_kernel(
 def _grouped_wgrad_kernel(
     a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, c_ptr, offs_ptr,
     N1, N2, stride_am, stride_bm, stride_ce, stride_c1,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, PREC: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_N2: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """c[e, i, j] = sum_r A[a_row(r), i] * B[b_row(r), j] over the rows r of expert e (program axis 1)."""
@@ -141,8 +157,12 @@ def _grouped_wgrad_kernel(
     end = tl.load(offs_ptr + e + 1)
     i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    i_c = tl.max_contiguous(tl.multiple_of(i % N1, BLOCK_M), BLOCK_M)
-    j_c = tl.max_contiguous(tl.multiple_of(j % N2, BLOCK_N), BLOCK_N)
+    i_c = i % N1
+    j_c = j % N2
+    if EVEN_N1:  # (contiguity hints only where no tile wraps)
+        i_c = tl.max_contiguous(tl.multiple_of(i_c, BLOCK_M), BLOCK_M)
+    if EVEN_N2:
+        j_c = tl.max_contiguous(tl.multiple_of(j_c, BLOCK_N), BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_K):
