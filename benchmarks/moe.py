@@ -3,7 +3,8 @@
     python benchmarks/moe.py --check      # worst error ratios vs the fp32 reference (2x rule), bf16 and fp16
     python benchmarks/moe.py --tune       # the triton backend under several launch settings (16B, 671B shapes)
     python benchmarks/moe.py --bench      # forward and forward+backward: triton, torch._grouped_mm, loop, reference
-    --out DIR writes check.md / tune.md / bench.md there as well as printing them.
+    python benchmarks/moe.py --lora       # LoRA experts (frozen base, rank-r adapters) vs full fine-tuning's experts
+    --out DIR writes check.md / tune.md / bench.md / lora.md there as well as printing them.
 
 Shapes (E experts, I expert width, K experts per token, D hidden): small 32/512/4/1024, 16B (Moonlight)
 64/1408/6/2048, 671B (DeepSeek-V3, one layer) 256/2048/8/7168; balanced routing (K distinct experts drawn
@@ -178,6 +179,62 @@ def bench(out_dir: str | None, shapes: list[str], tokens: dict) -> list[dict]:
     return rows
 
 
+def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
+    """Forward + backward of one MoE layer's routed experts as fine-tuning runs them, CUDA-graph replay:
+    full        the Triton experts, gradients for x, the routing weights and both weight stacks;
+    lora        frozen base, per-expert adapters inside the Triton GEMMs (`lora_routed_experts`, the default);
+    lora split  the same with the rank-r weight gradients' rows in 1/2/8 chunks per expert (default 4);
+    merged      the effective weights W + s B A formed each call (torch.baddbmm) and handed to the same Triton
+                experts (ANYSEEK_LORA=merged, and the path of every other backend): [E, F, D] gradients reduced to
+                the adapters'."""
+    from anyseek.kernels.triton import moe
+
+    lines = [f"LoRA routed experts, rank {rank}, fwd+bwd as one CUDA graph, {env_line()}", "",
+             "| shape | tokens | routing | full ms | lora ms | lora vs full | split 1 | split 2 | split 8 | merged ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for shape in shapes:
+        E, I, K, D = SHAPES[shape]
+        T = 8192
+        for routing in ("balanced", "skewed"):
+            x, ids, w, gu, dn, dy = make(shape, T, routing)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            ad = [(torch.randn(*sh, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02).requires_grad_()
+                  for sh in ((E, rank, D), (E, 2 * I, rank), (E, rank, I), (E, D, rank))]  # fmt: skip
+            base = (gu.detach(), dn.detach())
+
+            def run(kind):
+                def step():
+                    if kind == "full":
+                        y = moe.routed_experts(x, ids, w, gu, dn)
+                        torch.autograd.grad(y, [x, w, gu, dn], dy)
+                    elif kind == "merged":
+                        egu = torch.baddbmm(base[0], ad[1], ad[0], alpha=2.0)
+                        edn = torch.baddbmm(base[1], ad[3], ad[2], alpha=2.0)
+                        torch.autograd.grad(moe.routed_experts(x, ids, w, egu, edn), [x, w, *ad], dy)
+                    else:
+                        y = moe.lora_routed_experts(x, ids, w, *base, *ad, 2.0)
+                        torch.autograd.grad(y, [x, w, *ad], dy)
+
+                import triton
+
+                step()
+                torch.cuda.synchronize()
+                return triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
+
+            t = {k: run(k) for k in ("full", "lora", "merged")}
+            default = moe._RANK_SPLIT
+            for split in (1, 2, 8):
+                moe._RANK_SPLIT = split
+                t[f"split{split}"] = run("lora")
+            moe._RANK_SPLIT = default
+            lines.append(f"| {shape} | {T} | {routing} | {t['full']:.3f} | {t['lora']:.3f} | "
+                         f"{t['full'] / t['lora']:.2f}x | {t['split1']:.3f} | {t['split2']:.3f} | {t['split8']:.3f} | "
+                         f"{t['merged']:.3f} |")  # fmt: skip
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    emit(lines, out_dir, "lora.md")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # correctness
 
@@ -259,6 +316,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true")
     p.add_argument("--tune", action="store_true")
     p.add_argument("--bench", action="store_true")
+    p.add_argument("--lora", action="store_true")
     p.add_argument("--shapes", default="small,16B,671B")
     p.add_argument("--tokens", default=None, help="token counts for every shape, comma-separated (default: per shape)")
     p.add_argument("--tune-cases", default="16B:16384,671B:16384", help="--tune: SHAPE:TOKENS,... (balanced)")
@@ -275,6 +333,8 @@ def main(argv=None) -> int:
         shapes = args.shapes.split(",")
         tokens = {s: tuple(int(t) for t in args.tokens.split(",")) for s in shapes} if args.tokens else TOKENS
         bench(args.out, shapes, tokens)
+    if args.lora:
+        lora(args.out, [s for s in args.shapes.split(",") if s != "671B"])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from anyseek.model.concat import adjacent_weights, joined_view, low_rank_linear

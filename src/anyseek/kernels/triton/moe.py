@@ -176,18 +176,19 @@ def build_plan_torch(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int) 
 
 def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=False, epi=EPI_PLAIN, h=None,
           w=None, dw=None, save_h=False, up_cols=0, low_rank=None):  # fmt: skip
-    """C[r] = A[row(r)] @ B_e over the plan's row tiles (see `_grouped_gemm_kernel`); low_rank = (L [M, r] in row
-    order, R [E, ...], R's strides as (expert, k, n)) adds L[r] @ R_e to the product before the epilogue."""
+    """C[r] = A[row(r)] @ B_e over the plan's row tiles (see `_grouped_gemm_kernel`). low_rank = (L [M, r], P [E, ...],
+    P's strides as (expert, k, n), R [E, ...], R's strides): C[r] = A[row(r)] @ (B_e + P_e R_e), and L (row order)
+    receives A[row(r)] @ P_e."""
     slot, tok, offs, tile_expert, tile_row = plan
     n_m = tile_expert.numel()
     h = c if h is None else h
     grid = (n_m * triton.cdiv(N, cfg["BLOCK_N"]),)
-    l_, r_, strides_r = low_rank if low_rank is not None else (c, c, (0, 0, 0))
+    l_, p_, strides_p, r_, strides_r = low_rank if low_rank is not None else (c, c, (0, 0, 0), c, (0, 0, 0))
     rank = l_.shape[1] if low_rank is not None else 0
     _launch(_grouped_gemm_kernel, grid, cfg)(
         a, tok, slot, b_e, c, h, c if w is None else w, c if dw is None else dw, offs, tile_expert, tile_row,
         n_m, N, K_red, a.stride(0), *strides_b, c.stride(0), h.stride(0), up_cols,
-        l_, r_, l_.stride(0), *strides_r, rank,
+        l_, p_, r_, l_.stride(0), *strides_p, *strides_r, rank,
         GATHER_A=gather, SCATTER_C=scatter, EPI=epi, SAVE_H=save_h, EVEN_K=K_red % cfg["BLOCK_K"] == 0,
         EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=low_rank is not None, RANK=_rank_block(rank), PREC=_prec(a.dtype),
     )  # fmt: skip
@@ -198,16 +199,22 @@ def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg):
-    """out[e] = A[rows of e]^T @ B[rows of e], rows gathered through a_idx / b_idx where given."""
+def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1):
+    """out[e] = A[rows of e]^T @ B[rows of e], rows gathered through a_idx / b_idx where given. split > 1: each
+    expert's rows in `split` chunks, summed in fp32 into partials [split, E, N1, N2] then added up in a fixed order
+    (deterministic); for narrow outputs (LoRA's rank-r gradients), whose few tiles per expert would leave the GPU
+    idle while the busiest expert's rows run through one program."""
     E, N1, N2 = out_EN1N2.shape
-    grid = (triton.cdiv(N1, cfg["BLOCK_M"]) * triton.cdiv(N2, cfg["BLOCK_N"]), E)
+    target = out_EN1N2 if split == 1 else out_EN1N2.new_empty(split, E, N1, N2, dtype=torch.float32)
+    grid = (triton.cdiv(N1, cfg["BLOCK_M"]) * triton.cdiv(N2, cfg["BLOCK_N"]), E, split)
     _launch(_grouped_wgrad_kernel, grid, cfg)(
-        a, offs if a_idx is None else a_idx, b, offs if b_idx is None else b_idx, out_EN1N2, offs,
-        N1, N2, a.stride(0), b.stride(0), out_EN1N2.stride(0), out_EN1N2.stride(1),
+        a, offs if a_idx is None else a_idx, b, offs if b_idx is None else b_idx, target, offs,
+        N1, N2, a.stride(0), b.stride(0), target.stride(-3), target.stride(-2), target.stride(0),
         GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, EVEN_N1=N1 % cfg["BLOCK_M"] == 0,
         EVEN_N2=N2 % cfg["BLOCK_N"] == 0, PREC=_prec(a.dtype),
     )  # fmt: skip
+    if split > 1:
+        torch.sum(target, dim=0, out=out_EN1N2) if out_EN1N2.dtype == torch.float32 else out_EN1N2.copy_(target.sum(0))
 
 
 @triton.jit
@@ -299,9 +306,9 @@ def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu
 
 # ---------------------------------------------------------------- LoRA: frozen base, per-expert adapters
 #
-# Effective weights W_e + B_e A_e (the scale folded into B): each big GEMM takes the base weight and adds the rank-r
-# term L @ R_e in its epilogue (`_gemm(low_rank=)`), L [M, r] being the rows' product with the other adapter
-# matrix, computed first by a narrow grouped GEMM (N = r). Nothing [E, F, D]-sized is formed or kept.
+# Effective weights W_e + B_e A_e (the scale folded into B): each big GEMM takes the base weight, accumulates the
+# rows' rank-r product L = A[row] @ P_e beside its own in the loop over K, and adds L @ R_e in its epilogue
+# (`_gemm(low_rank=)`); L is kept for the adapters' gradients. Nothing [E, F, D]-sized is formed or kept.
 #   forward   u_gu = x[tok] A_gu^T;  h = x[tok] W_gu^T + u_gu B_gu^T  -> SwiGLU -> act
 #             u_dn = act A_dn^T;     y_slot = act W_dn^T + u_dn B_dn^T
 #   backward  g_dn = dy[tok] B_dn;   d(act) = dy[tok] W_dn + g_dn A_dn -> dSwiGLU -> dh
@@ -310,22 +317,14 @@ def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu
 
 
 def _rank_config(device: torch.device, kind: str, r: int) -> dict:
-    """Tiles for the narrow products over a rank-r dimension: "rows" (C [M, r], the plan's row tiles), "wgrad_n"
-    (out [E, N1, r]), "wgrad_m" (out [E, r, N2])."""
+    """Tiles for the rank-r weight gradients: "wgrad_n" (out [E, N1, r]), "wgrad_m" (out [E, r, N2])."""
     rb = _rank_block(r)
-    base = _config(device, "gemm" if kind == "rows" else "wgrad")
+    base = _config(device, "wgrad")
     cfg = {**base, "num_warps": min(base["num_warps"], 4)}
-    if kind == "wgrad_m":
-        return {**cfg, "BLOCK_M": rb}
-    return {**cfg, "BLOCK_N": rb}
+    return {**cfg, "BLOCK_M": rb} if kind == "wgrad_m" else {**cfg, "BLOCK_N": rb}
 
 
-def _rows_times(a, b_e, strides_b, plan, r, K_red, gather=False):
-    """[M, r] = A[row(r)] @ B_e for a narrow B_e [K_red, r] (through strides)."""
-    out = a.new_empty(plan[0].numel(), r)
-    if out.shape[0]:
-        _gemm(a, b_e, strides_b, out, plan, r, K_red, _rank_config(a.device, "rows", r), gather=gather)
-    return out
+_RANK_SPLIT = 4  # row chunks per expert for the rank-r weight gradients (benchmarks/moe.py --lora)
 
 
 def _kn(t):
@@ -347,16 +346,16 @@ def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: boo
     I, r, M = F // 2, A_gu.shape[1], plan[0].numel()
     act_MI = x_TD.new_empty(M, I)
     h_MF = x_TD.new_empty(M if save else 0, F)
-    u_gu = _rows_times(x_TD, A_gu, _nk(A_gu), plan, r, D, gather=True)
+    u_gu, u_dn = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
     if M == 0:
-        return x_TD.new_zeros(T, D), h_MF, act_MI, u_gu, u_gu
+        return x_TD.new_zeros(T, D), h_MF, act_MI, u_gu, u_dn
     gu, dn = gate_up_EFD, down_EDI
     _gemm(x_TD, gu, _nk(gu), act_MI, plan, I, D, _config(x_TD.device, "swiglu"), gather=True, epi=EPI_SWIGLU,
-          h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=(u_gu, B_gu, _nk(B_gu)))  # fmt: skip
-    u_dn = _rows_times(act_MI, A_dn, _nk(A_dn), plan, r, I)
+          h=h_MF if save else None, w=w_M, save_h=save, up_cols=I,
+          low_rank=(u_gu, A_gu, _nk(A_gu), B_gu, _nk(B_gu)))  # fmt: skip
     y_slot_MD = x_TD.new_empty(M, D)
     _gemm(act_MI, dn, _nk(dn), y_slot_MD, plan, D, I, _config(x_TD.device, "gemm"), scatter=True,
-          low_rank=(u_dn, B_dn, _nk(B_dn)))  # fmt: skip
+          low_rank=(u_dn, A_dn, _nk(A_dn), B_dn, _nk(B_dn)))  # fmt: skip
     return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI, u_gu, u_dn
 
 
@@ -364,18 +363,17 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, u_gu
     """Backward of `experts_fwd_lora`: -> dx [T, D], dw [M] (fp32), dA_gu, dB_gu, dA_dn, dB_dn (the adapters'
     shapes; B's gradient being that of the scaled B). The base weights get none."""
     A_gu, B_gu, A_dn, B_dn = adapters
-    D, r, F = x_TD.shape[1], A_gu.shape[1], gate_up_EFD.shape[1]
+    r, M = A_gu.shape[1], plan[0].numel()
     tok, offs = plan[1], plan[2]
-    g_dn = _rows_times(dy_TD, B_dn, _kn(B_dn), plan, r, D, gather=True)
-    dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=(g_dn, A_dn, _kn(A_dn)))
-    g_gu = _rows_times(dh_MF, B_gu, _kn(B_gu), plan, r, F)
-    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, A_gu, _kn(A_gu)))
+    g_dn, g_gu = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
+    dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=(g_dn, B_dn, _kn(B_dn), A_dn, _kn(A_dn)))
+    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu, _kn(B_gu), A_gu, _kn(A_gu)))
     wg_n, wg_m = _rank_config(x_TD.device, "wgrad_n", r), _rank_config(x_TD.device, "wgrad_m", r)
     d_A_gu, d_B_gu, d_A_dn, d_B_dn = (torch.empty_like(t) for t in adapters)
-    _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, wg_n)  # dh^T u_gu
-    _wgrad(g_gu, None, x_TD, tok, d_A_gu, offs, wg_m)  # g_gu^T x
-    _wgrad(dy_TD, tok, u_dn, None, d_B_dn, offs, wg_n)  # dy^T u_dn
-    _wgrad(g_dn, None, act_MI, None, d_A_dn, offs, wg_m)  # g_dn^T act
+    _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, wg_n, _RANK_SPLIT)  # dh^T u_gu
+    _wgrad(g_gu, None, x_TD, tok, d_A_gu, offs, wg_m, _RANK_SPLIT)  # g_gu^T x
+    _wgrad(dy_TD, tok, u_dn, None, d_B_dn, offs, wg_n, _RANK_SPLIT)  # dy^T u_dn
+    _wgrad(g_dn, None, act_MI, None, d_A_dn, offs, wg_m, _RANK_SPLIT)  # g_dn^T act
     return dx, dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
 
 

@@ -16,8 +16,10 @@ B_e is read through strides, so nn.Linear weights serve as B or B^T without a co
   2  SwiGLU backward: the accumulator is d(act*w); with the saved h it writes dh = [dg, du] and the partial
      routing-weight gradient sum_j act * d(act*w) of this column tile (summed over tiles on the host side,
      in a fixed order: deterministic).
-With LORA, a rank-r term L[r] @ R_e (L [M, r] in row order, R_e [r, N] through strides) joins the accumulator(s)
-before the epilogue: the effective weight W_e + B_e A_e of a LoRA expert without forming it (moe.py).
+With LORA, a rank-r term joins the accumulator(s) before the epilogue: C[r] = A[row(r)] @ (B_e + P_e R_e), the
+effective weight of a LoRA expert (W_e + B_e A_e) without forming it (moe.py). The loop over K also accumulates
+L = A[row(r)] @ P_e [BM, r] (r/BN more MMA work: each column tile computes its own); the epilogue adds L @ R_e, and
+the first column tile stores L (row order) for the weight gradients.
 
 `_grouped_wgrad_kernel`: dW_e = A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
 bounds are read from offs on the device). Empty experts get zeros.
@@ -50,7 +52,7 @@ def _grouped_gemm_kernel(
     offs_ptr, tile_expert_ptr, tile_row_ptr,
     n_tiles_m, N, K_red,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_hm, up_cols,
-    l_ptr, r_ptr, stride_lm, stride_re, stride_rk, stride_rn, rank,
+    l_ptr, p_ptr, r_ptr, stride_lm, stride_pe, stride_pk, stride_pn, stride_re, stride_rk, stride_rn, rank,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, EPI: tl.constexpr, SAVE_H: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LORA: tl.constexpr, RANK: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -78,6 +80,10 @@ def _grouped_gemm_kernel(
     b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols_c[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kr = tl.arange(0, RANK)
+    acc_l = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    if LORA:  # P_e [K_red, r]; columns past r wrap (duplicates, cancelled by R's zero rows past r below)
+        p_ptrs = p_ptr + e.to(tl.int64) * stride_pe + ks[:, None] * stride_pk + (kr % rank)[None, :] * stride_pn
     for k in range(tl.cdiv(K_red, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -87,6 +93,13 @@ def _grouped_gemm_kernel(
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
+        if LORA:
+            if EVEN_K:
+                pk = tl.load(p_ptrs)
+            else:
+                pk = tl.load(p_ptrs, mask=kmask[:, None], other=0.0)
+            acc_l = tl.dot(a, pk, acc_l, input_precision=PREC)
+            p_ptrs += BLOCK_K * stride_pk
         if EPI == 1:
             if EVEN_K:
                 bu = tl.load(b_ptrs + up_cols * stride_bn)
@@ -96,10 +109,11 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
 
-    if LORA:  # + L[rows] @ R_e: a rank-r term of the effective weight (LoRA: W + B A), K = rank
-        kr = tl.arange(0, RANK)
-        l_tile = tl.load(l_ptr + rows_c.to(tl.int64)[:, None] * stride_lm + kr[None, :], mask=(kr < rank)[None, :],
-                         other=0.0)  # fmt: skip
+    if LORA:  # + L @ R_e, L rounded to the inputs' dtype (as it is stored)
+        l_tile = acc_l.to(a_ptr.dtype.element_ty)
+        if pid_n == 0:
+            tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile,
+                     mask=rmask[:, None] & (kr < rank)[None, :])  # fmt: skip
         r_ptrs = r_ptr + e.to(tl.int64) * stride_re + kr[:, None] * stride_rk + cols_c[None, :].to(tl.int64) * stride_rn
         acc = tl.dot(l_tile, tl.load(r_ptrs, mask=(kr < rank)[:, None], other=0.0), acc, input_precision=PREC)
         if EPI == 1:
@@ -145,16 +159,24 @@ def _grouped_gemm_kernel(
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, c_ptr, offs_ptr,
-    N1, N2, stride_am, stride_bm, stride_ce, stride_c1,
+    N1, N2, stride_am, stride_bm, stride_ce, stride_c1, stride_cs,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_N2: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """c[e, i, j] = sum_r A[a_row(r), i] * B[b_row(r), j] over the rows r of expert e (program axis 1)."""
+    """c[e, i, j] = sum_r A[a_row(r), i] * B[b_row(r), j] over the rows r of expert e (program axis 1). With more
+    than one program on axis 2, program s sums the s-th of as many equal chunks of the rows into c + s * stride_cs
+    (partial sums, added up by the caller)."""
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(N1, BLOCK_M), tl.cdiv(N2, BLOCK_N), GROUP_M)
     e = tl.program_id(1)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
+    n_split = tl.num_programs(2)
+    if n_split > 1:
+        chunk = tl.cdiv(tl.cdiv(end - start, n_split), BLOCK_K) * BLOCK_K
+        start = tl.minimum(start + tl.program_id(2) * chunk, end)
+        end = tl.minimum(start + chunk, end)
+        c_ptr += tl.program_id(2).to(tl.int64) * stride_cs
     i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     i_c = i % N1
