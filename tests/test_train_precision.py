@@ -172,16 +172,19 @@ def test_checkpoints_hold_the_fp32_masters_and_resume_is_bit_identical(data_dir,
         assert torch.equal(state[k], other[k]), k
 
 
-def test_lora_frozen_fp32_tensors_get_a_copy_and_stay_unchanged(data_dir, tmp_path):  # noqa: F811
-    """LoRA: the base matrices are bf16 already; the frozen fp32 embedding and norms are swapped too (no autocast
-    would make their products mixed), get no gradient, and are unchanged; only the adapters train."""
+def test_lora_frozen_fp32_tensors_held_in_low_precision_and_unchanged(data_dir, tmp_path):  # noqa: F811
+    """LoRA: the base matrices are bf16 already; the frozen fp32 embedding and norms are converted too (no autocast
+    would make their products mixed; nothing writes them, so no fp32 copy is kept), get no gradient, and are
+    unchanged; only the adapters train."""
     run(tiny_cfg(data_dir, "--train.max_steps=1"), tmp_path / "base")
     init = f"--train.init={json.dumps(str(tmp_path / 'base' / 'step-1'))}"
     tr = _trainer(data_dir, tmp_path / "lora", init, "--train.lora_rank=4")
     w = tr.working
     trained = {id(p) for p in w.trained}
     assert trained == {id(p) for p in tr.model.parameters() if p.requires_grad}
-    assert any(not p.requires_grad for p in w.params)  # frozen fp32 tensors with a copy
+    assert any(not p.requires_grad for p in w.params)  # frozen fp32 tensors, converted
+    assert all(p.dtype == w.dtype for p in w.frozen)
+    assert all(m.data_ptr() == lo.data_ptr() for m, lo in zip(w.masters[len(w.trained):], w.low[len(w.trained):]))
     frozen = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
     losses = _steps(tr, 4)

@@ -89,11 +89,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if want_grad:
                     g_CV = g_CV.to(compute_dtype if low else h_TD.dtype)
                     grad_h_TD[rows] = (g_CV @ w_VD) * scale_C1
-                    if not want_w:
-                        continue
-                    hs_CD = (h_CD * scale_C1).to(g_CV.dtype)
-                    # bf16/fp16 products on tensor cores, summed over chunks in fp32
-                    grad_w_VD = add_mm_fp32(grad_w_VD, g_CV.t(), hs_CD)
+                    if want_w:
+                        hs_CD = (h_CD * scale_C1).to(g_CV.dtype)
+                        # bf16/fp16 products on tensor cores, summed over chunks in fp32
+                        grad_w_VD = add_mm_fp32(grad_w_VD, g_CV.t(), hs_CD)
+                del logits_CV, g_CV  # freed before the next chunk's logits are allocated: one chunk alive at a time
         if want_w and grad_w_VD is None:  # no rows
             grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
         ctx.save_for_backward(grad_h_TD, grad_w_VD)

@@ -107,8 +107,12 @@ class WorkingCopy:
         for p, view in zip(trained, masters):
             view.copy_(p.detach())
             p.data = view  # the parameter now lives in the flat buffer
+        # frozen ones (LoRA's base: embedding, norms, router) are only ever read: held in the low precision
+        # alone, no fp32 copy beside it
+        for p in self.frozen:
+            p.data = p.data.to(dtype)
         self.masters = masters + [p.data for p in self.frozen]
-        self.low = _flat_views(self.flat_low, trained) + [p.detach().to(dtype) for p in self.frozen]
+        self.low = _flat_views(self.flat_low, trained) + [p.data for p in self.frozen]
         self.grads = _flat_views(self.flat_grad, trained)
         if not accumulate:  # a backend that writes a weight gradient itself may write it here (the routed experts)
             for p in trained:
@@ -167,8 +171,6 @@ class WorkingCopy:
         if self._active:
             raise RuntimeError("WorkingCopy.refresh() while the working copy is active")
         self.flat_low.copy_(self.flat)
-        for p, low in zip(self.frozen, self.low[len(self.trained):]):
-            low.copy_(p.detach())
 
     def nbytes(self) -> int:
         """Memory the working copy adds: the low-precision weights (the flat gradients replace `.grad`)."""

@@ -199,19 +199,21 @@ def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1):
+def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None):
     """out[e] = A[rows of e]^T @ B[rows of e], rows gathered through a_idx / b_idx where given. split > 1: each
     expert's rows in `split` chunks, summed in fp32 into partials [split, E, N1, N2] then added up in a fixed order
     (deterministic); for narrow outputs (LoRA's rank-r gradients), whose few tiles per expert would leave the GPU
-    idle while the busiest expert's rows run through one program."""
+    idle while the busiest expert's rows run through one program. swiglu = (w [M] slot order, slot [M]): b is h
+    [M, 2N2] and B the weighted SwiGLU output recomputed from it (`_grouped_wgrad_kernel`'s B_SWIGLU)."""
     E, N1, N2 = out_EN1N2.shape
     target = out_EN1N2 if split == 1 else out_EN1N2.new_empty(split, E, N1, N2, dtype=torch.float32)
     grid = (triton.cdiv(N1, cfg["BLOCK_M"]) * triton.cdiv(N2, cfg["BLOCK_N"]), E, split)
     _launch(_grouped_wgrad_kernel, grid, cfg)(
         a, offs if a_idx is None else a_idx, b, offs if b_idx is None else b_idx, target, offs,
         N1, N2, a.stride(0), b.stride(0), target.stride(-3), target.stride(-2), target.stride(0),
+        *(swiglu if swiglu is not None else (b, offs)), N2,
         GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, EVEN_N1=N1 % cfg["BLOCK_M"] == 0,
-        EVEN_N2=N2 % cfg["BLOCK_N"] == 0, PREC=_prec(a.dtype),
+        EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, PREC=_prec(a.dtype),
     )  # fmt: skip
     if split > 1:
         torch.sum(target, dim=0, out=out_EN1N2) if out_EN1N2.dtype == torch.float32 else out_EN1N2.copy_(target.sum(0))
@@ -313,7 +315,7 @@ def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu
 #             u_dn = act A_dn^T;     y_slot = act W_dn^T + u_dn B_dn^T
 #   backward  g_dn = dy[tok] B_dn;   d(act) = dy[tok] W_dn + g_dn A_dn -> dSwiGLU -> dh
 #             g_gu = dh B_gu;        dx_slot = dh W_gu + g_gu A_gu
-#             dB_gu = dh^T u_gu, dA_gu = g_gu^T x[tok], dB_dn = dy[tok]^T u_dn, dA_dn = g_dn^T act  (per expert)
+#             dB_gu = dh^T u_gu, dA_gu = g_gu^T x[tok], dB_dn = dy[tok]^T u_dn, dA_dn = g_dn^T act (act recomputed from h)
 
 
 def _rank_config(device: torch.device, kind: str, r: int) -> dict:
@@ -359,9 +361,10 @@ def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: boo
     return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI, u_gu, u_dn
 
 
-def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, u_gu, u_dn, plan, adapters):
+def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, plan, adapters):
     """Backward of `experts_fwd_lora`: -> dx [T, D], dw [M] (fp32), dA_gu, dB_gu, dA_dn, dB_dn (the adapters'
-    shapes; B's gradient being that of the scaled B). The base weights get none."""
+    shapes; B's gradient being that of the scaled B). The base weights get none. The SwiGLU output the down
+    adapter's gradient needs is recomputed from h inside that product (the forward keeps no [M, I] tensor)."""
     A_gu, B_gu, A_dn, B_dn = adapters
     r, M = A_gu.shape[1], plan[0].numel()
     tok, offs = plan[1], plan[2]
@@ -373,7 +376,7 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, u_gu
     _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, wg_n, _RANK_SPLIT)  # dh^T u_gu
     _wgrad(g_gu, None, x_TD, tok, d_A_gu, offs, wg_m, _RANK_SPLIT)  # g_gu^T x
     _wgrad(dy_TD, tok, u_dn, None, d_B_dn, offs, wg_n, _RANK_SPLIT)  # dy^T u_dn
-    _wgrad(g_dn, None, act_MI, None, d_A_dn, offs, wg_m, _RANK_SPLIT)  # g_dn^T act
+    _wgrad(g_dn, None, h_MF, None, d_A_dn, offs, wg_m, _RANK_SPLIT, swiglu=(w_M, plan[0]))  # g_dn^T act
     return dx, dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
 
 
@@ -480,7 +483,7 @@ def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
 
 class _LoRARoutedExperts(torch.autograd.Function):
     """Routed experts with frozen base weights and per-expert LoRA adapters (`experts_fwd_lora`): saved for backward
-    are the forward's own [M, *] tensors plus two [M, r] products; no effective weights."""
+    are x, h and two [M, r] products (not the [M, I] SwiGLU output, recomputed from h); no effective weights."""
 
     @staticmethod
     def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn):
@@ -488,15 +491,15 @@ class _LoRARoutedExperts(torch.autograd.Function):
         w_M = topk_weights_TK.reshape(-1)
         adapters = (A_gu, B_gu, A_dn, B_dn)
         y_TD, h_MF, act_MI, u_gu, u_dn = experts_fwd_lora(x_TD, w_M, W_gu, W_dn, adapters, plan, True)
-        ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, *adapters, h_MF, act_MI, u_gu, u_dn, *plan)
+        ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, *adapters, h_MF, u_gu, u_dn, *plan)
         ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
-        x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, act_MI, u_gu, u_dn, *plan = ctx.saved_tensors
-        dx, dw_M, *d_adapters = experts_bwd_lora(dy_TD.contiguous(), x_TD, w_M, W_gu, W_dn, h_MF, act_MI, u_gu,
-                                                 u_dn, plan, (A_gu, B_gu, A_dn, B_dn))  # fmt: skip
+        x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, u_gu, u_dn, *plan = ctx.saved_tensors
+        dx, dw_M, *d_adapters = experts_bwd_lora(dy_TD.contiguous(), x_TD, w_M, W_gu, W_dn, h_MF, u_gu, u_dn, plan,
+                                                 (A_gu, B_gu, A_dn, B_dn))  # fmt: skip
         return (dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), None, None, *d_adapters)
 
 

@@ -159,14 +159,16 @@ def _grouped_gemm_kernel(
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, c_ptr, offs_ptr,
-    N1, N2, stride_am, stride_bm, stride_ce, stride_c1, stride_cs,
+    N1, N2, stride_am, stride_bm, stride_ce, stride_c1, stride_cs, w_ptr, slot_ptr, up_cols,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_N2: tl.constexpr,
-    PREC: tl.constexpr,
+    B_SWIGLU: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """c[e, i, j] = sum_r A[a_row(r), i] * B[b_row(r), j] over the rows r of expert e (program axis 1). With more
     than one program on axis 2, program s sums the s-th of as many equal chunks of the rows into c + s * stride_cs
-    (partial sums, added up by the caller)."""
+    (partial sums, added up by the caller). B_SWIGLU: B is the weighted SwiGLU output recomputed from the saved
+    pre-activations (b_ptr: h [M, 2 * up_cols], rows in row order): silu(h[r, j]) * h[r, up_cols + j] * w[slot[r]],
+    so the forward need not keep it."""
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(N1, BLOCK_M), tl.cdiv(N2, BLOCK_N), GROUP_M)
     e = tl.program_id(1)
     start = tl.load(offs_ptr + e)
@@ -200,7 +202,14 @@ def _grouped_wgrad_kernel(
         else:
             b_rows = rows_c.to(tl.int64)
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + i_c[None, :], mask=rmask[:, None], other=0.0)  # [BK, BM]
-        b = tl.load(b_ptr + b_rows[:, None] * stride_bm + j_c[None, :], mask=rmask[:, None], other=0.0)  # [BK, BN]
+        if B_SWIGLU:
+            h_ptrs = b_ptr + b_rows[:, None] * stride_bm + j_c[None, :]
+            hg = tl.load(h_ptrs, mask=rmask[:, None], other=0.0).to(tl.float32)
+            hu = tl.load(h_ptrs + up_cols, mask=rmask[:, None], other=0.0).to(tl.float32)
+            wr = tl.load(w_ptr + tl.load(slot_ptr + rows_c)).to(tl.float32)
+            b = (hg * tl.sigmoid(hg) * hu * wr[:, None]).to(b_ptr.dtype.element_ty)
+        else:
+            b = tl.load(b_ptr + b_rows[:, None] * stride_bm + j_c[None, :], mask=rmask[:, None], other=0.0)  # [BK, BN]
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PREC)
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + i.to(tl.int64)[:, None] * stride_c1 + j[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(i < N1)[:, None] & (j < N2)[None, :])
