@@ -315,7 +315,8 @@ def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu
 #             u_dn = act A_dn^T;     y_slot = act W_dn^T + u_dn B_dn^T
 #   backward  g_dn = dy[tok] B_dn;   d(act) = dy[tok] W_dn + g_dn A_dn -> dSwiGLU -> dh
 #             g_gu = dh B_gu;        dx_slot = dh W_gu + g_gu A_gu
-#             dB_gu = dh^T u_gu, dA_gu = g_gu^T x[tok], dB_dn = dy[tok]^T u_dn, dA_dn = g_dn^T act (act recomputed from h)
+#             dB_gu = dh^T u_gu, dA_gu = g_gu^T x[tok], dB_dn = dy[tok]^T u_dn, dA_dn = g_dn^T act (per expert;
+#             act recomputed from h inside that product)
 
 
 def _rank_config(device: torch.device, kind: str, r: int) -> dict:
