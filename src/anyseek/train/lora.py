@@ -3,25 +3,28 @@
     apply_lora(model, LoRASpec(rank=16, alpha=32, targets=("attention", "routed_experts")), base_dtype=torch.bfloat16)
 
 A target Linear W [out, in] becomes `LoRALinear`: y = x W^T + s * B A x with A [r, in], B [out, r], s = alpha / r,
-B = 0 at the start (the output equals the base's). The model reads some weights directly instead of calling the
-layer (the fused gate|up of an MLP, the fused q_a|kv_a of MLA, through `model.concat.fused_linear`), so
-`LoRALinear.weight` is the merged weight W + s * B A: every way the model uses a layer sees the adapter. Called as
-a layer it takes the unmerged path (no [out, in] weight gradient, dropout on the adapter input); in the fused
-matmuls it is merged (no dropout there), or, with `ANYSEEK_LORA=adapters`, the base weight is joined and the
-adapter added into the layer's columns of the fused output (`add_low_rank_`: unmerged, with dropout).
+B = 0 at the start (the output equals the base's). No merged weight is formed on the training path: called as a
+layer, `model.concat.low_rank_linear` runs the base matmul and adds (x A^T)(s B)^T into its output with one addmm
+(backward likewise: dx = g W + (g s B) A, no [out, in] weight gradient; dropout on the adapter input). Where the
+model joins two layers' weights itself (MLA's q_a|kv_a, an MLP's gate|up: `model.concat.fused_linear`), the frozen
+base weights lie row after row in one buffer (`_join_frozen`, so the join is a view) and the adapters join as one
+low-rank term (A's stacked, B's block-diagonal; the pair shares one dropout mask on its common input).
+`LoRALinear.weight` still gives the merged W + s * B A for code that reads weights (decoding, export).
 
 Routed experts get per-expert adapters, stacked. Where the Triton routed experts run, `LoRAExperts` hands them the
-adapters (`kernels/triton/moe.py: lora_routed_experts`): the effective weights W_e + s * B_e A_e are formed for the
-forward kernels and again in backward, and the adapters' gradients come from rank-r products per expert (dB = s
-dh^T (x A^T), dA = s (dh B)^T x), so no [E, F, D] gradient is formed and no effective weights wait for backward.
-That path is opt-in for now (`ANYSEEK_LORA=adapters`): it is checked against the merged path under the
-Triton interpreter and has a `cuda` test, but has not been timed on a GPU (it reads the routed rows four more times
-for its rank-r products, which may cost what the [E, F, D] gradient did). Without it, and on every other backend
-(reference, grouped_mm), the experts get the effective weights through the unchanged
-`anyseek.kernels.routed_experts` seam (one torch.baddbmm per projection, no Python loop over experts); there the
-backward forms the full [E, F, D] gradient of the effective weights and two batched matmuls reduce it to dA, dB.
-Code that reads the stacked weights itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer
-prints) gets the effective weights from `LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
+adapters (`kernels/triton/moe.py: lora_routed_experts`): each grouped GEMM reads the base weight and accumulates
+the rows' rank-r product (x A^T, or dh B in backward) beside its own in the loop over K, adding its product with
+the other adapter matrix in the epilogue; the adapters' gradients come from rank-r products per expert (dB = s
+dh^T (x A^T), dA = s (dh B)^T x). No [E, F, D] weight or gradient is formed, and the SwiGLU output is not kept
+for backward (recomputed from the saved pre-activations). On every other backend (reference, grouped_mm) the
+experts get the effective weights through the unchanged `anyseek.kernels.routed_experts` seam (one torch.baddbmm
+per projection, no Python loop over experts); there the backward forms the full [E, F, D] gradient of the
+effective weights and two batched matmuls reduce it to dA, dB.
+
+`ANYSEEK_LORA=merged` brings back the earlier path for comparison (the fused projections and the Triton experts
+on merged weights W + s B A formed at every use); the default is `adapters`. Code that reads the stacked weights
+itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer prints) gets the effective weights from
+`LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
 
 Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 """
