@@ -5,8 +5,9 @@
 
 Parameters are counted exactly on a model built on the meta device (LoRA applied there too); activations come from
 a per-token, per-layer count of the tensors autograd keeps. Against peaks measured on an H100 (docs/benchmarks.md):
-the default GPU step (`train.working_copy`, CUDA graphs) of the `small` flavor at 8,192 / 32,768 tokens 10.87 /
-19.49 GiB estimated, 10.8 / 19.6 GiB measured; the autocast step (`train.working_copy=false`) is estimated ~15%
+the default GPU step (`train.working_copy`, CUDA graphs) of the `small` flavor at 8,192 tokens 10.49 GiB
+estimated, 10.5 measured, and LoRA rank 16 on it 4.16 estimated, 4.1 measured (32,768 tokens: 19.5 estimated,
+19.6 measured before the loss held one chunk of logits at a time); the autocast step (`train.working_copy=false`) is estimated ~15%
 low (its fp32 residual and the casts autocast keeps are counted only in part; not re-measured since the fusions).
 """
 
@@ -42,11 +43,13 @@ class Estimate:
 
 
 def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch.float32,
-             autocast: bool = True, working_copy: bool = False) -> Estimate:
+             autocast: bool = True, working_copy: bool = False, triton_experts: bool = False) -> Estimate:
     """Bytes for one optimizer step of `run_cfg` on `model_cfg`: fp32 AdamW (two moments) on what trains,
     gradients of what trains, the frozen base in `base_dtype` under LoRA. autocast: bf16 compute over fp32
     weights (a bf16 copy per matrix use, an fp32 residual stream); working_copy: `train.working_copy` (bf16 copies
-    of the weights kept for the whole run, bf16 activations and gradients; train/precision.py)."""
+    of the weights kept for the whole run, bf16 activations and gradients; train/precision.py); triton_experts:
+    the routed experts run the Triton kernels (a GPU), which take LoRA's adapters themselves (no merged expert
+    weights, no SwiGLU output kept)."""
     from anyseek.model.transformer import DeepSeekV3
     from anyseek.train import lora as lora_lib
 
@@ -66,17 +69,20 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     else:
         lora_lib.apply_lora(model, lora_spec, base_dtype)
         size = torch.finfo(base_dtype).bits // 8
-        frozen32 = sum(p.numel() for n, p in model.named_parameters()
-                       if not lora_lib._is_adapter(n) and p.dtype != base_dtype)
-        base = sum(p.numel() * (size if p.dtype == base_dtype else 4) for n, p in model.named_parameters()
+        # under the working copy the frozen fp32 tensors (embedding, norms, router) are held in bf16 only
+        frozen32 = 2 if working_copy else 4
+        base = sum(p.numel() * (size if p.dtype == base_dtype else frozen32) for n, p in model.named_parameters()
                    if not lora_lib._is_adapter(n))
         a = lora_lib.count_adapters(model)
         weights, grads, optimizer = base + 4 * a, grad_bytes * a, 8 * a
-        copies = size * _merged_elements(model) + (2 * (a + frozen32) if working_copy else 0)
+        copies = size * _merged_elements(model, triton_experts) + (2 * a if working_copy else 0)
     t = run_cfg.data.tokens_per_batch
     mode = getattr(getattr(run_cfg, "parallel", None), "activation_checkpointing", "none")
     head = _head_chunk_bytes(model_cfg, t, low)
     acts = t * _activation_bytes_per_token(model_cfg, low, mode, resid) + head
+    if lora_spec is not None and triton_experts and model_cfg.n_routed_experts:  # no [M, I] SwiGLU output kept
+        n_moe = model_cfg.num_hidden_layers - min(model_cfg.first_k_dense_replace, model_cfg.num_hidden_layers)
+        acts -= t * low * model_cfg.moe_intermediate_size * model_cfg.num_experts_per_tok * n_moe
     return Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None,
                     t * _activation_bytes_per_token(model_cfg, low, "full", resid) + head)
 
@@ -90,16 +96,18 @@ def _head_chunk_bytes(c, tokens: int, low: int) -> float:
     return float(rows * c.vocab_size * (4 + low))
 
 
-def _merged_elements(model) -> int:
-    """Elements of the merged weights a LoRA forward forms and keeps for the backward (routed experts, fused reads);
-    routed experts count twice: their backward also forms the full gradient of the merged weights."""
-    from anyseek.train.lora import LoRAExperts, LoRALinear
+def _merged_elements(model, triton_experts: bool) -> int:
+    """Elements of the merged weights a LoRA forward forms and keeps for the backward: the routed experts' where
+    they go through the seam (not the Triton kernels), counted twice (their backward also forms the full gradient
+    of the merged weights); the fused reads' only with ANYSEEK_LORA=merged."""
+    from anyseek.train.lora import LoRAExperts, LoRALinear, _unmerged
 
     n = 0
     for name, mod in model.named_modules():
-        if isinstance(mod, LoRAExperts):
+        if isinstance(mod, LoRAExperts) and not (triton_experts and _unmerged()):
             n += 2 * (mod.base.gate_up_proj.numel() + mod.base.down_proj.numel())
-        elif isinstance(mod, LoRALinear) and name.endswith(("gate_proj", "up_proj", "q_a_proj", "kv_a_proj_with_mqa")):
+        elif (isinstance(mod, LoRALinear) and not _unmerged()
+              and name.endswith(("gate_proj", "up_proj", "q_a_proj", "kv_a_proj_with_mqa"))):
             n += mod.base.weight.numel()
     return n
 
@@ -173,7 +181,7 @@ def report(model_cfg, run_cfg, device: torch.device, lora_spec, base_dtype: torc
 
     low = precision.compute_dtype(run_cfg.train.dtype, device)
     working = precision.wanted(run_cfg.train.working_copy, device, False, low)
-    est = estimate(model_cfg, run_cfg, lora_spec, base_dtype, low is not None, working)
+    est = estimate(model_cfg, run_cfg, lora_spec, base_dtype, low is not None, working, device.type == "cuda")
     have = available(device)
     where = f"of {have / GiB:.1f} GiB on {device}" if have else f"on {device}"
     log(f"memory: {est.table()} {where}")
