@@ -98,7 +98,9 @@ class TrainConfig:
     lora_alpha: float = 16.0  # adapter scale = lora_alpha / lora_rank
     lora_dropout: float = 0.0  # on the adapter input of the Linear layers the model calls (see lora.py)
     lora_targets: list = field(default_factory=lambda: list(LORA_TARGETS))
-    lora_base_dtype: str = "auto"  # the frozen base: "auto" (bf16 when autocasting to bf16, else fp32), "bf16", "fp32"
+    # the frozen base: "auto" (bf16 when autocasting to bf16, else fp32), "bf16", "fp32" (with a GPU working copy,
+    # which computes on bf16 copies, frozen tensors are held in bf16 whatever this says: train/precision.py)
+    lora_base_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "grad_accum", "log_every", "eval_every", "save_every", "keep_last",
