@@ -144,7 +144,7 @@ def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
 
     def copy_follows():
-        for p, low in zip(w.params, w.low):
+        for p, low in zip(w.trained, w.low):
             assert p.dtype == torch.float32 and p.grad is None
             assert torch.equal(low, p.detach().to(torch.bfloat16))  # written by the optimizer step
 
@@ -182,9 +182,11 @@ def test_lora_frozen_fp32_tensors_held_in_low_precision_and_unchanged(data_dir, 
     w = tr.working
     trained = {id(p) for p in w.trained}
     assert trained == {id(p) for p in tr.model.parameters() if p.requires_grad}
-    assert any(not p.requires_grad for p in w.params)  # frozen fp32 tensors, converted
+    assert w.frozen and not any(p.requires_grad for p in w.frozen)  # frozen fp32 tensors, converted
     assert all(p.dtype == w.dtype for p in w.frozen)
-    assert all(m.data_ptr() == lo.data_ptr() for m, lo in zip(w.masters[len(w.trained):], w.low[len(w.trained):]))
+    ptrs = [p.data_ptr() for p in w.frozen]
+    with w.active():  # held in the low precision alone: not swapped
+        assert [p.data_ptr() for p in w.frozen] == ptrs
     frozen = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
     losses = _steps(tr, 4)

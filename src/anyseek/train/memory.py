@@ -7,8 +7,9 @@ Parameters are counted exactly on a model built on the meta device (LoRA applied
 a per-token, per-layer count of the tensors autograd keeps. Against peaks measured on an H100 (docs/benchmarks.md):
 the default GPU step (`train.working_copy`, CUDA graphs) of the `small` flavor at 8,192 tokens 10.49 GiB
 estimated, 10.5 measured, and LoRA rank 16 on it 4.16 estimated, 4.1 measured (32,768 tokens: 19.5 estimated,
-19.6 measured before the loss held one chunk of logits at a time); the autocast step (`train.working_copy=false`) is estimated ~15%
-low (its fp32 residual and the casts autocast keeps are counted only in part; not re-measured since the fusions).
+19.6 measured before the loss held one chunk of logits at a time); the autocast step (`train.working_copy=false`)
+is estimated ~15% low (its fp32 residual and the casts autocast keeps are counted only in part; not re-measured
+since the fusions).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     else:
         lora_lib.apply_lora(model, lora_spec, base_dtype)
         size = torch.finfo(base_dtype).bits // 8
-        # under the working copy the frozen fp32 tensors (embedding, norms, router) are held in bf16 only
-        frozen32 = 2 if working_copy else 4
-        base = sum(p.numel() * (size if p.dtype == base_dtype else frozen32) for n, p in model.named_parameters()
+        # the frozen fp32 tensors (embedding, norms, router): held in bf16 alone under the working copy
+        other = 2 if working_copy else 4
+        base = sum(p.numel() * (size if p.dtype == base_dtype else other) for n, p in model.named_parameters()
                    if not lora_lib._is_adapter(n))
         a = lora_lib.count_adapters(model)
         weights, grads, optimizer = base + 4 * a, grad_bytes * a, 8 * a
@@ -79,12 +80,10 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     t = run_cfg.data.tokens_per_batch
     mode = getattr(getattr(run_cfg, "parallel", None), "activation_checkpointing", "none")
     head = _head_chunk_bytes(model_cfg, t, low)
-    acts = t * _activation_bytes_per_token(model_cfg, low, mode, resid) + head
-    if lora_spec is not None and triton_experts and model_cfg.n_routed_experts:  # no [M, I] SwiGLU output kept
-        n_moe = model_cfg.num_hidden_layers - min(model_cfg.first_k_dense_replace, model_cfg.num_hidden_layers)
-        acts -= t * low * model_cfg.moe_intermediate_size * model_cfg.num_experts_per_tok * n_moe
+    expert_act = not (lora_spec is not None and triton_experts)  # the LoRA Triton experts recompute it
+    acts = t * _activation_bytes_per_token(model_cfg, low, mode, resid, expert_act) + head
     return Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None,
-                    t * _activation_bytes_per_token(model_cfg, low, "full", resid) + head)
+                    t * _activation_bytes_per_token(model_cfg, low, "full", resid, expert_act) + head)
 
 
 def _head_chunk_bytes(c, tokens: int, low: int) -> float:
@@ -112,7 +111,8 @@ def _merged_elements(model, triton_experts: bool) -> int:
     return n
 
 
-def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid: int = 4) -> float:
+def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid: int = 4,
+                                expert_act: bool = True) -> float:
     """What autograd keeps per token, tensor by tensor as the model saves them (low: bytes of a computed
     activation; resid: of the residual stream). Per layer: the residual input of each norm and the normed x,
     MLA's q_a and its norm, the kv latent and its norm, the attention's q, k_nope|v (one buffer), k_pe, output and
@@ -120,7 +120,8 @@ def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid:
     fp32 scores and the shared experts' [gate | up] and activation. The MTP modules add their embedding, two norms
     and the joined input. `checkpointing` (parallel.activation_checkpointing, the layers
     `anyseek.distributed.fsdp.apply_activation_checkpointing` picks): a recomputed layer keeps only its inputs, and
-    one such layer's activations are alive again during its backward. Against peaks measured on an H100
+    one such layer's activations are alive again during its backward. expert_act: the routed rows' SwiGLU output
+    is kept (not by LoRA's Triton experts, which recompute it from [gate | up]). Against peaks measured on an H100
     (docs/benchmarks.md): see the module docstring."""
     H, D, E = c.num_attention_heads, c.hidden_size, c.n_routed_experts
     Q, L, R = c.q_lora_rank or 0, c.kv_lora_rank, c.qk_rope_head_dim
@@ -132,7 +133,7 @@ def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid:
     moe = 0
     if E:
         K, I = c.num_experts_per_tok, c.moe_intermediate_size
-        moe = low * 3 * I * K + 8 * K + 4 * E + low * 3 * I * c.n_shared_experts
+        moe = low * (3 if expert_act else 2) * I * K + 8 * K + 4 * E + low * 3 * I * c.n_shared_experts
     n_dense = min(c.first_k_dense_replace, c.num_hidden_layers) if E else c.num_hidden_layers
     # decoder layers, then the MTP modules (counted as MoE layers, with their own inputs)
     units = [attn + post + dense] * n_dense + [attn + post + moe] * (c.num_hidden_layers - n_dense)

@@ -107,17 +107,16 @@ class WorkingCopy:
         for p, view in zip(trained, masters):
             view.copy_(p.detach())
             p.data = view  # the parameter now lives in the flat buffer
-        # frozen ones (LoRA's base: embedding, norms, router) are only ever read: held in the low precision
-        # alone, no fp32 copy beside it
+        # frozen ones (LoRA's base: embedding, norms, router) are only ever read: converted once and held in the low
+        # precision alone (no fp32 copy beside it, nothing to swap)
         for p in self.frozen:
             p.data = p.data.to(dtype)
-        self.masters = masters + [p.data for p in self.frozen]
-        self.low = _flat_views(self.flat_low, trained) + [p.data for p in self.frozen]
+        self.masters = masters
+        self.low = _flat_views(self.flat_low, trained)
         self.grads = _flat_views(self.flat_grad, trained)
         if not accumulate:  # a backend that writes a weight gradient itself may write it here (the routed experts)
             for p in trained:
                 kernels.set_grad_destination(p, self.flat_grad, self.offsets[p][0])
-        self.params = trained + self.frozen
         self._active = False
         self.refresh()
 
@@ -126,13 +125,13 @@ class WorkingCopy:
         """Run the model (forward and backward) on the working copy; the parameters are fp32 again afterwards."""
         if self._active:
             raise RuntimeError("WorkingCopy.active() entered twice")
-        for p, low in zip(self.params, self.low):
+        for p, low in zip(self.trained, self.low):
             p.data = low
         self._active = True
         try:
             yield
         finally:
-            for p, master in zip(self.params, self.masters):
+            for p, master in zip(self.trained, self.masters):
                 p.data = master
             self._active = False
 

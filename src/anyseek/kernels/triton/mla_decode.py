@@ -9,9 +9,9 @@ accumulators): a TMA box is at most 256 columns wide, and DeepSeek's latent is 5
 tiles arrive by TMA, through descriptors the kernel builds on the device (`tl.make_tensor_descriptor`; descriptors
 built on the host cost Triton 3.6 ~50-200 us of host time per eager launch). The copy engine computes the
 addresses, so the threads' registers go to the 64 x 512 fp32 accumulator (H=128, B=64, 4k on H100: 216 -> 262
-TFLOP/s). The last partial tile of a range, and every tile where TMA is not
-used, is loaded through pointers with a mask: slots past a row's length are never read. If the first TMA launch on
-a device fails (a Triton or driver that cannot build it), a warning says so and that device uses pointers.
+TFLOP/s). The last partial tile of a range, and every tile where TMA is not used, is loaded through pointers with a
+mask: slots past a row's length are never read. If the first TMA launch of a kernel variant on a device fails (a
+Triton or driver that cannot build it), a warning says so and that variant uses pointers there.
 Kernel 2, grid (T, H): combines the splits' partials weighted by exp2(lse - max lse).
 
 Splitting the sequence keeps every SM busy when rows x head blocks alone are too few (decode at small batch).

@@ -34,8 +34,8 @@ from anyseek.kernels.triton.moe_gemm import (
 )
 
 # Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
-# the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight gradients. BLOCK_M must be equal in "gemm" and "swiglu": the
-# routing plan's row tiles serve both.
+# the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight
+# gradients. BLOCK_M must be equal in "gemm" and "swiglu": the routing plan's row tiles serve both.
 # - hopper (sm_90) and blackwell_dc (sm_100/103, 228 KB shared memory per SM): swept on an H100 (benchmarks/moe.py
 #   --tune, docs/benchmarks.md): 128x128x64 tiles, 8 warps, 4 stages (32 KB per stage) for gemm and wgrad
 #   (128x256, 256x128, 4 warps, 3 stages, BLOCK_K 32 all 1-9% slower); the SwiGLU GEMM with two 128-wide
@@ -216,7 +216,7 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None
         EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, PREC=_prec(a.dtype),
     )  # fmt: skip
     if split > 1:
-        torch.sum(target, dim=0, out=out_EN1N2) if out_EN1N2.dtype == torch.float32 else out_EN1N2.copy_(target.sum(0))
+        out_EN1N2.copy_(target.sum(0))
 
 
 @triton.jit
@@ -243,8 +243,19 @@ def _sum_k(rows_MD: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool):
-    """-> y [T, D], h [M, F] (pre-activations, empty unless save), act [M, I] (weighted SwiGLU output)."""
+def _kn(t):
+    """Strides (expert, k, n) reading t [E, k, n] as it lies."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _nk(t):
+    """Strides (expert, k, n) reading t [E, n, k] transposed."""
+    return t.stride(0), t.stride(2), t.stride(1)
+
+
+def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None, low_dn=None):
+    """-> y [T, D], h [M, F] (pre-activations, empty unless save), act [M, I] (weighted SwiGLU output).
+    low_gu / low_dn: the two GEMMs' rank-r terms (see `_gemm`; LoRA, `experts_fwd_lora`)."""
     T, D = x_TD.shape
     F = gate_up_EFD.shape[1]
     I = F // 2
@@ -253,13 +264,11 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool):
     h_MF = x_TD.new_empty(M if save else 0, F)
     if M == 0:
         return x_TD.new_zeros(T, D), h_MF, act_MI
-    gu = gate_up_EFD
-    _gemm(x_TD, gu, (gu.stride(0), gu.stride(2), gu.stride(1)), act_MI, plan, I, D, _config(x_TD.device, "swiglu"),
-          gather=True, epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I)  # fmt: skip
+    _gemm(x_TD, gate_up_EFD, _nk(gate_up_EFD), act_MI, plan, I, D, _config(x_TD.device, "swiglu"), gather=True,
+          epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=low_gu)  # fmt: skip
     y_slot_MD = x_TD.new_empty(M, D)
-    dn = down_EDI
-    _gemm(act_MI, dn, (dn.stride(0), dn.stride(2), dn.stride(1)), y_slot_MD, plan, D, I,
-          _config(x_TD.device, "gemm"), scatter=True)  # fmt: skip
+    _gemm(act_MI, down_EDI, _nk(down_EDI), y_slot_MD, plan, D, I, _config(x_TD.device, "gemm"), scatter=True,
+          low_rank=low_dn)  # fmt: skip
     return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI
 
 
@@ -273,7 +282,7 @@ def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None):
     dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=dy_TD.device, dtype=torch.float32)
     dn = down_EDI
     if M:
-        _gemm(dy_TD, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), dh_MF, plan, I, dy_TD.shape[1], gemm,
+        _gemm(dy_TD, dn, _kn(dn), dh_MF, plan, I, dy_TD.shape[1], gemm,
               gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I, low_rank=low_rank)  # fmt: skip
     dw_M = torch.empty(M, device=dy_TD.device, dtype=torch.float32)
     dw_M[plan[0].long()] = dw_parts.sum(1)
@@ -288,8 +297,8 @@ def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None):
         return torch.zeros_like(x_TD)
     gu = gate_up_EFD
     dx_slot_MD = x_TD.new_empty(M, D)
-    _gemm(dh_MF, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), dx_slot_MD, plan, D, F, _config(x_TD.device, "gemm"),
-          scatter=True, low_rank=low_rank)  # fmt: skip
+    _gemm(dh_MF, gu, _kn(gu), dx_slot_MD, plan, D, F, _config(x_TD.device, "gemm"), scatter=True,
+          low_rank=low_rank)  # fmt: skip
     return _sum_k(dx_slot_MD, T, x_TD.dtype)
 
 
@@ -330,36 +339,16 @@ def _rank_config(device: torch.device, kind: str, r: int) -> dict:
 _RANK_SPLIT = 4  # row chunks per expert for the rank-r weight gradients (benchmarks/moe.py --lora)
 
 
-def _kn(t):
-    """Strides (expert, k, n) reading t [E, k, n] as it lies."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _nk(t):
-    """Strides (expert, k, n) reading t [E, n, k] transposed."""
-    return t.stride(0), t.stride(2), t.stride(1)
-
-
 def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: bool):
     """experts_fwd for frozen base weights plus adapters (A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I],
     B_dn [E, D, r], the scale in the B's): -> y [T, D], h [M, F], act [M, I], u_gu [M, r], u_dn [M, r]."""
     A_gu, B_gu, A_dn, B_dn = adapters
-    T, D = x_TD.shape
-    F = gate_up_EFD.shape[1]
-    I, r, M = F // 2, A_gu.shape[1], plan[0].numel()
-    act_MI = x_TD.new_empty(M, I)
-    h_MF = x_TD.new_empty(M if save else 0, F)
+    M, r = plan[0].numel(), A_gu.shape[1]
     u_gu, u_dn = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
-    if M == 0:
-        return x_TD.new_zeros(T, D), h_MF, act_MI, u_gu, u_dn
-    gu, dn = gate_up_EFD, down_EDI
-    _gemm(x_TD, gu, _nk(gu), act_MI, plan, I, D, _config(x_TD.device, "swiglu"), gather=True, epi=EPI_SWIGLU,
-          h=h_MF if save else None, w=w_M, save_h=save, up_cols=I,
-          low_rank=(u_gu, A_gu, _nk(A_gu), B_gu, _nk(B_gu)))  # fmt: skip
-    y_slot_MD = x_TD.new_empty(M, D)
-    _gemm(act_MI, dn, _nk(dn), y_slot_MD, plan, D, I, _config(x_TD.device, "gemm"), scatter=True,
-          low_rank=(u_dn, A_dn, _nk(A_dn), B_dn, _nk(B_dn)))  # fmt: skip
-    return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI, u_gu, u_dn
+    y_TD, h_MF, act_MI = experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save,
+                                     low_gu=(u_gu, A_gu, _nk(A_gu), B_gu, _nk(B_gu)),
+                                     low_dn=(u_dn, A_dn, _nk(A_dn), B_dn, _nk(B_dn)))  # fmt: skip
+    return y_TD, h_MF, act_MI, u_gu, u_dn
 
 
 def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, plan, adapters):
@@ -556,5 +545,5 @@ def routed_experts(
     return y.to(out_dtype)
 
 
-__all__ = ["build_plan", "build_plan_torch", "experts_bwd", "experts_bwd_lora", "experts_fwd", "experts_fwd_lora", "family",
-           "lora_routed_experts", "routed_experts"]
+__all__ = ["build_plan", "build_plan_torch", "experts_bwd", "experts_bwd_lora", "experts_fwd", "experts_fwd_lora",
+           "family", "lora_routed_experts", "routed_experts"]
