@@ -103,9 +103,9 @@ def profile_steps(step, items, out_path: Path | None = None) -> tuple[list[int],
 
 
 def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
-    """(step function taking a dummy item, trainer): one optimizer step exactly as `anyseek train` runs it
-    (Trainer._accumulate + Trainer._apply: autocast, loss, backward, clip, NaN check, AdamW, routing-bias update),
-    its batches from the trainer's own loader."""
+    """(step function taking a dummy item, trainer, flops): one optimizer step exactly as `anyseek train` runs it
+    (Trainer.advance: forward, backward, clip, NaN check, AdamW, routing-bias update, the overlap of one step with
+    the next), its batches from the trainer's own loader. `tr.flush()` settles the last step."""
     from anyseek.train.config import load_run_config
     from anyseek.train.trainer import Trainer
 
@@ -139,12 +139,11 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
     flops, tr.bench_losses = [], []
 
     def step(_):
-        stats = tr._accumulate(batches)
-        ok, _, _ = tr._apply(stats)
-        flops.append(stats.flops)
-        tr.bench_losses.append(stats.loss.detach())  # a tensor after the step's first micro-batch
-        if not ok:
-            raise RuntimeError("non-finite step in the benchmark")
+        for o in tr.advance(batches):  # the step queued before this one, with the overlap
+            flops.append(o.flops)
+            tr.bench_losses.append(o.values["loss"])
+            if not o.ok:
+                raise RuntimeError("non-finite step in the benchmark")
 
     return step, tr, flops
 
@@ -297,7 +296,8 @@ def gpu_case(args) -> None:
         t.append((time.perf_counter() - t0) / len(chunk))
     mem = torch.cuda.max_memory_allocated(device) / 2**30
     if case.startswith("trainer"):  # the step must really train (a wrapper that drops gradients is fast and wrong)
-        losses = [float(x) for x in tr.bench_losses]
+        tr.flush()
+        losses = list(tr.bench_losses)
         k = min(5, len(losses) // 2)
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
         print(f"{case}: mean loss of the first {k} steps {first:.4f}, of the last {k} {last:.4f}", flush=True)

@@ -79,26 +79,32 @@ def test_smoke_loss_falls_and_writes_everything(data_dir, tmp_path):
     assert json.loads((ckpt / "run_config.json").read_text())["train"]["max_steps"] == 20
 
 
-def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch):
-    cfg = tiny_cfg(data_dir, "--train.max_steps=8", "--train.save_every=100")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch, overlap):
+    """overlap: a bf16 working copy on the CPU, so that the host queues a step before it settles the last one (the
+    stop then comes one step later: the step in flight is settled and saved)."""
+    extra = ("--train.working_copy=true", "--train.dtype=bf16") if overlap else ()
+    cfg = tiny_cfg(data_dir, "--train.max_steps=8", "--train.save_every=100", *extra)
     straight = tmp_path / "straight"
     run(cfg, straight)
 
-    # Interrupt the second run with a real SIGINT after step 4: it must save step-4 and exit cleanly.
+    # Interrupt the second run with a real SIGINT once step 4 is settled: it must save and exit cleanly.
     interrupted = tmp_path / "interrupted"
-    original = Trainer._apply
+    original = Trainer._settle
 
-    def apply_then_interrupt(self, stats):
-        result = original(self, stats)
-        if self.step == 3:  # becomes 4 after this call returns
+    def settle_then_interrupt(self, item, halted=False):
+        assert self.overlap == overlap
+        outcome = original(self, item, halted)
+        if outcome.ok and outcome.step == 4:
             os.kill(os.getpid(), signal.SIGINT)
-        return result
+        return outcome
 
-    monkeypatch.setattr(Trainer, "_apply", apply_then_interrupt)
+    monkeypatch.setattr(Trainer, "_settle", settle_then_interrupt)
     summary = run(cfg, interrupted)
-    monkeypatch.setattr(Trainer, "_apply", original)
-    assert summary.get("stopped_early") and summary["step"] == 4
-    assert [c.step for c in ckpt_lib.list_checkpoints(interrupted)] == [4]
+    monkeypatch.setattr(Trainer, "_settle", original)
+    stopped = 5 if overlap else 4  # with the overlap step 5 was in flight when step 4 settled
+    assert summary.get("stopped_early") and summary["step"] == stopped
+    assert [c.step for c in ckpt_lib.list_checkpoints(interrupted)] == [stopped]
     run(cfg, interrupted, resume=True)
 
     a, b = final_state(straight, 8), final_state(interrupted, 8)

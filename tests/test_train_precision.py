@@ -116,7 +116,17 @@ def test_flat_adamw_is_torch_adamw(tmp_path):
         for (n, a), b in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
         torch.testing.assert_close(w.flat_low, w.flat.to(torch.bfloat16), rtol=0, atol=0)
-        w.after_step()
+        w.before_step()
+    # a step skipped on the device (the trainer's overlap) changes no buffer, even with non-finite gradients
+    w.flat_grad.fill_(float("nan"))
+    kept = [t.clone() for t in (w.flat, w.flat_low, opt.m, opt.v)]
+    opt.skip = torch.tensor(1.0)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(kept, (w.flat, w.flat_low, opt.m, opt.v)))
+    assert int(opt.state[w.trained[0]]["step"]) == 5
+    opt.uncount()
+    opt.skip.zero_()
+    assert int(opt.state[w.trained[0]]["step"]) == 4
     save_optimizer(ref_opt, ref, tmp_path)  # a torch AdamW checkpoint, loaded into the flat buffers
     load_optimizer(opt, model, tmp_path)
     opt.step()
@@ -130,10 +140,9 @@ def _steps(tr, n: int, each=lambda: None) -> list[float]:
     batches = iter(tr.train_loader)
     losses = []
     for _ in range(n):
-        ok, loss, _ = tr._apply(tr._accumulate(batches))
+        ok, loss, _ = tr._apply(tr._accumulate(batches))  # the step count goes up with it
         assert ok
         losses.append(loss)
-        tr.step += 1
         each()
     return losses
 

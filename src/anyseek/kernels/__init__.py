@@ -146,17 +146,20 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
 
 
 def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor | None,
-               scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
-               ) -> None:
+               scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               skip: torch.Tensor | None = None) -> None:
     """One AdamW step (torch.optim.AdamW's maths) in place over flat 1-D buffers: fp32 weights p and moments m, v,
     the gradient (bf16/fp16/fp32) divided by the device scalar `scale` (the folded clip factor), and the working copy
-    `low` (or None) rewritten from the new weights. step: the step number, from 1."""
+    `low` (or None) rewritten from the new weights. step: the step number, from 1. skip (a device scalar or None):
+    nonzero leaves every buffer unchanged (a non-finite step skipped without a host sync)."""
     if not (p.dim() == 1 and p.shape == grad.shape == m.shape == v.shape and (low is None or low.shape == p.shape)):
         raise ValueError(f"adamw_flat: 1-D buffers of one length expected, got p {tuple(p.shape)}, grad "
                          f"{tuple(grad.shape)}, m {tuple(m.shape)}, v {tuple(v.shape)}"
                          + ("" if low is None else f", low {tuple(low.shape)}"))
+    if skip is not None and skip.numel() != 1:
+        raise ValueError(f"adamw_flat: skip must be a scalar, got shape {tuple(skip.shape)}")
     fn = registry.get("adamw_flat", p)
-    fn(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay)
+    fn(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay, skip=skip)
 
 
 def set_grad_destination(param: torch.Tensor, buffer: torch.Tensor | None, start: int = 0) -> None:

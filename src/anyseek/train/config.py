@@ -74,6 +74,9 @@ class TrainConfig:
     # (train/precision.py), instead of autocast casting each weight at each use. "auto": on a CUDA device in one
     # process when train.dtype computes in bf16; true: also on the CPU (train.dtype=bf16); false: autocast.
     working_copy: bool | str = "auto"
+    # With the working copy: the host queues step N+1 before it reads step N's loss (a non-finite step is skipped on
+    # the device, and the step queued after it run again); the steps applied are those of the one-at-a-time loop.
+    overlap_steps: bool = True
     tune_allocator: bool = True  # CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime)
     attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, bmm, sdpa, reference, ...
     moe_backend: str = "auto"  # for the routed experts: auto, triton, grouped_mm, reference

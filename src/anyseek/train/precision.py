@@ -158,8 +158,9 @@ class WorkingCopy:
         """The L2 norm of the step's gradients (fp32 0-dim tensor on the device; no sync)."""
         return kernels.sq_norm(self.flat_grad).sqrt()
 
-    def after_step(self) -> None:
-        """After an optimizer step or a skipped one: gradients that add up start again from zero."""
+    def before_step(self) -> None:
+        """Before a step's first micro-batch: gradients that add up start from zero. (Here, not after the optimizer
+        step: with the trainer's overlap the host settles a step after it has queued the next one's micro-batches.)"""
         if self.accumulate:
             self.flat_grad.zero_()
 
@@ -182,7 +183,10 @@ class FlatAdamW(torch.optim.Optimizer):
     `exp_avg`, `exp_avg_sq` per parameter: views of the flat moments), so `train.optim` saves and loads it the
     same way (loading copies into these tensors).
 
-    `grad_scale` (a device scalar, default none): every gradient is divided by it (the folded clip factor)."""
+    `grad_scale` (a device scalar, default none): every gradient is divided by it (the folded clip factor).
+    `skip` (a device scalar, default none): nonzero makes a step leave every buffer as it is, decided on the device
+    (the trainer's overlap: a non-finite step skipped without a host sync). Such a step still counts in `step`
+    until `uncount` takes it back, once the host knows."""
 
     def __init__(self, groups: list[dict], working: WorkingCopy, lr: float, betas: tuple[float, float], eps: float):
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
@@ -190,6 +194,7 @@ class FlatAdamW(torch.optim.Optimizer):
         self.m = torch.zeros_like(working.flat)
         self.v = torch.zeros_like(working.flat)
         self.grad_scale: torch.Tensor | None = None
+        self.skip: torch.Tensor | None = None
         self._one = torch.ones((), dtype=torch.float32, device=working.flat.device)
         self._ranges = []
         for group in self.param_groups:
@@ -217,10 +222,14 @@ class FlatAdamW(torch.optim.Optimizer):
                 continue
             beta1, beta2 = group["betas"]
             kernels.adamw_flat(w.flat[a:b], w.flat_grad[a:b], self.m[a:b], self.v[a:b], w.flat_low[a:b], scale,
-                               step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+                               step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], skip=self.skip)
+
+    def uncount(self) -> None:
+        """Take back the step count of a step the device skipped (`skip`)."""
+        self._step_t -= 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The gradients live in the working copy's flat buffer (`collect` overwrites or `after_step` zeroes them)."""
+        """The gradients live in the working copy's flat buffer (`collect` overwrites or `before_step` zeroes them)."""
 
 
 def build_flat_adamw(working: WorkingCopy, cfg) -> FlatAdamW:

@@ -5,6 +5,14 @@
 One optimizer step = `grad_accum` micro-batches of `data.tokens_per_batch` tokens. After each step the MoE routing
 biases move toward balance (auxiliary-loss-free balancing). A NaN/Inf loss or gradient skips the step; `max_bad_steps`
 in a row stop the run with the last good checkpoint intact. SIGINT/SIGTERM save a checkpoint and exit cleanly.
+
+Overlap (`train.overlap_steps`, with a working copy in one process): the host queues step N+1 before it reads step
+N's loss, so that it prepares the next batch while the device computes. The optimizer step and the routing-bias
+update are queued with the step, gated on the device by a halt flag that a non-finite loss or gradient norm sets
+(`FlatAdamW.skip`). When the host reads a non-finite step it settles the step queued after it (halted, so not
+applied), clears the flag and runs that step again with the learning rate and schedules of the step it really is. The
+steps applied, their order and their numbers are those of the one-at-a-time loop. Steps after which the loop
+evaluates, saves or stops are settled before anything else is queued.
 """
 
 from __future__ import annotations
@@ -57,6 +65,43 @@ class StepStats:
     tokens: int = 0
     flops: float = 0.0  # training FLOPs of the step, attention counted over each document's real length
     stop_requested: bool = False  # a signal asked to stop (distributed: of any rank, after `Parallel.sum_step`)
+    batches: list = field(default_factory=list)  # the host micro-batches (a step run again reads them)
+    mtp_weight: float = 0.0  # the MTP loss weight the step used
+
+
+@dataclass
+class _InFlight:
+    """A step queued on the device whose verdict the host has not read yet."""
+
+    stats: StepStats
+    lr: float
+    gamma: float  # routing-bias update speed
+    gated: bool  # its optimizer step and routing-bias update are queued, gated by the trainer's halt flag
+    names: list[str]  # of `host`'s values: loss, grad_norm, then the loss parts
+    host: torch.Tensor  # a (pinned) host copy of those values, filled asynchronously
+    event: Any = None  # recorded after the copy (CUDA), else None
+    launched_at: float = field(default_factory=time.perf_counter)  # the host clock when queued
+
+    def read(self) -> dict[str, float]:
+        if self.event is not None:
+            self.event.synchronize()  # this step's work only, not what was queued after it
+        return dict(zip(self.names, self.host.tolist()))
+
+
+@dataclass
+class Outcome:
+    """A settled step: applied (ok) or skipped, the trainer's step count after it, its logged values."""
+
+    ok: bool
+    step: int
+    values: dict[str, float]
+    lr: float
+    tokens: int
+    flops: float
+    tokens_seen: int
+    mtp_weight: float
+    launched_at: float  # host clock: the time between two steps' launches is the step time, overlapped or not
+    in_a_row: int = 0  # skipped: the non-finite steps in a row so far
 
 
 class Trainer:
@@ -132,6 +177,11 @@ class Trainer:
         self.tokens_seen = 0
         self.bad_in_a_row = 0
         self.train_loader = self._loader("train", loop=True)
+        self.overlap, self.overlap_note = self._overlap()
+        self._pending: _InFlight | None = None
+        self._halt = torch.zeros((), dtype=torch.float32, device=self.device)  # set on the device by a bad step
+        if self.overlap:
+            self.optimizer.skip = self._halt
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -211,30 +261,37 @@ class Trainer:
         peak = peak_flops(self.device)
         batches = iter(self.train_loader)
         t_start = time.perf_counter()
-        window_t, window_tokens, window_flops = time.perf_counter(), 0, 0.0
+        window = {"t": time.perf_counter(), "tokens": 0, "flops": 0.0}
         summary: dict[str, Any] = {}
+
+        def record(o: Outcome) -> None:
+            window["tokens"] += o.tokens
+            window["flops"] += o.flops
+            if not o.ok:
+                metrics.write("skip", o.step, {"loss": o.values["loss"], "grad_norm": o.values["grad_norm"],
+                                               "in_a_row": o.in_a_row})
+                return
+            if o.step % t.log_every == 0 or o.step == t.max_steps:
+                # timed from launch to launch: with the overlap a step settles one step after it was queued
+                elapsed = max(o.launched_at - window["t"], 1e-9)
+                self._log_step(metrics, progress, o, window["tokens"] / elapsed, window["flops"] / elapsed, peak)
+                window.update(t=o.launched_at, tokens=0, flops=0.0)
+            # a step after which the loop evaluates or saves is settled before anything else is queued (`advance`)
+            if o.step % t.eval_every == 0 and o.step < t.max_steps and self.has_val:
+                self._evaluate(metrics)
+            if o.step % t.save_every == 0 and o.step < t.max_steps:
+                self._save(periodic=True)
+
         try:
-            while self.step < t.max_steps and not self._stopping():
-                lr = lr_at(self.step, t)
-                set_lr(self.optimizer, lr)
-                stats = self._accumulate(batches)
-                ok, loss, grad_norm = self._apply(stats)
-                window_tokens += stats.tokens
-                window_flops += stats.flops
-                if not ok:
-                    metrics.write("skip", self.step, {"loss": loss, "grad_norm": grad_norm, "in_a_row": self.bad_in_a_row})
-                    continue
-                self.step += 1
-                self.tokens_seen += stats.tokens
-                if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    elapsed = time.perf_counter() - window_t
-                    self._log_step(metrics, progress, stats, loss, lr, grad_norm, window_tokens / elapsed,
-                                   window_flops / elapsed, peak)
-                    window_t, window_tokens, window_flops = time.perf_counter(), 0, 0.0
-                if self.step % t.eval_every == 0 and self.step < t.max_steps and self.has_val:
-                    self._evaluate(metrics)
-                if self.step % t.save_every == 0 and self.step < t.max_steps:
-                    self._save(periodic=True)
+            while True:
+                if self._stopping():
+                    for o in self.flush():
+                        record(o)
+                    break
+                if self.step >= t.max_steps:
+                    break
+                for o in self.advance(batches):
+                    record(o)
             progress.close()
             if self._stopping():
                 self.log(f"stop requested: saving step {self.step} and exiting")
@@ -253,34 +310,153 @@ class Trainer:
             summary.update(step=self.step, tokens_seen=self.tokens_seen, wall_s=time.perf_counter() - t_start)
         return summary
 
-    def _log_step(self, metrics, progress, stats, loss, lr, grad_norm, tokens_per_s, flops_per_s, peak) -> None:
-        row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-               "tokens_seen": self.tokens_seen, "tflops": flops_per_s / 1e12}
-        row.update({k: float(v) for k, v in stats.parts.items()})
-        if "mtp_loss" in stats.parts:
-            row["mtp_loss_weight"] = self.mtp_loss_weight()
+    def _log_step(self, metrics, progress, o: Outcome, tokens_per_s, flops_per_s, peak) -> None:
+        v = o.values
+        row = {"loss": v["loss"], "lr": o.lr, "grad_norm": v["grad_norm"], "tokens_per_s": tokens_per_s,
+               "tokens_seen": o.tokens_seen, "tflops": flops_per_s / 1e12}
+        row.update({k: x for k, x in v.items() if k not in ("loss", "grad_norm")})
+        if "mtp_loss" in v:
+            row["mtp_loss_weight"] = o.mtp_weight
         if peak:
             row["mfu"] = flops_per_s / peak
-        metrics.write("train", self.step, row)
+        metrics.write("train", o.step, row)
         shown = {"mtp": row["mtp_loss"]} if "mtp_loss" in row else {}
         if "balance_loss" in row:
             shown["balance"] = row["balance_loss"]
-        progress.update(self.step, row.get("lm_loss", loss), tokens_per_s, shown)
+        progress.update(o.step, row.get("lm_loss", v["loss"]), tokens_per_s, shown)
 
-    def _accumulate(self, batches) -> StepStats:
+    # ------------------------------------------------------------------------------------------ one step
+
+    def advance(self, batches) -> list[Outcome]:
+        """Queue one optimizer step on the next batches, and settle what is due: the step queued before it (with
+        the overlap), or this one. Returns the settled steps, oldest first (none or one of them skipped)."""
+        t = self.cfg.train
+        pending, self._pending = self._pending, None
+        ahead = pending is not None  # counted as applied until the host reads otherwise
+        number = self.step + ahead
+        tokens = self.tokens_seen + (pending.stats.tokens if ahead else 0)
+        launched = self._launch(self._accumulate(batches, tokens), lr_at(number, t), tokens, gated=self.overlap)
+        done = []
+        if ahead:
+            done.append(self._settle(pending))
+            if not done[-1].ok:  # the device halted: `launched` was not applied; run it again as the step it is
+                done.append(self._settle(launched, halted=True))
+                return done
+        n = number + 1
+        if not self.overlap or n % t.eval_every == 0 or n % t.save_every == 0 or n >= t.max_steps:
+            done.append(self._settle(launched))
+        else:
+            self._pending = launched
+        return done
+
+    def flush(self) -> list[Outcome]:
+        """Settle the step still in flight, if any."""
+        pending, self._pending = self._pending, None
+        return [] if pending is None else [self._settle(pending)]
+
+    def _launch(self, stats: StepStats, lr: float, tokens: int, gated: bool) -> _InFlight:
+        """After a step's forward and backward: the gradient norm and clip factor, and (gated) the optimizer step
+        and routing-bias update, queued without a host sync; the verdict's values copied to the host
+        asynchronously."""
+        t = self.cfg.train
+        gamma = piecewise(t.bias_update_speed_schedule, tokens, self.model_cfg.bias_update_speed)
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        fold = self._fold_clip and math.isfinite(max_norm)
+        if self.working is not None:  # its gradients are in one flat buffer (the clip is always folded)
+            grad_norm = self.working.grad_norm()
+        else:
+            grad_norm = self.par.clip_grad_norm_(self.model, max_norm, scale=not fold)  # global norm: ranks agree
+        if fold:
+            self.optimizer.grad_scale = ((grad_norm.float() + CLIP_EPS) / max_norm).clamp(min=1.0)
+        stats.stop_requested = self.stop_requested
+        self.par.sum_step(stats)  # losses, expert loads, tokens and stop requests of every rank
+        self.stop_agreed = stats.stop_requested
+        loss = torch.as_tensor(stats.loss, dtype=torch.float32, device=self.device).reshape(())
+        grad_norm = grad_norm.float().reshape(())
+        if gated:
+            bad = ~torch.isfinite(loss + grad_norm)  # grad_norm >= 0: the sum is finite iff both are
+            self._halt.copy_(torch.where(bad, torch.ones_like(self._halt), self._halt))
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()  # reads `_halt` (FlatAdamW.skip): nothing changes once halted
+            if stats.expert_load is not None:  # a zero load moves no bias: sign(0 - 0)
+                self.model.update_routing_bias(stats.expert_load.float() * (1.0 - self._halt), gamma=gamma)
+        names = ["loss", "grad_norm", *stats.parts]
+        values = torch.stack([loss, grad_norm, *(torch.as_tensor(v, device=self.device).float().reshape(())
+                                                 for v in stats.parts.values())])
+        event = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = values
+        return _InFlight(stats, lr, gamma, gated, names, host, event)
+
+    def _settle(self, item: _InFlight, halted: bool = False) -> Outcome:
+        """Read a queued step's verdict (a host sync on its own work) and finish it: a non-finite step is skipped;
+        a finite one is applied (already, if gated and not halted). halted: an earlier step's verdict halted the
+        device, so `item` was not applied; it runs again from its batches."""
+        t = self.cfg.train
+        if halted:
+            if item.gated:
+                self.optimizer.uncount()
+            again = self._launch(self._accumulate(iter(item.stats.batches), self.tokens_seen), lr_at(self.step, t),
+                                 self.tokens_seen, gated=item.gated)
+            return self._settle(again)
+        v = item.read()
+        stats = item.stats
+        if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
+            if item.gated:
+                self.optimizer.uncount()
+                self._halt.zero_()  # after the steps already queued, which it halted
+            self._zero_grads()
+            self.bad_in_a_row += 1
+            self.log(f"warning: step {self.step + 1}: non-finite loss {v['loss']} / grad norm {v['grad_norm']}; "
+                     f"step skipped ({self.bad_in_a_row} in a row)")
+            if self.bad_in_a_row >= t.max_bad_steps:
+                raise TrainingDiverged(
+                    f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. "
+                    + (f"The last good checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
+                       if ckpt_lib.latest_checkpoint(self.out_dir, log=lambda s: None) is not None
+                       else "No checkpoint was written yet; start again with a lower --train.lr.")
+                )
+            return Outcome(False, self.step, v, item.lr, stats.tokens, stats.flops, self.tokens_seen,
+                           stats.mtp_weight, item.launched_at, self.bad_in_a_row)
+        self.bad_in_a_row = 0
+        if not item.gated:
+            set_lr(self.optimizer, item.lr)
+            self.optimizer.step()
+            self._zero_grads()
+            if stats.expert_load is not None:
+                self.model.update_routing_bias(stats.expert_load, gamma=item.gamma)
+        self.step += 1
+        self.tokens_seen += stats.tokens
+        return Outcome(True, self.step, v, item.lr, stats.tokens, stats.flops, self.tokens_seen, stats.mtp_weight,
+                       item.launched_at)
+
+    def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
+        """One accumulated step finished at once, as the loop without the overlap runs it: (applied, loss, grad
+        norm); the step count goes up when applied."""
+        o = self._settle(self._launch(stats, lr_at(self.step, self.cfg.train), self.tokens_seen, gated=False))
+        return o.ok, o.values["loss"], o.values["grad_norm"]
+
+    def _accumulate(self, batches, tokens: int | None = None) -> StepStats:
         """Forward and backward over the step's micro-batches. The losses are normalised once for the whole step:
         each micro-batch's summed next-token (and per-depth MTP) loss is divided by the step's count of valid
         targets, counted on the host copies of the batches before any of them runs (no device sync), so a
         micro-batch with few targets weighs no more than its targets do."""
         t = self.cfg.train
-        stats = StepStats()
         micro = [next(batches) for _ in range(t.grad_accum)]
+        mtp_weight = self.mtp_loss_weight(tokens)
+        stats = StepStats(batches=micro, mtp_weight=mtp_weight)
+        if self.working is not None:
+            self.working.before_step()
         depths = len(self.model.mtp)
         per_batch = [count_targets(b.targets, b.cu_seqlens, depths) for b in micro]
         step_counts = [sum(c[i] for c in per_batch) for i in range(depths + 1)]
         num_targets = torch.tensor(step_counts, dtype=torch.float32).to(self.device, non_blocking=True)
         num_targets = self.par.sum_(num_targets)  # the global batch's targets: every rank divides by the same count
-        mtp_weight = self.mtp_loss_weight()
         for batch in micro:
             done = self.graphs.run(batch, num_targets, mtp_weight) if self.graphs is not None else None
             if done is None:
@@ -359,11 +535,19 @@ class Trainer:
         return w, (f"fp32 master weights, forward and backward on a {str(low).replace('torch.', '')} working copy "
                    f"written by the optimizer kernel (+{w.nbytes() / 2**20:,.0f} MiB; train/precision.py)")
 
+    def _overlap(self):
+        """(whether the host queues a step before reading the last one's verdict, a line saying why)."""
+        if not self.cfg.train.overlap_steps:
+            return False, "off (train.overlap_steps=false)"
+        if self.working is None:
+            return False, "off: it needs the working copy's optimizer (its step is skipped on the device)"
+        return True, ("on: the host queues step N+1 before it reads step N's loss; a non-finite step is skipped on "
+                      "the device")
+
     def _zero_grads(self) -> None:
         """After a step: freed, except where CUDA graphs add several micro-batches into kept tensors. With a working
-        copy: zeroed where they accumulate (its optimizer has already rewritten the copy)."""
+        copy: nothing (its gradients are overwritten, or zeroed before the next step's first micro-batch)."""
         if self.working is not None:
-            self.working.after_step()
             return
         self.optimizer.zero_grad(set_to_none=self.graphs is None or not self.graphs.accumulate)
 
@@ -372,50 +556,16 @@ class Trainer:
         step's all-reduce (a signal reaches the ranks at different moments; acting on it alone would split them)."""
         return self.stop_agreed if self.par.active else self.stop_requested
 
-    def mtp_loss_weight(self) -> float:
-        """lambda now: train.mtp_loss_weight_schedule at the tokens seen so far, else model.mtp_loss_weight."""
-        return piecewise(self.cfg.train.mtp_loss_weight_schedule, self.tokens_seen, self.model_cfg.mtp_loss_weight)
+    def mtp_loss_weight(self, tokens: int | None = None) -> float:
+        """lambda: train.mtp_loss_weight_schedule at `tokens` (default: the tokens seen so far), else
+        model.mtp_loss_weight."""
+        return piecewise(self.cfg.train.mtp_loss_weight_schedule, self.tokens_seen if tokens is None else tokens,
+                         self.model_cfg.mtp_loss_weight)
 
     def bias_update_speed(self) -> float:
         """gamma now: train.bias_update_speed_schedule at the tokens seen so far, else model.bias_update_speed."""
         return piecewise(self.cfg.train.bias_update_speed_schedule, self.tokens_seen,
                          self.model_cfg.bias_update_speed)
-
-    def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
-        """Clip and step, or skip a non-finite step. Returns (stepped, mean loss, grad norm)."""
-        t = self.cfg.train
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        fold = self._fold_clip and math.isfinite(max_norm)
-        if self.working is not None:  # its gradients are in one flat buffer (the clip is always folded)
-            grad_norm = self.working.grad_norm()
-        else:
-            grad_norm = self.par.clip_grad_norm_(self.model, max_norm, scale=not fold)  # global norm: ranks agree
-        if fold:
-            self.optimizer.grad_scale = ((grad_norm.float() + CLIP_EPS) / max_norm).clamp(min=1.0)
-        stats.stop_requested = self.stop_requested
-        self.par.sum_step(stats)  # losses, expert loads, tokens and stop requests of every rank
-        self.stop_agreed = stats.stop_requested
-        loss = float(stats.loss)  # the one host sync per step
-        norm = float(grad_norm)
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            self._zero_grads()
-            self.bad_in_a_row += 1
-            self.log(f"warning: step {self.step + 1}: non-finite loss {loss} / grad norm {norm}; step skipped "
-                     f"({self.bad_in_a_row} in a row)")
-            if self.bad_in_a_row >= t.max_bad_steps:
-                raise TrainingDiverged(
-                    f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. "
-                    + (f"The last good checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
-                       if ckpt_lib.latest_checkpoint(self.out_dir, log=lambda s: None) is not None
-                       else "No checkpoint was written yet; start again with a lower --train.lr.")
-                )
-            return False, loss, norm
-        self.bad_in_a_row = 0
-        self.optimizer.step()
-        self._zero_grads()
-        if stats.expert_load is not None:
-            self.model.update_routing_bias(stats.expert_load, gamma=self.bias_update_speed())
-        return True, loss, norm
 
     # ------------------------------------------------------------------------------------------ eval, save, end
 
@@ -442,6 +592,7 @@ class Trainer:
         return (total / count if count else float("nan")), count
 
     def _evaluate(self, metrics: MetricsLog) -> float:
+        self._settled("an evaluation")
         loss, count = self.evaluate()
         ppl = math.exp(loss) if loss < 50 else float("inf")
         metrics.write("val", self.step, {"loss": loss, "perplexity": ppl, "tokens": count})
@@ -452,6 +603,7 @@ class Trainer:
         """Write step-N. A periodic save that fails (full disk, read-only folder) is reported in one line and
         training goes on (the staging folder is already gone) until MAX_FAILED_SAVES fail in a row; any other
         failed save raises SaveFailed."""
+        self._settled("a save")
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
                  "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity(), **self.start.record()}
         args = (self.out_dir, self.step, self.model, self.optimizer, state, self.cfg.to_dict(), self.tokenizer_files,
@@ -471,6 +623,10 @@ class Trainer:
         self.failed_saves = 0
         self.log(f"saved {path}")
         return path
+
+    def _settled(self, what: str) -> None:
+        if self._pending is not None:  # `advance` settles such steps at once: reaching this is a bug
+            raise RuntimeError(f"internal error: {what} with an optimizer step still in flight")
 
     def _finish(self, metrics: MetricsLog) -> dict[str, Any]:
         val_loss = self._evaluate(metrics) if self.has_val else float("nan")
@@ -515,6 +671,7 @@ class Trainer:
                  f"{self.cfg.train.grad_accum} micro-batches per step")
         self.log(f"weights: {self.working_note}")
         self.log(f"CUDA graphs: {self.graphs_note}")
+        self.log(f"overlap: {self.overlap_note}")
         describe = getattr(registry, "describe", None)
         if describe is not None:
             for row in describe(device=self.device):

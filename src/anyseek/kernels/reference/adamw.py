@@ -14,10 +14,18 @@ import torch
 
 @torch.no_grad()
 def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor | None,
-               scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
-               ) -> None:
+               scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               skip: torch.Tensor | None = None) -> None:
     """One AdamW step in place over 1-D fp32 p, m, v, the gradient (any float dtype) divided by the device scalar
-    `scale`, and the working copy `low` (or None) written from the new p."""
+    `scale`, and the working copy `low` (or None) written from the new p. skip: a device scalar; nonzero leaves
+    every buffer as it is (decided on the device, without a host sync)."""
+    if skip is not None:
+        keep = skip != 0
+        olds = [t.clone() for t in (p, m, v)] + ([] if low is None else [low.clone()])
+        adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay)
+        for t, old in zip((p, m, v) + (() if low is None else (low,)), olds):
+            t.copy_(torch.where(keep, old, t))
+        return
     g = grad.float() / scale
     p.mul_(1.0 - lr * weight_decay)
     m.lerp_(g, 1.0 - beta1)

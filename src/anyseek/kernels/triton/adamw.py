@@ -23,10 +23,12 @@ BLOCK = 2048  # elements per program: 8 per thread at 8 warps (16-byte fp32 load
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, LOW, SCALE, n, lr, beta1, beta2, eps, decay, step_size, bc2_sqrt,
-                  HAS_LOW: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(P, G, M, V, LOW, SCALE, SKIP, n, lr, beta1, beta2, eps, decay, step_size, bc2_sqrt,
+                  HAS_LOW: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    if HAS_SKIP:  # a step skipped on the device: every load and store masked off (nothing read, nothing written)
+        mask = mask & (tl.load(SKIP) == 0)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
     p = tl.load(P + offs, mask=mask, other=0.0)
     m = tl.load(M + offs, mask=mask, other=0.0)
@@ -50,14 +52,15 @@ def _sq_norm_kernel(X, OUT, n, BLOCK: tl.constexpr):
 
 
 @torch.no_grad()
-def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay) -> None:
+def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay, skip=None) -> None:
     """As `kernels.reference.adamw.adamw_flat`."""
     n = p.numel()
     if n == 0:
         return
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        p, grad, m, v, low if low is not None else p, scale, n, lr, beta1, beta2, eps, lr * weight_decay,
-        lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), HAS_LOW=low is not None, BLOCK=BLOCK, num_warps=8,
+        p, grad, m, v, low if low is not None else p, scale, skip if skip is not None else scale, n, lr, beta1,
+        beta2, eps, lr * weight_decay, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step),
+        HAS_LOW=low is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
 
 

@@ -1,0 +1,145 @@
+"""The trainer's overlap (`train.overlap_steps`): the host queues step N+1 before it reads step N's verdict, and a
+non-finite step is skipped on the device. The run must be the one-at-a-time loop's, bit for bit: the same steps
+applied and skipped, the same numbers, logs, checkpoints and weights, whatever steps are poisoned (one, two in a
+row, just before a save, too many in a row)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_loop import data_dir, tiny_cfg  # noqa: F401 - the module's corpus fixture
+
+from anyseek.model.transformer import DeepSeekV3
+from anyseek.train import checkpoint as ckpt_lib
+from anyseek.train.metrics import read_metrics
+from anyseek.train.trainer import Trainer, TrainingDiverged
+
+KEYS = ("kind", "step", "loss", "lr", "grad_norm", "lm_loss", "mtp_loss", "balance_loss", "tokens_seen",
+        "mtp_loss_weight", "in_a_row", "perplexity")
+
+
+def _key(ids: torch.Tensor) -> tuple:
+    return tuple(ids[:48].tolist())
+
+
+def _poison(monkeypatch, keys: set) -> None:
+    """A NaN loss (and so NaN gradients) for the training micro-batches whose first tokens are in `keys`."""
+    real = DeepSeekV3.forward
+
+    def forward(self, input_ids, *args, **kwargs):
+        out = real(self, input_ids, *args, **kwargs)
+        if self.training and _key(input_ids) in keys:
+            out.lm_loss = out.lm_loss * float("nan")
+        return out
+
+    monkeypatch.setattr(DeepSeekV3, "forward", forward)
+
+
+def _cfg(data, overlap: bool, *extra: str):
+    return tiny_cfg(data, "--train.working_copy=true", "--train.dtype=bf16", f"--train.overlap_steps={str(overlap).lower()}",
+                    "--train.save_every=4", "--train.eval_every=6", "--train.keep_last=10",
+                    "--train.mtp_loss_weight_schedule=[[0, 0.3], [2000, 0.1]]",
+                    "--train.bias_update_speed_schedule=[[0, 0.01], [3000, 0.002]]", *extra)
+
+
+def _rows(out) -> list[dict]:
+    return [{k: (r[k] if r[k] == r[k] else "nan") for k in KEYS if k in r} for r in read_metrics(out / "metrics.jsonl")]
+
+
+def _batch_keys(data, n: int) -> list[tuple]:
+    tr = Trainer(_cfg(data, False, "--train.max_steps=1"), data.parent / "keys", log=lambda s: None)
+    batches = iter(tr.train_loader)
+    keys = [_key(next(batches).input_ids) for _ in range(n)]
+    assert len(set(keys)) == n  # each batch recognisable by its first tokens
+    return keys
+
+
+@pytest.mark.parametrize("poisoned", [(), (2,), (1, 2), (5, 6), (3, 7, 8, 11)])
+def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, poisoned):  # noqa: F811
+    """poisoned: indices of the loader's batches whose loss is NaN. (2,): one skip, read while the step behind it,
+    which would be saved, is in flight; (1, 2): two in a row, the second the step run again; (5, 6): two in a row
+    settled at once (evaluation boundaries); (3, 7, 8, 11): a boundary step, then two in a row."""
+    keys = _batch_keys(data_dir, 20)
+    _poison(monkeypatch, {keys[i] for i in poisoned})
+    real_settle, halts = Trainer._settle, []
+
+    def settle(self, item, halted=False):
+        halts.append(halted)
+        return real_settle(self, item, halted)
+
+    monkeypatch.setattr(Trainer, "_settle", settle)
+    runs = {}
+    for overlap in (False, True):
+        out = tmp_path / f"overlap{overlap}"
+        tr = Trainer(_cfg(data_dir, overlap, "--train.max_steps=12"), out, log=lambda s: None)
+        assert tr.overlap == overlap
+        summary = tr.run()
+        assert summary["step"] == 12 and tr._pending is None
+        runs[overlap] = (tr, summary, out)
+        assert any(halts) == (overlap and poisoned not in ((), (5, 6)))  # a step queued behind a bad one was run again
+        halts.clear()
+    (a, sa, oa), (b, sb, ob) = runs[False], runs[True]
+    assert _rows(oa) == _rows(ob)
+    assert sum(r["kind"] == "skip" for r in _rows(ob)) == len(poisoned)
+    assert sa["val_loss"] == sb["val_loss"] and sa["tokens_seen"] == sb["tokens_seen"]
+    assert [c.step for c in ckpt_lib.list_checkpoints(oa)] == [c.step for c in ckpt_lib.list_checkpoints(ob)]
+    for c in ckpt_lib.list_checkpoints(oa):
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            x, y = load_file(str(c.path / name)), load_file(str(ob / c.path.name / name))
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (c.path.name, name)
+        x, y = (json.loads((d / "train_state.json").read_text()) for d in (c.path, ob / c.path.name))
+        assert x.pop("saved_at") and y.pop("saved_at") and x == y
+    assert torch.equal(a.working.flat, b.working.flat) and torch.equal(a.working.flat_low, b.working.flat_low)
+    assert int(a.optimizer._step_t) == int(b.optimizer._step_t) == 12
+    assert float(b._halt) == 0.0
+
+
+def test_overlap_stops_a_diverging_run_like_the_loop(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    keys = _batch_keys(data_dir, 20)
+    _poison(monkeypatch, set(keys[6:]))
+    for overlap in (False, True):
+        out = tmp_path / f"overlap{overlap}"
+        with pytest.raises(TrainingDiverged, match="3 non-finite steps in a row at step 7"):
+            Trainer(_cfg(data_dir, overlap, "--train.max_steps=12", "--train.max_bad_steps=3"), out,
+                    log=lambda s: None).run()
+        assert ckpt_lib.latest_checkpoint(out).step == 4
+    assert _rows(tmp_path / "overlapFalse") == _rows(tmp_path / "overlapTrue")
+
+
+def test_overlap_off_without_a_working_copy(data_dir, tmp_path):  # noqa: F811
+    tr = Trainer(tiny_cfg(data_dir, "--train.max_steps=2"), tmp_path / "run", log=lambda s: None)
+    assert tr.working is None and not tr.overlap and "working copy" in tr.overlap_note
+    tr = Trainer(_cfg(data_dir, False, "--train.max_steps=2"), tmp_path / "run2", log=lambda s: None)
+    assert not tr.overlap and "overlap_steps=false" in tr.overlap_note
+
+
+@pytest.mark.cuda
+def test_overlap_on_the_gpu_matches_the_loop(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Graphed steps with the overlap: the same losses as one at a time; then eager steps with a poisoned batch:
+    the same steps skipped."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    losses = {}
+    for overlap in (False, True):
+        cfg = tiny_cfg(data_dir, "--train.device=cuda", f"--train.overlap_steps={str(overlap).lower()}", "--train.max_steps=12",
+                       "--train.save_every=5", "--train.eval_every=100", "--train.keep_last=10")
+        tr = Trainer(cfg, tmp_path / f"g{overlap}", log=lambda s: None)
+        assert tr.overlap == overlap and tr.graphs is not None
+        tr.run()
+        losses[overlap] = [r["loss"] for r in read_metrics(tmp_path / f"g{overlap}" / "metrics.jsonl")
+                           if r["kind"] == "train"]
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=0)
+
+    keys = _batch_keys(data_dir, 12)
+    _poison(monkeypatch, {keys[3], keys[4]})
+    rows = {}
+    for overlap in (False, True):
+        cfg = tiny_cfg(data_dir, "--train.device=cuda", f"--train.overlap_steps={str(overlap).lower()}", "--train.max_steps=8",
+                       "--train.cuda_graphs=false", "--train.save_every=100")
+        out = tmp_path / f"e{overlap}"
+        Trainer(cfg, out, log=lambda s: None).run()
+        rows[overlap] = [(r["kind"], r["step"]) for r in read_metrics(out / "metrics.jsonl")]
+    assert rows[True] == rows[False] and sum(k == "skip" for k, _ in rows[True]) == 2
