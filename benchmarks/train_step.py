@@ -49,6 +49,8 @@ CASES = {
     "trainer-compile": ("same step with train.compile=true", "packed varlen"),
     "trainer-lora": ("same step, LoRA rank 16 on every target (train.lora_rank=16; base frozen in bf16)",
                      "packed varlen"),
+    "trainer-sync": ("`anyseek train` step, one at a time (train.overlap_steps=false)", "packed varlen"),
+    "trainer-lora-sync": ("LoRA step, one at a time (train.overlap_steps=false)", "packed varlen"),
 }
 
 # kernel name -> category for --profile (first match wins; lower-case substrings)
@@ -113,6 +115,10 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
                  f"--data.max_seqlen={args.seqlen}", f"--train.device={json.dumps(args.device)}",
                  "--train.tensorboard=false",
                  f"--train.compile={'true' if args.compile or case == 'trainer-compile' else 'false'}"]
+    name = case
+    if case.endswith("-sync"):  # the host reads each step's loss before it queues the next
+        overrides.append("--train.overlap_steps=false")
+        case = case.removesuffix("-sync")
     if case == "trainer-eager":
         overrides.append("--train.cuda_graphs=false")
     if case == "trainer-autocast":
@@ -134,7 +140,7 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
     cfg = load_run_config(args.flavor, overrides)
-    tr = Trainer(cfg, tmp / f"{case}-run", log=lambda *a: None)
+    tr = Trainer(cfg, tmp / f"{name}-run", log=lambda *a: None)
     batches = iter(tr.train_loader)
     flops, tr.bench_losses = [], []
 
