@@ -106,6 +106,28 @@ def test_low_rank_linear_gradients(dropout_input):
     assert torch.autograd.gradcheck(lambda *t: concat.low_rank_linear(*t[:4], t[4] if len(t) > 4 else None), args)
 
 
+def test_low_rank_linear_output_takes_rope_in_place_without_copy_slices():
+    """A 2-D input gives the Function's output itself, not a view of it: rope_tail_ (in place, on q_b's output) then
+    adds no CopySlices node (which copies the whole gradient back in backward); gradients as out of place."""
+    from anyseek.model.rope import apply_rope, rope_tail_
+
+    g = torch.Generator().manual_seed(0)
+    x, W, A, B = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                  for s in ((6, 7), (2 * 10, 7), (3, 7), (2 * 10, 3)))  # fmt: skip
+    ang = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    cos, sin = ang.cos(), ang.sin()
+    y = concat.low_rank_linear(x, W, A, B)
+    assert y._base is None
+    q = rope_tail_(y, cos, sin, 2, 4, False)
+    assert "CopySlices" not in type(q.grad_fn).__name__
+    q3 = (x @ W.t() + x @ A.t() @ B.t()).view(6, 2, 10)
+    want = torch.cat([q3[..., :6], apply_rope(q3[..., 6:], cos, sin, False)], dim=-1).view(6, 20)
+    torch.testing.assert_close(q, want, rtol=1e-12, atol=1e-12)
+    gy = torch.randn(6, 20, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(q, (x, W, A, B), gy.clone())  # (rope_tail_'s backward rotates its gradient in place)
+    torch.testing.assert_close(got, torch.autograd.grad(want, (x, W, A, B), gy), rtol=1e-5, atol=1e-6)  # rope: fp32
+
+
 def test_fused_linear_joins_low_rank_terms():
     """Layers exposing fused_weight / fused_low_rank: one matmul whose columns equal each layer's own x W^T +
     (x A^T) B^T, and a plain nn.Linear beside them."""
