@@ -274,6 +274,8 @@ TUNE = {
                (64, 64, 64, 4, 4), (128, 128, 64, 8, 4)],
     "gemm": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
              (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
+    "dswiglu": [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4),
+                (128, 32, 64, 4, 4)],
     "wgrad": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
               (128, 128, 32, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
               (64, 64, 64, 4, 4)],
@@ -294,10 +296,9 @@ def tune(out_dir: str | None, cases_arg: str = "16B:16384,671B:16384", graph: bo
     for kind, settings in TUNE.items():
         for s in settings:
             table = dict(base, **{kind: s})
-            if kind == "gemm" and s[0] != base["swiglu"][0]:
-                table["swiglu"] = (s[0],) + base["swiglu"][1:]
-            if kind == "swiglu" and s[0] != base["gemm"][0]:
-                table["gemm"] = (s[0],) + base["gemm"][1:]
+            for other in ("gemm", "swiglu", "dswiglu"):  # one BLOCK_M for the three (the plan's row tiles)
+                if other != kind and kind in ("gemm", "swiglu", "dswiglu") and s[0] != base[other][0]:
+                    table[other] = (s[0],) + base[other][1:]
             moe._TABLE[row] = table
             cells = []
             for c in cases:

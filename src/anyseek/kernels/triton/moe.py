@@ -35,7 +35,7 @@ from anyseek.kernels.triton.moe_gemm import (
 
 # Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
 # the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight
-# gradients. BLOCK_M must be equal in "gemm" and "swiglu": the routing plan's row tiles serve both.
+# gradients. BLOCK_M must be equal in "gemm", "swiglu" and "dswiglu": the routing plan's row tiles serve all.
 # - hopper (sm_90) and blackwell_dc (sm_100/103, 228 KB shared memory per SM): swept on an H100 (benchmarks/moe.py
 #   --tune, docs/benchmarks.md): 128x128x64 tiles, 8 warps, 4 stages (32 KB per stage) for gemm and wgrad
 #   (128x256, 256x128, 4 warps, 3 stages, BLOCK_K 32 all 1-9% slower); the SwiGLU GEMM with two 128-wide
@@ -43,11 +43,18 @@ from anyseek.kernels.triton.moe_gemm import (
 # - ampere_dc (sm_80, A100: 164 KB): the same tiles with BLOCK_K 32, 16 KB per stage, 4 stages (not measured here).
 # - consumer (sm_86/89/120: ~100 KB, RTX 30xx/40xx/50xx, RTX PRO): 128x64 tiles, BLOCK_K 32, 3 stages, ~36 KB
 #   (not measured here). On any GPU `_launch` lowers num_stages when shared memory runs out.
+# "dswiglu" (the backward's first GEMM, whose epilogue holds the accumulator, both saved pre-activations and the
+# dSwiGLU temporaries at once) takes half the gemm's columns: at 128x128 it needed 255 registers and spilled (172
+# spills on an H100: 879 us against ~300 expected at `small` 32k tokens).
 _TABLE = {
-    "hopper": {"gemm": (128, 128, 64, 8, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 4)},
-    "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4)},
-    "consumer": {"gemm": (128, 64, 32, 4, 3), "swiglu": (128, 32, 32, 4, 3), "wgrad": (64, 128, 32, 4, 3)},
-    "interpreter": {"gemm": (16, 16, 16, 1, 1), "swiglu": (16, 16, 16, 1, 1), "wgrad": (16, 16, 16, 1, 1)},
+    "hopper": {"gemm": (128, 128, 64, 8, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 4),
+               "dswiglu": (128, 64, 64, 8, 4)},
+    "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4),
+                  "dswiglu": (128, 64, 32, 8, 4)},
+    "consumer": {"gemm": (128, 64, 32, 4, 3), "swiglu": (128, 32, 32, 4, 3), "wgrad": (64, 128, 32, 4, 3),
+                 "dswiglu": (128, 32, 32, 4, 3)},
+    "interpreter": {"gemm": (16, 16, 16, 1, 1), "swiglu": (16, 16, 16, 1, 1), "wgrad": (16, 16, 16, 1, 1),
+                    "dswiglu": (16, 16, 16, 1, 1)},
 }
 GROUP_M = 8  # row tiles side by side in the launch order, so that they share each weight tile in L2
 
@@ -277,7 +284,7 @@ def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None):
     SwiGLU) and dw [M] (the routing weights' gradient, slot order, fp32). low_rank: see `_gemm` (LoRA)."""
     M, F = plan[0].numel(), h_MF.shape[1]
     I = F // 2
-    gemm = _config(dy_TD.device, "gemm")
+    gemm = _config(dy_TD.device, "dswiglu")
     dh_MF = dy_TD.new_empty(M, F)
     dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=dy_TD.device, dtype=torch.float32)
     dn = down_EDI
