@@ -43,15 +43,15 @@ from anyseek.kernels.triton.moe_gemm import (
 # - ampere_dc (sm_80, A100: 164 KB): the same tiles with BLOCK_K 32, 16 KB per stage, 4 stages (not measured here).
 # - consumer (sm_86/89/120: ~100 KB, RTX 30xx/40xx/50xx, RTX PRO): 128x64 tiles, BLOCK_K 32, 3 stages, ~36 KB
 #   (not measured here). On any GPU `_launch` lowers num_stages when shared memory runs out.
-# "dswiglu" (the backward's first GEMM, whose epilogue holds the accumulator, both saved pre-activations and the
-# dSwiGLU temporaries at once) takes half the gemm's columns where the reduction is short (hidden size <=
-# DSWIGLU_LONG_K; longer ones use "gemm"): at 128x128 it needed 255 registers and spilled (172 spills on an H100:
-# 879 us for that GEMM at `small` 32k tokens, 707 us at 128x64). The whole op's forward+backward on the H100, graphed:
-# small 32k 3.88 -> 3.72 ms, 8k 1.11 -> 1.07, 16B 16k 13.69 -> 13.36; 671B 8k (hidden 7168) 59.4 with 128x128 against
-# 61.5 with 128x64, where the long loop over K outweighs the epilogue.
+# "dswiglu" is the backward's first GEMM, whose epilogue holds the accumulator, both saved pre-activations and the
+# dSwiGLU temporaries at once: at 128x128 with 8 warps it needed 255 registers and spilled (172 spills on an H100;
+# that GEMM took 879 us at `small` 32k tokens). With 16 warps each thread holds half as much. The whole op's
+# forward+backward on the H100, graphed, 8 warps -> 16: small 32k 3.85 -> 3.57 ms, 8k 1.10 -> 1.03, 16B 16k 13.58 ->
+# 13.00, 671B 8k 59.0 -> 57.8 (128x64 tiles with 8 warps: 3.68, 1.07, 13.29, 60.7). Elsewhere not measured: half the
+# gemm's columns.
 _TABLE = {
     "hopper": {"gemm": (128, 128, 64, 8, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 4),
-               "dswiglu": (128, 64, 64, 8, 4)},
+               "dswiglu": (128, 128, 64, 16, 4)},
     "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4),
                   "dswiglu": (128, 64, 32, 8, 4)},
     "consumer": {"gemm": (128, 64, 32, 4, 3), "swiglu": (128, 32, 32, 4, 3), "wgrad": (64, 128, 32, 4, 3),
@@ -59,7 +59,6 @@ _TABLE = {
     "interpreter": {"gemm": (16, 16, 16, 1, 1), "swiglu": (16, 16, 16, 1, 1), "wgrad": (16, 16, 16, 1, 1),
                     "dswiglu": (16, 16, 16, 1, 1)},
 }
-DSWIGLU_LONG_K = 4096
 GROUP_M = 8  # row tiles side by side in the launch order, so that they share each weight tile in L2
 
 
@@ -288,7 +287,7 @@ def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None):
     SwiGLU) and dw [M] (the routing weights' gradient, slot order, fp32). low_rank: see `_gemm` (LoRA)."""
     M, F = plan[0].numel(), h_MF.shape[1]
     I = F // 2
-    gemm = _config(dy_TD.device, "dswiglu" if dy_TD.shape[1] <= DSWIGLU_LONG_K else "gemm")
+    gemm = _config(dy_TD.device, "dswiglu")
     dh_MF = dy_TD.new_empty(M, F)
     dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=dy_TD.device, dtype=torch.float32)
     dn = down_EDI
