@@ -57,12 +57,9 @@ def _batch_keys(data, n: int) -> list[tuple]:
     return keys
 
 
-@pytest.mark.parametrize("poisoned", [(), (2,), (1, 2), (5, 6), (3, 7, 8, 11)])
-def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, poisoned):  # noqa: F811
-    """poisoned: indices of the loader's batches whose loss is NaN. (2,): one skip, read while the step behind it,
-    which would be saved, is in flight; (1, 2): two in a row, the second the step run again; (5, 6): two in a row
-    settled at once (evaluation boundaries); (3, 7, 8, 11): a boundary step, then two in a row."""
-    keys = _batch_keys(data_dir, 20)
+def _compare(data, tmp_path, monkeypatch, poisoned, *extra: str) -> None:
+    """Both loops on the same config, `poisoned` batches NaN: the same logs, checkpoints and final state."""
+    keys = _batch_keys(data, 20)
     _poison(monkeypatch, {keys[i] for i in poisoned})
     real_settle, halts = Trainer._settle, []
 
@@ -74,12 +71,12 @@ def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, pois
     runs = {}
     for overlap in (False, True):
         out = tmp_path / f"overlap{overlap}"
-        tr = Trainer(_cfg(data_dir, overlap, "--train.max_steps=12"), out, log=lambda s: None)
+        tr = Trainer(_cfg(data, overlap, "--train.max_steps=12", *extra), out, log=lambda s: None)
         assert tr.overlap == overlap
         summary = tr.run()
         assert summary["step"] == 12 and tr._pending is None
         runs[overlap] = (tr, summary, out)
-        assert any(halts) == (overlap and poisoned not in ((), (5, 6)))  # a step queued behind a bad one was run again
+        assert any(halts) == (overlap and poisoned not in ((), (5, 6)))  # a step queued behind a bad one ran again
         halts.clear()
     (a, sa, oa), (b, sb, ob) = runs[False], runs[True]
     assert _rows(oa) == _rows(ob)
@@ -87,7 +84,9 @@ def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, pois
     assert sa["val_loss"] == sb["val_loss"] and sa["tokens_seen"] == sb["tokens_seen"]
     assert [c.step for c in ckpt_lib.list_checkpoints(oa)] == [c.step for c in ckpt_lib.list_checkpoints(ob)]
     for c in ckpt_lib.list_checkpoints(oa):
-        for name in ("model.safetensors", "optimizer.safetensors"):
+        names = sorted(f.name for f in c.path.glob("*.safetensors"))
+        assert names == sorted(f.name for f in (ob / c.path.name).glob("*.safetensors")) and names
+        for name in names:
             x, y = load_file(str(c.path / name)), load_file(str(ob / c.path.name / name))
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (c.path.name, name)
         x, y = (json.loads((d / "train_state.json").read_text()) for d in (c.path, ob / c.path.name))
@@ -95,6 +94,24 @@ def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, pois
     assert torch.equal(a.working.flat, b.working.flat) and torch.equal(a.working.flat_low, b.working.flat_low)
     assert int(a.optimizer._step_t) == int(b.optimizer._step_t) == 12
     assert float(b._halt) == 0.0
+
+
+@pytest.mark.parametrize("poisoned", [(), (2,), (1, 2), (5, 6), (3, 7, 8, 11)])
+def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, poisoned):  # noqa: F811
+    """poisoned: indices of the loader's batches whose loss is NaN. (2,): one skip, read while the step behind it,
+    which would be saved, is in flight; (1, 2): two in a row, the second the step run again; (5, 6): two in a row
+    settled at once (evaluation boundaries); (3, 7, 8, 11): a boundary step, then two in a row."""
+    _compare(data_dir, tmp_path, monkeypatch, poisoned)
+
+
+def test_overlap_with_micro_batches_and_lora(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Two micro-batches per step (fp32 gradients added up, zeroed before each step), then LoRA on a base of the
+    same run (adapters only in the checkpoints), each with a step run again behind a bad one."""
+    _compare(data_dir, tmp_path / "accum", monkeypatch, (1, 2), "--train.grad_accum=2")
+    base = tmp_path / "base"
+    Trainer(_cfg(data_dir, False, "--train.max_steps=1"), base, log=lambda s: None).run()
+    _compare(data_dir, tmp_path / "lora", monkeypatch, (1, 2), f"--train.init={base / 'step-1'}",
+             "--train.lora_rank=4", "--train.bias_update_speed_schedule=[]")
 
 
 def test_overlap_stops_a_diverging_run_like_the_loop(data_dir, tmp_path, monkeypatch):  # noqa: F811
