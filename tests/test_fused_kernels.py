@@ -230,6 +230,31 @@ def rope_errors(T, H, R, dtype, inter_in, inter_out, conj, inplace, strided, dev
     return [("out", (got.cpu().float() - want.float()).abs().max().item(), ulp * 4 * want.abs().max().item() + 1e-6)]
 
 
+# (name, T, E, n_group, topk_group, top_k, V3's best-two group score, scores strided)
+ROUTER_CASES = [
+    ("v3_small", 37, 32, 4, 2, 4, True, False),
+    ("v3_wide", 19, 256, 8, 4, 8, True, True),
+    ("v2_groups_not_pow2", 23, 160, 8, 3, 6, False, False),
+    ("one_group", 9, 16, 1, 1, 3, True, False),
+    ("one_token_top1", 1, 64, 8, 1, 1, True, False),
+]
+
+
+def router_errors(T, E, G, TG, K, top2, strided, device, seed=0):
+    """[(what, mismatches, 0)]: the kernel's expert set per token against the reference's (scores with no ties)."""
+    from anyseek.kernels.reference.router import route_topk as ref
+    from anyseek.kernels.triton.router import route_topk as fused
+
+    g = torch.Generator().manual_seed(seed)
+    full = torch.rand(T, E + (3 if strided else 0), generator=g)
+    scores, bias = full[:, :E], (torch.rand(E, generator=g) - 0.5) * 0.2
+    want = ref(scores, bias, K, G, TG, top2).sort(dim=1)[0]
+    got = fused(scores.to(device), bias.to(device), K, G, TG, top2)
+    assert got.dtype == torch.int64 and got.shape == (T, K)
+    wrong = (got.cpu().sort(dim=1)[0] != want).any(dim=1).sum().item()
+    return [("ids", wrong, 0)]
+
+
 def passes(table, atol=1e-5):
     return all(err <= 2 * err_torch + atol for _, err, err_torch in table)
 
@@ -254,6 +279,13 @@ def _worker() -> None:
     for name, n, gd, ld in ADAMW_CASES:
         table = adamw_errors(n, getattr(torch, gd), getattr(torch, ld) if ld else None, "cpu")
         results[f"adamw_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
+    for name, *case in ROUTER_CASES:
+        table = router_errors(*case, "cpu")
+        results[f"router_{name}"] = {"pass": all(err == 0 for _, err, _ in table), "table": table}
+    from anyseek.kernels.triton.router import route_topk
+
+    ids = route_topk(torch.full((5, 32), float("nan")), torch.zeros(32), 4, 4, 2, True)  # a non-finite step
+    results["router_nan_rows_stay_valid"] = {"pass": bool(ids.min() >= 0 and ids.max() < 32), "table": ids.tolist()}
     print("RESULTS " + json.dumps(results))
 
 
@@ -268,7 +300,8 @@ def interp_results():
 
 @pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES]
                          + [f"adamw_{c[0]}" for c in ADAMW_CASES] + [f"rope_{c[0]}" for c in ROPE_CASES]
-                         + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES] + [f"swiglu_{c[0]}" for c in SWIGLU_CASES])
+                         + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES] + [f"swiglu_{c[0]}" for c in SWIGLU_CASES]
+                         + [f"router_{c[0]}" for c in ROUTER_CASES] + ["router_nan_rows_stay_valid"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (what, err, err_torch) = {r['table']}"
@@ -284,6 +317,37 @@ def test_seam_uses_reference_on_cpu():
     x, w = torch.randn(6, 16), torch.rand(16) + 0.5
     assert registry.choose("rms_norm", x)[1] == "reference"
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), w * F.rms_norm(x, (16,), eps=1e-6))
+
+
+def test_router_reference_is_the_models_old_routing():
+    """The seam's twin is the selection the model made inline before (written out here as the spec); a top_k that
+    the kept groups cannot hold is an error naming the sizes."""
+    from anyseek.kernels.reference.router import route_topk
+
+    g = torch.Generator().manual_seed(1)
+    T, E, G, TG, K = 50, 64, 8, 3, 6
+    s, b = torch.rand(T, E, generator=g), torch.randn(E, generator=g) * 0.1
+    c = (s + b).view(T, G, E // G)
+    keep = torch.zeros(T, G, dtype=torch.bool).scatter_(1, c.topk(2, dim=-1)[0].sum(-1).topk(TG, dim=-1)[1], True)
+    want = c.masked_fill(~keep[:, :, None], float("-inf")).view(T, E).topk(K, dim=-1)[1].sort(1)[0]
+    assert torch.equal(route_topk(s, b, K, G, TG, True).sort(1)[0], want)
+    with pytest.raises(ValueError, match="do not fit"):
+        from anyseek import kernels
+
+        kernels.route_topk(s, b, 30, G, TG, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ROUTER_CASES + [("v3_8k", 8192, 256, 8, 4, 8, True, False),
+                                                 ("small_8k", 8192, 32, 4, 2, 4, True, False)])
+def test_gpu_router(case):
+    table = router_errors(*case[1:], "cuda")
+    assert table[0][1] == 0, table
+    from anyseek.kernels.triton.router import route_topk
+
+    nan = torch.full((5, 32), float("nan"), device="cuda")  # a non-finite step: ids stay valid
+    ids = route_topk(nan, torch.zeros(32, device="cuda"), 4, 4, 2, True)
+    assert ids.min() >= 0 and ids.max() < 32
 
 
 @pytest.mark.cuda

@@ -328,7 +328,7 @@ def _route(gate, logits_BE: torch.Tensor, shared_BG: torch.Tensor) -> torch.Tens
     choice_BE = scores_BE + gate.e_score_correction_bias
     if gate.n_group > 1:
         choice_BGX = choice_BE.view(B, gate.n_group, -1)
-        if gate.scoring_func == "sigmoid":  # each group's best two (as `Router._limit_groups`)
+        if gate.scoring_func == "sigmoid":  # each group's best two (as `kernels.reference.router`)
             group_BG = choice_BGX.topk(2, dim=-1)[0].sum(dim=-1)
         else:
             group_BG = choice_BGX.amax(dim=-1)

@@ -162,6 +162,22 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
     fn(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay, skip=skip)
 
 
+def route_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+               top2_groups: bool) -> torch.Tensor:  # fmt: skip
+    """The router's choice (no gradient): for each token the top_k experts by scores + bias (scores fp32 [T, E], bias
+    [E]) among the topk_group best of n_group equal groups, a group scored by the sum of its best two (top2_groups:
+    V3's noaux_tc) or its best (V2's group_limited_greedy) -> ids [T, top_k] int64, in no particular order."""
+    if scores_TE.dim() != 2 or bias_E.shape != scores_TE.shape[1:]:
+        raise ValueError(f"route_topk: scores must be [T, E] and bias [E], got {tuple(scores_TE.shape)} and "
+                         f"{tuple(bias_E.shape)}")
+    E = scores_TE.shape[1]
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or not 1 <= top_k <= topk_group * (E // n_group):
+        raise ValueError(f"route_topk: {E} experts in {n_group} groups, {topk_group} groups kept and top_k {top_k} "
+                         "do not fit (E divisible by n_group, 1 <= topk_group <= n_group, 1 <= top_k <= "
+                         "topk_group * E / n_group)")
+    return registry.get("route_topk", scores_TE)(scores_TE, bias_E, top_k, n_group, topk_group, top2_groups)
+
+
 def set_grad_destination(param: torch.Tensor, buffer: torch.Tensor | None, start: int = 0) -> None:
     """Where a backend may write `param`'s gradient itself: `buffer[start:start + numel]` (same dtype as the
     parameter while the gradient is computed), or None to forget it. The trainer's working copy points each weight
@@ -191,5 +207,5 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination", "mla_attention",
-           "mla_decode", "registry", "rms_norm", "rope_rotate", "routed_experts", "set_backend",
+           "mla_decode", "registry", "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend",
            "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]

@@ -69,27 +69,12 @@ class Router(nn.Module):
         with torch.autocast(device_type=x_TD.device.type, enabled=False):  # routing stays fp32 under autocast
             logits_TE = linear_fp32(x_TD, self.weight)  # = F.linear(x.float(), w.float()); tensor cores for bf16
         scores_TE = logits_TE.sigmoid() if self.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
-        with torch.no_grad():
-            choice_TE = scores_TE + self.e_score_correction_bias
-            if self.n_group > 1:
-                choice_TE = self._limit_groups(choice_TE)
-            topk_ids_TK = choice_TE.topk(self.top_k, dim=-1, sorted=False)[1]
+        topk_ids_TK = kernels.route_topk(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.n_group,
+                                         self.topk_group, self.scoring_func == "sigmoid")  # group-limited top-k
         weights_TK = scores_TE.gather(1, topk_ids_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         return scores_TE, topk_ids_TK, weights_TK * self.routed_scaling_factor
-
-    def _limit_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
-        """Keep the topk_group best groups per token; the other experts get -inf."""
-        T, E = choice_TE.shape
-        choice_TGX = choice_TE.view(T, self.n_group, E // self.n_group)
-        if self.scoring_func == "sigmoid":  # V3 (noaux_tc): sum of each group's best two
-            group_TG = choice_TGX.topk(2, dim=-1)[0].sum(dim=-1)
-        else:  # V2 (group_limited_greedy): each group's best
-            group_TG = choice_TGX.amax(dim=-1)
-        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
-        keep_TG.scatter_(1, group_TG.topk(self.topk_group, dim=-1, sorted=False)[1], True)
-        return choice_TGX.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, E)
 
 
 class Experts(nn.Module):
