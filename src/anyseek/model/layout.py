@@ -46,7 +46,10 @@ class PackedLayout:
         B = doc_lens.numel()
         doc_ids = torch.repeat_interleave(torch.arange(B, device=cu.device), doc_lens, output_size=num_tokens)
         positions = torch.arange(num_tokens, device=cu.device) - cu[:-1].index_select(0, doc_ids)
-        return cls(cu_seqlens.to(torch.int32), max_seqlen, positions, doc_ids, doc_lens)
+        # a tensor of this layout's own (a copy where cu_seqlens is int32 already): the attention kernels cache their
+        # tile schedules by it for every layer of one forward and backward, which is only right while nothing
+        # rewrites it in place (as a CUDA graph's input buffer is rewritten before each replay)
+        return cls(cu_seqlens.to(torch.int32, copy=True), max_seqlen, positions, doc_ids, doc_lens)
 
     @classmethod
     def uniform(cls, batch: int, seqlen: int, device: torch.device) -> PackedLayout:

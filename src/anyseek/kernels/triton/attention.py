@@ -41,9 +41,12 @@ _SCHEDULES: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def tiles(cu_seqlens: torch.Tensor, T: int, block: int, causal: bool, from_diagonal: bool) -> torch.Tensor:
-    """Cached `build_tiles` (see there)."""
-    if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return build_tiles(cu_seqlens, T, block, causal, from_diagonal)  # a graph replays with new cu_seqlens
+    """Cached `build_tiles` (see there), by the cu_seqlens tensor itself (alive, unmodified): every layer of a
+    forward and its backward share one schedule per kind. Also while a CUDA graph is recorded: the schedule is then
+    computed inside the graph, once per replay, from the tensor the model built in that same recording
+    (`PackedLayout.build` makes a tensor of its own, never a graph's input buffer, which each replay rewrites)."""
+    if torch.compiler.is_compiling():
+        return build_tiles(cu_seqlens, T, block, causal, from_diagonal)
     key = (id(cu_seqlens), T, block, causal, from_diagonal)
     hit = _SCHEDULES.get(key)
     if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
