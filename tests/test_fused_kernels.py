@@ -186,7 +186,14 @@ def adamw_errors(n, grad_dtype, low_dtype, device, seed=0):
         p, m, v = p0.clone().to(dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
         low = torch.empty(n, dtype=low_dtype, device=dev) if low_dtype is not None else None
         for step, grad in enumerate(grads, 1):
-            mod.adamw_flat(p, grad.to(dev), m, v, low, torch.tensor(1.5, device=dev), step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+            skip = torch.tensor(0.0, device=dev) if step == 2 else None  # a step the device flag lets through
+            mod.adamw_flat(p, grad.to(dev), m, v, low, torch.tensor(1.5, device=dev), step, 1e-2, 0.9, 0.95, 1e-8, 0.1,
+                           skip=skip)
+        before = [t.clone() for t in (p, m, v) + (() if low is None else (low,))]
+        nan = torch.full((n,), float("nan"), device=dev).to(grad_dtype)  # a skipped step changes nothing at all
+        mod.adamw_flat(p, nan, m, v, low, torch.tensor(float("nan"), device=dev), 4, 1e-2, 0.9, 0.95, 1e-8, 0.1,
+                       skip=torch.tensor(1.0, device=dev))
+        assert all(torch.equal(a, b) for a, b in zip(before, (p, m, v) + (() if low is None else (low,)))), name
         out[name] = [t.cpu().float() for t in (p, m, v)] + ([low.cpu().float()] if low is not None else [])
         out[name].append(mod.sq_norm(grads[0].to(dev)).cpu().reshape(1))
     names = ["p", "m", "v"] + (["low"] if low_dtype is not None else []) + ["sq_norm"]

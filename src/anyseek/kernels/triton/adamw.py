@@ -26,9 +26,9 @@ BLOCK = 2048  # elements per program: 8 per thread at 8 warps (16-byte fp32 load
 def _adamw_kernel(P, G, M, V, LOW, SCALE, SKIP, n, lr, beta1, beta2, eps, decay, step_size, bc2_sqrt,
                   HAS_LOW: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
     if HAS_SKIP:  # a step skipped on the device: every load and store masked off (nothing read, nothing written)
-        mask = mask & (tl.load(SKIP) == 0)
+        n = tl.where(tl.load(SKIP) == 0, n, 0)
+    mask = offs < n
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
     p = tl.load(P + offs, mask=mask, other=0.0)
     m = tl.load(M + offs, mask=mask, other=0.0)
