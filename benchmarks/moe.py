@@ -269,6 +269,7 @@ def check(out_dir: str | None) -> bool:
 # launch settings
 
 
+ROW_TILED = ("gemm", "swiglu", "dswiglu")  # the grouped GEMMs that read the plan's row tiles
 TUNE = {
     "swiglu": [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                (64, 64, 64, 4, 4), (128, 128, 64, 8, 4)],
@@ -296,9 +297,8 @@ def tune(out_dir: str | None, cases_arg: str = "16B:16384,671B:16384", graph: bo
     for kind, settings in TUNE.items():
         for s in settings:
             table = dict(base, **{kind: s})
-            for other in ("gemm", "swiglu", "dswiglu"):  # one BLOCK_M for the three (the plan's row tiles)
-                if other != kind and kind in ("gemm", "swiglu", "dswiglu") and s[0] != base[other][0]:
-                    table[other] = (s[0],) + base[other][1:]
+            if kind in ROW_TILED:  # one BLOCK_M for these (the routing plan's row tiles)
+                table.update({other: (s[0],) + base[other][1:] for other in ROW_TILED if other != kind})
             moe._TABLE[row] = table
             cells = []
             for c in cases:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from anyseek.infer.layers import ffn_forward
+from anyseek.kernels.reference.router import route_topk
 from anyseek.model.moe import MLP
 
 # The all-experts form wastes B * (E - K) expert evaluations; the gathered form costs ~8 more ops (~25 us here, a
@@ -321,21 +322,12 @@ class CpuDecoder:
 
 
 def _route(gate, logits_BE: torch.Tensor, shared_BG: torch.Tensor) -> torch.Tensor:
-    """The Router's choice (same rules, ops trimmed) from its logits -> weights [B, G]: each token's routing weight
-    for its chosen experts, 0 for the others, then 1 for each shared-expert group."""
-    B, E = logits_BE.shape
+    """The Router's choice from its logits (the selection is the CPU twin of `kernels.route_topk`, called directly:
+    no registry lookup per layer and token) -> weights [B, G]: each token's routing weight for its chosen experts, 0
+    for the others, then 1 for each shared-expert group."""
     scores_BE = logits_BE.sigmoid() if gate.scoring_func == "sigmoid" else logits_BE.softmax(dim=-1)
-    choice_BE = scores_BE + gate.e_score_correction_bias
-    if gate.n_group > 1:
-        choice_BGX = choice_BE.view(B, gate.n_group, -1)
-        if gate.scoring_func == "sigmoid":  # each group's best two (as `kernels.reference.router`)
-            group_BG = choice_BGX.topk(2, dim=-1)[0].sum(dim=-1)
-        else:
-            group_BG = choice_BGX.amax(dim=-1)
-        keep_BG = group_BG.topk(gate.topk_group, dim=-1, sorted=False)[1]
-        drop_BG = torch.ones_like(group_BG, dtype=torch.bool).scatter_(1, keep_BG, False)
-        choice_BE = choice_BGX.masked_fill(drop_BG[:, :, None], float("-inf")).view(B, E)
-    ids_BK = choice_BE.topk(gate.top_k, dim=-1, sorted=False)[1]
+    ids_BK = route_topk(scores_BE, gate.e_score_correction_bias, gate.top_k, gate.n_group, gate.topk_group,
+                        gate.scoring_func == "sigmoid")
     w_BK = scores_BE.gather(1, ids_BK)
     if gate.norm_topk_prob:
         w_BK = w_BK.div_(w_BK.sum(dim=-1, keepdim=True).add_(1e-20))

@@ -359,7 +359,7 @@ class Trainer:
         and routing-bias update, queued without a host sync; the verdict's values copied to the host
         asynchronously."""
         t = self.cfg.train
-        gamma = piecewise(t.bias_update_speed_schedule, tokens, self.model_cfg.bias_update_speed)
+        gamma = self.bias_update_speed(tokens)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         fold = self._fold_clip and math.isfinite(max_norm)
         if self.working is not None:  # its gradients are in one flat buffer (the clip is always folded)
@@ -375,7 +375,7 @@ class Trainer:
         grad_norm = grad_norm.float().reshape(())
         if gated:
             bad = ~torch.isfinite(loss + grad_norm)  # grad_norm >= 0: the sum is finite iff both are
-            self._halt.copy_(torch.where(bad, torch.ones_like(self._halt), self._halt))
+            self._halt.masked_fill_(bad, 1.0)
             set_lr(self.optimizer, lr)
             self.optimizer.step()  # reads `_halt` (FlatAdamW.skip): nothing changes once halted
             if stats.expert_load is not None:  # a zero load moves no bias: sign(0 - 0)
@@ -562,9 +562,10 @@ class Trainer:
         return piecewise(self.cfg.train.mtp_loss_weight_schedule, self.tokens_seen if tokens is None else tokens,
                          self.model_cfg.mtp_loss_weight)
 
-    def bias_update_speed(self) -> float:
-        """gamma now: train.bias_update_speed_schedule at the tokens seen so far, else model.bias_update_speed."""
-        return piecewise(self.cfg.train.bias_update_speed_schedule, self.tokens_seen,
+    def bias_update_speed(self, tokens: int | None = None) -> float:
+        """gamma: train.bias_update_speed_schedule at `tokens` (default: the tokens seen so far), else
+        model.bias_update_speed."""
+        return piecewise(self.cfg.train.bias_update_speed_schedule, self.tokens_seen if tokens is None else tokens,
                          self.model_cfg.bias_update_speed)
 
     # ------------------------------------------------------------------------------------------ eval, save, end
