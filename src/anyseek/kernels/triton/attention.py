@@ -21,7 +21,7 @@ import weakref
 import torch
 import triton
 
-from anyseek.kernels.triton.attention_bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
+from anyseek.kernels.triton.attention_bwd import _dkdv_kernel, _dq_kernel
 from anyseek.kernels.triton.attention_fwd import _fwd_kernel
 from anyseek.kernels.triton.check import interpreting
 from anyseek.kernels.triton.launch import launch as _launch
@@ -215,22 +215,7 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
         dka, dkb_arg = dk[..., :A], (dk[..., A:] if has_b else dk)
     if T == 0:
         return (dq, dkv, dkb32.to(q.dtype)) if b_shared else (dq, dk, None, dv)
-    delta = torch.empty(H, T, device=q.device, dtype=torch.float32)
-    blk = 64 if q.device.type == "cuda" else 16
-    _delta_kernel[(triton.cdiv(T, blk), H)](
-        out,
-        do,
-        delta,
-        T,
-        out.stride(0),
-        out.stride(1),
-        do.stride(0),
-        do.stride(1),
-        VD=VD,
-        BV=_pow2(VD),
-        BLOCK=blk,
-        BIG=_big(q, ka, kb, v, out, do),
-    )
+    delta = torch.empty(H, T, device=q.device, dtype=torch.float32)  # written by the dq kernel
     qk_scale = softmax_scale * LOG2E
     common = {
         "A": A,
@@ -246,6 +231,14 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
     common["BIG"] = _big(q, ka, kb, v, out, do, dq, dv, dka, dkb_arg)
     s_kbt, s_kbh = _kb_strides(kb, b_shared)
 
+    cfg = _config("dq", A, B, VD, q.device, max_seqlen)
+    sched = tiles(cu_seqlens, T, cfg["BLOCK_M"], causal, from_diagonal=False)
+    _launch(_dq_kernel, (H, sched.shape[1]), cfg)(
+        q, ka, kb, v, do, out, lse, delta, dq, cu_seqlens, sched, sched.shape[1], T, qk_scale, softmax_scale,
+        q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1), **common,
+    )  # fmt: skip
+
     cfg = _config("dkdv", A, B, VD, q.device, max_seqlen)
     sched = tiles(cu_seqlens, T, cfg["BLOCK_N"], causal, from_diagonal=True)
     heads = _heads_per_program(H, sched.shape[1], q.device) if b_shared else 1
@@ -255,14 +248,6 @@ def attention_bwd(do, q, ka, kb, v, out, lse, cu_seqlens, max_seqlen, softmax_sc
         q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dka.stride(0), dka.stride(1), s_dkbt, s_dkbh, dv.stride(0), dv.stride(1),
         B_SHARED=b_shared, HEADS=heads, **common,
-    )  # fmt: skip
-
-    cfg = _config("dq", A, B, VD, q.device, max_seqlen)
-    sched = tiles(cu_seqlens, T, cfg["BLOCK_M"], causal, from_diagonal=False)
-    _launch(_dq_kernel, (H, sched.shape[1]), cfg)(
-        q, ka, kb, v, do, lse, delta, dq, cu_seqlens, sched, sched.shape[1], T, qk_scale, softmax_scale,
-        q.stride(0), q.stride(1), ka.stride(0), ka.stride(1), s_kbt, s_kbh, v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), **common,
     )  # fmt: skip
     if b_shared:
         return dq, dkv, dkb32.to(q.dtype)

@@ -1,8 +1,9 @@
 """Triton backward kernels of attention on packed variable-length batches (launched by triton/attention.py).
 
-delta = rowsum(out * dout); then dk/dv per key tile (rows from the diagonal to the document end; a program may
-walk several heads and sum the shared key part's gradient over them before one fp32 atomic add); then dq per
-row tile (keys from the document start to the diagonal). Scores are recomputed from the saved log-sum-exp.
+dq per row tile (keys from the document start to the diagonal), which also computes delta = rowsum(out * dout)
+for its rows and keeps it; then dk/dv per key tile (rows from the diagonal to the document end; a program may
+walk several heads and sum the shared key part's gradient over them before one fp32 atomic add). Scores are
+recomputed from the saved log-sum-exp.
 """
 
 from __future__ import annotations
@@ -11,35 +12,6 @@ import triton
 import triton.language as tl
 
 from anyseek.kernels.triton.attention_fwd import _load_q_tile, _tile_bounds
-
-
-@triton.jit
-def _delta_kernel(
-    O,
-    DO,
-    DELTA,
-    T,
-    s_ot,
-    s_oh,
-    s_dot,
-    s_doh,
-    VD: tl.constexpr,
-    BV: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BIG: tl.constexpr,
-):
-    h = tl.program_id(1)
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    hT = h * T
-    if BIG:
-        t = t.to(tl.int64)
-        hT = h.to(tl.int64) * T
-    offs_v = tl.arange(0, BV)
-    mask = (t[:, None] < T) & (offs_v[None, :] < VD)
-    o = tl.load(O + h * s_oh + t[:, None] * s_ot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + h * s_doh + t[:, None] * s_dot + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + hT + t, tl.sum(o * do, 1), mask=t < T)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # backward: dk, dv (and the shared part's dk summed over a group of heads)
@@ -217,8 +189,8 @@ def _dq_inner(
 
 @triton.jit
 def _dq_kernel(
-    Q, KA, KB, V, DO, LSE, DELTA, DQ, CU, TILES, n_tiles, T, qk_scale, sm_scale,
-    s_qt, s_qh, s_kat, s_kah, s_kbt, s_kbh, s_vt, s_vh, s_dot, s_doh, s_dqt, s_dqh,
+    Q, KA, KB, V, DO, O, LSE, DELTA, DQ, CU, TILES, n_tiles, T, qk_scale, sm_scale,
+    s_qt, s_qh, s_kat, s_kah, s_kbt, s_kbh, s_vt, s_vh, s_dot, s_doh, s_ot, s_oh, s_dqt, s_dqh,
     A: tl.constexpr, B: tl.constexpr, VD: tl.constexpr, HAS_B: tl.constexpr,
     BA: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PREC: tl.constexpr, BIG: tl.constexpr,
@@ -246,7 +218,13 @@ def _dq_kernel(
         other=0.0,
     )
     lse = tl.load(LSE + hT + m_idx, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + hT + m_idx, mask=m_ok, other=0.0)
+    # delta = rowsum(out * dout) of these rows, kept for the dk/dv kernel (launched after this one): the row tiles
+    # cover every row once
+    o = tl.load(
+        O + h * s_oh + m_idx[:, None] * s_ot + offs_v[None, :], mask=m_ok[:, None] & (offs_v[None, :] < VD), other=0.0
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + hT + m_idx, delta, mask=m_ok)
     dqa = tl.zeros([BLOCK_M, BA], tl.float32)
     dqb = tl.zeros([BLOCK_M, BB], tl.float32)
     if CAUSAL:
