@@ -115,11 +115,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 _CPU_CHUNK_ELEMENTS = 1 << 20
 
 
-def chunk_rows(vocab: int, device_type: str) -> int:
+def chunk_rows(vocab: int, device_type: str, tokens: int = 0) -> int:
     """Tokens per chunk of `linear_cross_entropy`: fp32 logits of 4 MB on CPU (stays in cache; 256 rows of V=4096
     measured best), 2^26 logits on GPUs (128 MiB in bf16: ~2k rows of a 32k vocabulary, still full-size GEMMs;
-    the chunk is the loss's whole share of peak memory)."""
-    return max(1, (_CPU_CHUNK_ELEMENTS if device_type == "cpu" else 1 << 26) // vocab)
+    the chunk is the loss's whole share of peak memory). On GPUs a batch of many tokens gets chunks of up to 2^27
+    logits, so that it runs in at most 8 chunks where that suffices: each chunk's weight-gradient product reads and
+    writes the whole fp32 [V, D] sum once more."""
+    if device_type == "cpu":
+        return max(1, _CPU_CHUNK_ELEMENTS // vocab)
+    return max(1, (1 << 26) // vocab, min(-(-tokens // 8), (1 << 27) // vocab))
 
 
 def linear_cross_entropy(
@@ -136,7 +140,7 @@ def linear_cross_entropy(
     """
     if labels_T.shape != h_TD.shape[:1]:
         raise ValueError(f"labels shape {tuple(labels_T.shape)} must be [T] for hidden states {tuple(h_TD.shape)}")
-    chunk = chunk_rows(weight_VD.shape[0], h_TD.device.type)
+    chunk = chunk_rows(weight_VD.shape[0], h_TD.device.type, h_TD.shape[0])
     want_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
     kind = h_TD.device.type
     compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None

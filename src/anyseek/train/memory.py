@@ -87,11 +87,11 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
 
 
 def _head_chunk_bytes(c, tokens: int, low: int) -> float:
-    """The output head's loss works on [C, V] logits, chunk by chunk (model/loss.py: 2^27 fp32 elements on GPUs):
+    """The output head's loss works on [C, V] logits, chunk by chunk (`model.loss.chunk_rows` rows on GPUs):
     one fp32 chunk and its low-precision gradient are alive at the end of the forward, the activations' peak."""
     from anyseek.model.loss import chunk_rows
 
-    rows = min(tokens, chunk_rows(c.vocab_size, "cuda"))
+    rows = min(tokens, chunk_rows(c.vocab_size, "cuda", tokens))
     return float(rows * c.vocab_size * (4 + low))
 
 
