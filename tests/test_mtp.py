@@ -100,6 +100,17 @@ def test_linear_cross_entropy_matches_unfused():
         torch.testing.assert_close(a, b * 2.0)
 
 
+def test_loss_chunks_on_gpus():
+    """GPU chunks: 2^26 logits, or for a batch of many tokens at most 8 chunks of up to 2^27 logits."""
+    from anyseek.model.loss import chunk_rows
+
+    assert chunk_rows(32000, "cuda", 8192) == (1 << 26) // 32000  # 4 chunks of 2097 rows, as before
+    assert chunk_rows(32000, "cuda", 32768) == 4096  # 8 chunks, not 16
+    assert chunk_rows(32000, "cuda", 1 << 20) == (1 << 27) // 32000  # the chunk's size stays bounded
+    assert chunk_rows(163840, "cuda", 1) == (1 << 26) // 163840
+    assert chunk_rows(4096, "cpu", 1 << 20) == 256  # CPU: unchanged (cache-sized chunks)
+
+
 def test_linear_cross_entropy_frozen_head_builds_no_weight_gradient(monkeypatch):
     """A frozen head (LoRA): the same loss and hidden-state gradient, no [V, D] weight gradient (nor its matmuls)."""
     from anyseek.model import loss as loss_lib
