@@ -19,7 +19,11 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
     """One AdamW step in place over 1-D fp32 p, m, v, the gradient (any float dtype) divided by the device scalar
     `scale`, and the working copy `low` (or None) written from the new p. skip: a device scalar; nonzero leaves
     every buffer as it is (decided on the device, without a host sync)."""
-    if skip is not None:
+    if skip is not None and not skip.is_cuda:  # read here at no cost (no device to wait for)
+        if skip.item():
+            return
+        skip = None
+    if skip is not None:  # on a GPU, decided there: the old values kept aside and chosen back where skipped
         keep = skip != 0
         olds = [t.clone() for t in (p, m, v)] + ([] if low is None else [low.clone()])
         adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay)
