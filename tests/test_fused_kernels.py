@@ -162,18 +162,21 @@ def xent_errors(C, V, dtype, scale, labels_kind, device, seed=0):
             ("grad", (grad.cpu().double() - want_g).abs().max().item(), (low_g.double() - want_g).abs().max().item())]
 
 
-# (name, elements, gradient dtype, working-copy dtype or None)
+# (name, elements, gradient dtype, working-copy dtype or None[, moments dtype])
 ADAMW_CASES = [
     ("fp32_grad", 5003, "float32", None),
     ("fp16_grad_fp16_copy", 4099, "float16", "float16"),
     ("one", 1, "float32", "float16"),
     ("empty", 0, "float16", "float16"),
+    ("bf16_moments", 4099, "float16", "float16", "bfloat16"),
+    ("bf16_moments_one", 1, "float32", None, "bfloat16"),
 ]
 
 
-def adamw_errors(n, grad_dtype, low_dtype, device, seed=0):
+def adamw_errors(n, grad_dtype, low_dtype, device, seed=0, moments_dtype=torch.float32):
     """[(what, max |kernel - reference|, allowed)] after 3 steps of `kernels.adamw_flat` (weight decay, a folded
-    clip factor) and for `sq_norm`; both compute in fp32, so they may differ by a few fp32 roundings only."""
+    clip factor) and for `sq_norm`; both compute in fp32, so they may differ by a few fp32 roundings only (bf16
+    moments: by one bf16 ulp where those roundings move a value across a stochastic-rounding threshold)."""
     from anyseek.kernels.reference import adamw as ref
     from anyseek.kernels.triton import adamw as fused
 
@@ -183,12 +186,13 @@ def adamw_errors(n, grad_dtype, low_dtype, device, seed=0):
     out = {}
     for name, mod in (("ref", ref), ("fused", fused)):
         dev = "cpu" if name == "ref" else device
-        p, m, v = p0.clone().to(dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        p = p0.clone().to(dev)
+        m, v = torch.zeros(n, device=dev, dtype=moments_dtype), torch.zeros(n, device=dev, dtype=moments_dtype)
         low = torch.empty(n, dtype=low_dtype, device=dev) if low_dtype is not None else None
         for step, grad in enumerate(grads, 1):
             skip = torch.tensor(0.0, device=dev) if step == 2 else None  # a step the device flag lets through
             mod.adamw_flat(p, grad.to(dev), m, v, low, torch.tensor(1.5, device=dev), step, 1e-2, 0.9, 0.95, 1e-8, 0.1,
-                           skip=skip)
+                           skip=skip, seed=1000 + step)
         before = [t.clone() for t in (p, m, v) + (() if low is None else (low,))]
         nan = torch.full((n,), float("nan"), device=dev).to(grad_dtype)  # a skipped step changes nothing at all
         mod.adamw_flat(p, nan, m, v, low, torch.tensor(float("nan"), device=dev), 4, 1e-2, 0.9, 0.95, 1e-8, 0.1,
@@ -201,8 +205,8 @@ def adamw_errors(n, grad_dtype, low_dtype, device, seed=0):
     for what, a, b in zip(names, out["fused"], out["ref"]):
         err = (a - b).abs().max().item() if a.numel() else 0.0
         tol = 1e-5 * max(1.0, b.abs().max().item() if b.numel() else 0.0)
-        if what == "low":  # one rounding of p to the copy's dtype may land on the other side
-            tol = 2.0 ** -7 * max(1.0, b.abs().max().item() if b.numel() else 0.0)
+        if what == "low" or (what in ("m", "v") and moments_dtype == torch.bfloat16):  # one rounding may land on
+            tol = 2.0 ** -7 * max(1.0, b.abs().max().item() if b.numel() else 0.0)  # the other side
         table.append((what, err, tol))
     return table
 
@@ -283,8 +287,9 @@ def _worker() -> None:
     for name, *case in ROPE_CASES:
         table = rope_errors(*case[:3], getattr(torch, case[3]), *case[4:], "cpu")
         results[f"rope_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
-    for name, n, gd, ld in ADAMW_CASES:
-        table = adamw_errors(n, getattr(torch, gd), getattr(torch, ld) if ld else None, "cpu")
+    for name, n, gd, ld, *md in ADAMW_CASES:
+        table = adamw_errors(n, getattr(torch, gd), getattr(torch, ld) if ld else None, "cpu",
+                             moments_dtype=getattr(torch, md[0]) if md else torch.float32)
         results[f"adamw_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
     for name, *case in ROUTER_CASES:
         table = router_errors(*case, "cpu")
@@ -409,11 +414,32 @@ def test_gpu_rope_rotate(case, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 2047, 3 * 2**20 + 5])
-def test_gpu_adamw_flat(grad_dtype, n):
-    table = adamw_errors(n, grad_dtype, torch.bfloat16, "cuda")
+def test_gpu_adamw_flat(grad_dtype, n, moments):
+    table = adamw_errors(n, grad_dtype, torch.bfloat16, "cuda", moments_dtype=moments)
     assert all(err <= tol for _, err, tol in table), table
+
+
+@pytest.mark.cuda
+def test_gpu_bf16_moments_round_as_the_reference():
+    """The kernel's random numbers are the reference's: given equal fp32 updates, all but a few elements (an fp32
+    rounding apart, across a threshold) round to the same bf16."""
+    from anyseek.kernels.reference import adamw as ref
+    from anyseek.kernels.triton import adamw as fused
+
+    n = 1 << 20
+    out = []
+    for mod, dev in ((ref, "cpu"), (fused, "cuda")):
+        g = torch.Generator().manual_seed(1)
+        grad = torch.randn(n, generator=g).to(dev)
+        p, m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev, dtype=torch.bfloat16), torch.zeros(
+            n, device=dev, dtype=torch.bfloat16)
+        mod.adamw_flat(p, grad, m, v, None, torch.tensor(1.0, device=dev), 1, 1e-3, 0.9, 0.95, 1e-8, 0.0, seed=77)
+        out.append((m.cpu(), v.cpu()))
+    for a, b in zip(*out):
+        assert (a != b).float().mean().item() < 1e-3
 
 
 if __name__ == "__main__":

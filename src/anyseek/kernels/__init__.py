@@ -147,8 +147,9 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
 
 def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor | None,
                scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               skip: torch.Tensor | None = None) -> None:
-    """One AdamW step (torch.optim.AdamW's maths) in place over flat 1-D buffers: fp32 weights p and moments m, v,
+               skip: torch.Tensor | None = None, seed: int = 0) -> None:
+    """One AdamW step (torch.optim.AdamW's maths) in place over flat 1-D buffers: fp32 weights p, moments m, v (fp32,
+    or bf16: read as fp32 and stored with stochastic rounding driven by `seed`, an int the caller changes every step),
     the gradient (bf16/fp16/fp32) divided by the device scalar `scale` (the folded clip factor), and the working copy
     `low` (or None) rewritten from the new weights. step: the step number, from 1. skip (a device scalar or None):
     nonzero leaves every buffer unchanged (a non-finite step skipped without a host sync)."""
@@ -156,10 +157,13 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
         raise ValueError(f"adamw_flat: 1-D buffers of one length expected, got p {tuple(p.shape)}, grad "
                          f"{tuple(grad.shape)}, m {tuple(m.shape)}, v {tuple(v.shape)}"
                          + ("" if low is None else f", low {tuple(low.shape)}"))
+    if p.dtype != torch.float32 or m.dtype != v.dtype or m.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"adamw_flat: p must be fp32 and m, v both fp32 or both bf16; got p {p.dtype}, m {m.dtype}, "
+                         f"v {v.dtype}")
     if skip is not None and skip.numel() != 1:
         raise ValueError(f"adamw_flat: skip must be a scalar, got shape {tuple(skip.shape)}")
     fn = registry.get("adamw_flat", p)
-    fn(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay, skip=skip)
+    fn(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay, skip=skip, seed=seed)
 
 
 def route_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int,

@@ -77,6 +77,10 @@ class TrainConfig:
     # With the working copy: the host queues step N+1 before it reads step N's loss (a non-finite step is skipped on
     # the device, and the step queued after it run again); the steps applied are those of the one-at-a-time loop.
     overlap_steps: bool = True
+    # AdamW's two moments: "fp32", or "bf16" (DeepSeek-V3's low-precision optimizer states: stored in bf16 with
+    # stochastic rounding, updated in fp32; 4 bytes per trained weight less and a faster optimizer step). bf16 needs
+    # the working copy's optimizer (kernels.adamw_flat); the master weights stay fp32 either way.
+    moments_dtype: str = "fp32"
     tune_allocator: bool = True  # CPU: glibc malloc keeps large blocks on its heap (anyseek.runtime)
     attention_backend: str = "auto"  # a kernel registry backend for attention: auto, triton, bmm, sdpa, reference, ...
     moe_backend: str = "auto"  # for the routed experts: auto, triton, grouped_mm, reference
@@ -118,6 +122,8 @@ class TrainConfig:
             self.working_copy = "true" if self.working_copy else "false"
         if self.working_copy not in ("auto", "true", "false"):
             raise ConfigError(f"train.working_copy must be auto, true or false, got {self.working_copy!r}")
+        if self.moments_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"train.moments_dtype must be fp32 or bf16, got {self.moments_dtype!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"train.dtype must be one of auto, bf16, fp32, got {self.dtype!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

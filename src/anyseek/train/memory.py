@@ -45,8 +45,9 @@ class Estimate:
 
 def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch.float32,
              autocast: bool = True, working_copy: bool = False, triton_experts: bool = False) -> Estimate:
-    """Bytes for one optimizer step of `run_cfg` on `model_cfg`: fp32 AdamW (two moments) on what trains,
-    gradients of what trains, the frozen base in `base_dtype` under LoRA. autocast: bf16 compute over fp32
+    """Bytes for one optimizer step of `run_cfg` on `model_cfg`: AdamW's two moments on what trains (fp32; bf16
+    with train.moments_dtype=bf16 and the working copy), gradients of what trains, the frozen base in `base_dtype`
+    under LoRA. autocast: bf16 compute over fp32
     weights (a bf16 copy per matrix use, an fp32 residual stream); working_copy: `train.working_copy` (bf16 copies
     of the weights kept for the whole run, bf16 activations and gradients; train/precision.py); triton_experts:
     the routed experts run the Triton kernels (a GPU), which take LoRA's adapters themselves (no merged expert
@@ -63,9 +64,11 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     resid = 2 if working_copy else 4  # the residual stream: fp32 when the weights it adds are fp32
     accumulate = run_cfg.train.grad_accum > 1
     grad_bytes = 4 if accumulate or not working_copy else 2  # the working copy's flat gradients: bf16 unless summed
+    # AdamW's two moments: fp32, or bf16 with the working copy's optimizer (train.moments_dtype)
+    moment_bytes = 4 if working_copy and getattr(run_cfg.train, "moments_dtype", "fp32") == "bf16" else 8
     if lora_spec is None:
         n = model.num_parameters()
-        weights, grads, optimizer = 4 * n, grad_bytes * n, 8 * n
+        weights, grads, optimizer = 4 * n, grad_bytes * n, moment_bytes * n
         copies = 2 * n if working_copy else (low * matrices if autocast else 0)
     else:
         lora_lib.apply_lora(model, lora_spec, base_dtype)
@@ -75,7 +78,7 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
         base = sum(p.numel() * (size if p.dtype == base_dtype else other) for n, p in model.named_parameters()
                    if not lora_lib._is_adapter(n))
         a = lora_lib.count_adapters(model)
-        weights, grads, optimizer = base + 4 * a, grad_bytes * a, 8 * a
+        weights, grads, optimizer = base + 4 * a, grad_bytes * a, moment_bytes * a
         copies = size * _merged_elements(model, triton_experts) + (2 * a if working_copy else 0)
     t = run_cfg.data.tokens_per_batch
     mode = getattr(getattr(run_cfg, "parallel", None), "activation_checkpointing", "none")

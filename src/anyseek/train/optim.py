@@ -97,4 +97,6 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, fol
             optimizer.state[p][state_key] = target.copy_(value)  # of its flat moments), filled in place
             continue
         on_param = state_key != "step" or value.dim() > 0 or step_on_param
+        if state_key != "step" and value.is_floating_point():  # bf16 moments (train.moments_dtype) into fp32 ones
+            value = value.to(p.dtype)
         optimizer.state[p][state_key] = value.to(p.device if on_param else "cpu")

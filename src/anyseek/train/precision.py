@@ -179,7 +179,8 @@ class WorkingCopy:
 
 class FlatAdamW(torch.optim.Optimizer):
     """AdamW over a WorkingCopy's flat buffers: one `kernels.adamw_flat` per parameter group reads the gradients and
-    writes the fp32 weights, both moments and the working copy. Its state looks like torch.optim.AdamW's (`step`,
+    writes the fp32 weights, both moments (fp32, or bf16 with stochastic rounding: `moments_dtype`) and the working
+    copy. Its state looks like torch.optim.AdamW's (`step`,
     `exp_avg`, `exp_avg_sq` per parameter: views of the flat moments), so `train.optim` saves and loads it the
     same way (loading copies into these tensors).
 
@@ -188,11 +189,12 @@ class FlatAdamW(torch.optim.Optimizer):
     (the trainer's overlap: a non-finite step skipped without a host sync). Such a step still counts in `step`
     until `uncount` takes it back, once the host knows."""
 
-    def __init__(self, groups: list[dict], working: WorkingCopy, lr: float, betas: tuple[float, float], eps: float):
+    def __init__(self, groups: list[dict], working: WorkingCopy, lr: float, betas: tuple[float, float], eps: float,
+                 moments_dtype: torch.dtype = torch.float32):
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.working = working
-        self.m = torch.zeros_like(working.flat)
-        self.v = torch.zeros_like(working.flat)
+        self.m = torch.zeros_like(working.flat, dtype=moments_dtype)
+        self.v = torch.zeros_like(working.flat, dtype=moments_dtype)
         self.grad_scale: torch.Tensor | None = None
         self.skip: torch.Tensor | None = None
         self._one = torch.ones((), dtype=torch.float32, device=working.flat.device)
@@ -221,8 +223,11 @@ class FlatAdamW(torch.optim.Optimizer):
             if a == b:
                 continue
             beta1, beta2 = group["betas"]
+            # bf16 moments' rounding: a seed per step and range (a resumed run rounds as the uninterrupted one)
+            seed = (step * 0x9E3779B1 + a) & 0x7FFFFFFF
             kernels.adamw_flat(w.flat[a:b], w.flat_grad[a:b], self.m[a:b], self.v[a:b], w.flat_low[a:b], scale,
-                               step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], skip=self.skip)
+                               step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], skip=self.skip,
+                               seed=seed)
 
     def uncount(self) -> None:
         """Take back the step count of a step the device skipped (`skip`)."""
@@ -237,6 +242,7 @@ def build_flat_adamw(working: WorkingCopy, cfg) -> FlatAdamW:
     decay = [p for p in working.trained if p.dim() >= 2]
     no_decay = [p for p in working.trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return FlatAdamW(groups, working, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps)
+    moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[getattr(cfg, "moments_dtype", "fp32")]
+    return FlatAdamW(groups, working, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, moments)
 
 

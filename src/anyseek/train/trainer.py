@@ -163,6 +163,9 @@ class Trainer:
 
             self.optimizer = build_flat_adamw(self.working, t)
         else:
+            if t.moments_dtype != "fp32":
+                raise ConfigError(f"train.moments_dtype={t.moments_dtype} needs the working copy's optimizer, and "
+                                  f"this run has none ({self.working_note})")
             self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
         self.graphs, self.graphs_note = self._step_graphs()
@@ -670,7 +673,9 @@ class Trainer:
                  f"| {self.allocator}")
         self.log(f"data: {self.data_dir} | {self.manifest.get('vocab_size')} vocab | {d.tokens_per_batch} tokens x "
                  f"{self.cfg.train.grad_accum} micro-batches per step")
-        self.log(f"weights: {self.working_note}")
+        moments = ("bf16 with stochastic rounding (train.moments_dtype=bf16)" if self.cfg.train.moments_dtype == "bf16"
+                   else "fp32")
+        self.log(f"weights: {self.working_note} | AdamW moments {moments}")
         self.log(f"CUDA graphs: {self.graphs_note}")
         self.log(f"overlap: {self.overlap_note}")
         describe = getattr(registry, "describe", None)

@@ -9,6 +9,14 @@ and moments (12) and writes them (12) and the working copy (2): 28 bytes per wei
 
 The maths is `kernels.reference.adamw`'s (torch.optim.AdamW's update). Offsets are int64 (flat buffers of large
 models pass 2**31 elements).
+
+bf16 moments (`train.moments_dtype=bf16`, DeepSeek-V3's low-precision optimizer states): m and v are read as bf16,
+updated in fp32 and stored with stochastic rounding (20 bytes per weight instead of 28). The kernel sees them as
+int16 bit patterns (so the Triton interpreter, whose bf16 is broken, runs it too): a bf16 is the high half of an
+fp32, and adding a uniform random 16-bit number to the fp32's bits before dropping the low half rounds up with
+probability equal to the dropped fraction, so the rounding is unbiased (round-to-nearest would freeze a moment
+whose update is below half a bf16 ulp, 2^-9 of it: every step of v with beta2 >= 0.998). The random numbers are a
+hash of (seed, element): deterministic, so a resumed run rounds as the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -23,23 +31,59 @@ BLOCK = 2048  # elements per program: 8 per thread at 8 warps (16-byte fp32 load
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, LOW, SCALE, SKIP, n, lr, beta1, beta2, eps, decay, step_size, bc2_sqrt,
-                  HAS_LOW: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+def _hash32(x):
+    """A 32-bit integer hash (uint32 in, uint32 out; good avalanche, ~8 integer ops)."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _from_bf16_bits(b):
+    """int16 bit patterns of bf16 values -> fp32."""
+    return (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_bf16_bits(x, r):
+    """fp32 -> int16 bit patterns of bf16, rounded stochastically with the uniform 16-bit numbers r (uint32 < 2^16);
+    a NaN stays a NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    hi = ((bits + r) >> 16) & 0xFFFF
+    hi = tl.where(x != x, 0x7FC0, hi)
+    return hi.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _adamw_kernel(P, G, M, V, LOW, SCALE, SKIP, n, lr, beta1, beta2, eps, decay, step_size, bc2_sqrt, seed,
+                  HAS_LOW: tl.constexpr, HAS_SKIP: tl.constexpr, BF16_MOMENTS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if HAS_SKIP:  # a step skipped on the device: every load and store masked off (nothing read, nothing written)
         n = tl.where(tl.load(SKIP) == 0, n, 0)
     mask = offs < n
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
     p = tl.load(P + offs, mask=mask, other=0.0)
-    m = tl.load(M + offs, mask=mask, other=0.0)
-    v = tl.load(V + offs, mask=mask, other=0.0)
+    if BF16_MOMENTS:
+        m = _from_bf16_bits(tl.load(M + offs, mask=mask, other=0))
+        v = _from_bf16_bits(tl.load(V + offs, mask=mask, other=0))
+    else:
+        m = tl.load(M + offs, mask=mask, other=0.0)
+        v = tl.load(V + offs, mask=mask, other=0.0)
     p = p * (1.0 - decay)
     m = m + (1.0 - beta1) * (g - m)  # lerp, as torch's
     v = beta2 * v + (1.0 - beta2) * g * g
+    if BF16_MOMENTS:  # (this step's update uses them unrounded)
+        r = _hash32((offs & 0xFFFFFFFF).to(tl.uint32) ^ _hash32(seed.to(tl.uint32)))
+        tl.store(M + offs, _to_bf16_bits(m, r & 0xFFFF), mask=mask)
+        tl.store(V + offs, _to_bf16_bits(v, r >> 16), mask=mask)
+    else:
+        tl.store(M + offs, m, mask=mask)
+        tl.store(V + offs, v, mask=mask)
     p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
     tl.store(P + offs, p, mask=mask)
-    tl.store(M + offs, m, mask=mask)
-    tl.store(V + offs, v, mask=mask)
     if HAS_LOW:
         tl.store(LOW + offs, p.to(LOW.dtype.element_ty), mask=mask)
 
@@ -52,15 +96,17 @@ def _sq_norm_kernel(X, OUT, n, BLOCK: tl.constexpr):
 
 
 @torch.no_grad()
-def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay, skip=None) -> None:
+def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay, skip=None, seed=0) -> None:
     """As `kernels.reference.adamw.adamw_flat`."""
     n = p.numel()
     if n == 0:
         return
+    bf16 = m.dtype == torch.bfloat16
+    mm, vv = (m.view(torch.int16), v.view(torch.int16)) if bf16 else (m, v)
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        p, grad, m, v, low if low is not None else p, scale, skip if skip is not None else scale, n, lr, beta1,
-        beta2, eps, lr * weight_decay, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step),
-        HAS_LOW=low is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK, num_warps=8,
+        p, grad, mm, vv, low if low is not None else p, scale, skip if skip is not None else scale, n, lr, beta1,
+        beta2, eps, lr * weight_decay, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), seed & 0x7FFFFFFF,
+        HAS_LOW=low is not None, HAS_SKIP=skip is not None, BF16_MOMENTS=bf16, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
 
 
