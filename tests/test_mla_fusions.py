@@ -137,15 +137,40 @@ def test_fused_linear_joins_low_rank_terms():
             super().__init__()
             self.fused_weight = torch.randn(out, 7, dtype=torch.float64)
             self.A, self.B = torch.randn(r, 7, dtype=torch.float64), torch.randn(out, r, dtype=torch.float64)
-            self.fused_low_rank = (self.A, self.B, None)
+            self.fused_low_rank = (self.A, self.B, None, 0.5)
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(7, 4, bias=False, dtype=torch.float64)
-    layers = [Low(5, 2), plain, Low(3, 4)]
-    x = torch.randn(9, 7, dtype=torch.float64)
-    want = torch.cat([x @ layers[0].fused_weight.t() + x @ layers[0].A.t() @ layers[0].B.t(), plain(x),
-                      x @ layers[2].fused_weight.t() + x @ layers[2].A.t() @ layers[2].B.t()], dim=-1)
+    for layers in ([Low(5, 2), plain, Low(3, 4)], [Low(5, 2), Low(3, 4)], [plain, Low(3, 4)]):
+        x = torch.randn(9, 7, dtype=torch.float64)
+        want = torch.cat([m(x) if m is plain else x @ m.fused_weight.t() + 0.5 * x @ m.A.t() @ m.B.t()
+                          for m in layers], dim=-1)
+        torch.testing.assert_close(concat.fused_linear(x, layers), want, rtol=1e-12, atol=1e-12)
+    layers[1].fused_low_rank = (layers[1].A, layers[1].B, None, 2.0)  # scales that differ
+    layers = [Low(5, 2), layers[1]]
+    want = torch.cat([x @ layers[0].fused_weight.t() + 0.5 * x @ layers[0].A.t() @ layers[0].B.t(),
+                      x @ layers[1].fused_weight.t() + 2.0 * x @ layers[1].A.t() @ layers[1].B.t()], dim=-1)
     torch.testing.assert_close(concat.fused_linear(x, layers), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dropout_input", [False, True])
+def test_low_rank_linear_blocks_and_scale_gradients(dropout_input):
+    """B in blocks over output columns (a block-diagonal B without forming it) with a scale: values and every
+    gradient by gradcheck, fp64."""
+    g = torch.Generator().manual_seed(1)
+    x, W, A, B1, B2 = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                       for s in ((5, 7), (9, 7), (5, 7), (3, 2), (4, 3)))  # fmt: skip
+    xd = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True) if dropout_input else None
+
+    def f(x, W, A, B1, B2, xd=None):
+        return concat.low_rank_linear(x, W, A, [(1, B1), (5, B2)], xd, scale=0.75)
+
+    Bfull = torch.zeros(9, 5, dtype=torch.float64)
+    Bfull[1:4, :2], Bfull[5:9, 2:] = B1.detach(), B2.detach()
+    want = x @ W.t() + 0.75 * ((x if xd is None else xd) @ A.t()) @ Bfull.t()
+    torch.testing.assert_close(f(x, W, A, B1, B2, xd), want, rtol=1e-12, atol=1e-12)
+    args = (x, W, A, B1, B2) + ((xd,) if xd is not None else ())
+    assert torch.autograd.gradcheck(f, args)
 
 
 def test_working_copy_lays_joined_weights_out_adjacent():

@@ -68,65 +68,98 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
     (`cat_rows`) -> [..., sum of their out_features], the layers' outputs side by side.
 
     A layer that carries a low-rank term outside its weight (LoRA, applied to a built model from outside) exposes
-    `fused_weight` (the weight to join) and `fused_low_rank` (None, or (A [r, in], B [out, r] with its scale,
-    dropout or None)); a plain nn.Linear has neither. The low-rank terms join too: A's stacked, B's block-diagonal, one
-    `low_rank_linear` (the layers share one dropout mask on their common input)."""
+    `fused_weight` (the weight to join) and `fused_low_rank` (None, or (A [r, in], B [out, r], dropout or None,
+    scale)); a plain nn.Linear has neither. The low-rank terms join too: A's stacked (one narrow matmul reads x),
+    each B added into its layer's own output columns, in one `low_rank_linear` (the layers share one dropout mask on
+    their common input)."""
     ws = [m.fused_weight if hasattr(m, "fused_weight") else m.weight for m in layers]  # (LoRA's .weight merges)
     lows = [getattr(m, "fused_low_rank", None) for m in layers]
     w = cat_rows(ws)
     if all(lo is None for lo in lows):
         return F.linear(x, w)
-    ref = next(lo for lo in lows if lo)
-    A = torch.cat([lo[0] if lo else ref[0].new_zeros(0, w.shape[1]) for lo in lows])
-    B = torch.block_diag(*[lo[1] if lo else ref[1].new_zeros(wi.shape[0], 0) for lo, wi in zip(lows, ws)])
-    drop = next((lo[2] for lo in lows if lo and lo[2] is not None), None)
-    return low_rank_linear(x, w, A, B, None if drop is None else drop(x))
+    starts = [0]
+    for wi in ws[:-1]:
+        starts.append(starts[-1] + wi.shape[0])
+    terms = [(at, lo) for at, lo in zip(starts, lows) if lo]
+    A = torch.cat([lo[0] for _, lo in terms]) if len(terms) > 1 else terms[0][1][0]
+    scale = terms[0][1][3]
+    if any(lo[3] != scale for _, lo in terms):  # (one alpha for all: else each B carries its own scale)
+        blocks, scale = [(at, lo[1] * lo[3]) for at, lo in terms], 1.0
+    else:
+        blocks = [(at, lo[1]) for at, lo in terms]
+    drop = next((lo[2] for _, lo in terms if lo[2] is not None), None)
+    return low_rank_linear(x, w, A, blocks, None if drop is None else drop(x), scale)
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * (a @ b) in one matmul (addmm's alpha; beta 0: its input is not read)."""
+    if scale == 1.0:
+        return a @ b
+    return torch.addmm(a.new_zeros(()), a, b, beta=0.0, alpha=scale)
 
 
 class _LowRankLinear(torch.autograd.Function):
-    """y = x W^T + u B^T with u = xd A^T for 2-D x [N, in] (xd: the low-rank term's own input, e.g. x after
-    dropout; x where None). The low-rank term is added into the base matmul's output (addmm: no [N, out]
-    temporary, no extra pass); in backward dx = g W + (g B) A the same way, dA = (g B)^T xd, dB = g^T u, and W's
-    gradient only where asked for."""
+    """y = x W^T + s u B^T with u = xd A^T for 2-D x [N, in] (xd: the low-rank term's own input, e.g. x after
+    dropout; x where None). B may come in blocks, each adding into its own output columns (layers joined by
+    `fused_linear`: block i reads the i-th rows of A); the scale s is the matmuls' alpha. The low-rank term is
+    added into the base matmul's output (addmm: no [N, out] temporary, no extra pass); in backward dx = g W +
+    s (g B) A the same way, dA = s (g B)^T xd, dB = s g^T u, and W's gradient only where asked for."""
 
     @staticmethod
-    def forward(ctx, x, W, A, B, xd):
+    def forward(ctx, x, W, A, xd, scale, starts, *Bs):
         u = (x if xd is None else xd) @ A.t()
         y = x @ W.t()
-        y.addmm_(u, B.t())
-        ctx.save_for_backward(x, W, A, B, u, xd)
+        r0 = 0
+        for at, B in zip(starts, Bs):
+            o, r = B.shape
+            target = y if (at == 0 and o == y.shape[1]) else y[:, at:at + o]
+            target.addmm_(u[:, r0:r0 + r] if len(Bs) > 1 else u, B.t(), alpha=scale)
+            r0 += r
+        ctx.save_for_backward(x, W, A, u, xd, *Bs)
+        ctx.scale, ctx.starts = scale, starts
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, W, A, B, u, xd = ctx.saved_tensors
-        gB = g @ B
-        dx = dW = dA = dB = dxd = None
-        if ctx.needs_input_grad[0]:
+        x, W, A, u, xd, *Bs = ctx.saved_tensors
+        s, starts = ctx.scale, ctx.starts
+        one = len(Bs) == 1 and starts[0] == 0 and Bs[0].shape[0] == g.shape[1]
+        gs = [g] if one else [g[:, at:at + B.shape[0]] for at, B in zip(starts, Bs)]
+        gB = torch.cat([gi @ B for gi, B in zip(gs, Bs)], dim=1) if len(Bs) > 1 else gs[0] @ Bs[0]
+        dx = dW = dA = dxd = None
+        need = ctx.needs_input_grad
+        if need[0]:
             dx = g @ W
             if xd is None:
-                dx.addmm_(gB, A)
-        if xd is not None and ctx.needs_input_grad[4]:
-            dxd = gB @ A
-        if ctx.needs_input_grad[1]:
+                dx.addmm_(gB, A, alpha=s)
+        if xd is not None and need[3]:
+            dxd = _scaled_mm(gB, A, s)
+        if need[1]:
             dW = g.t() @ x
-        if ctx.needs_input_grad[2]:
-            dA = gB.t() @ (x if xd is None else xd)
-        if ctx.needs_input_grad[3]:
-            dB = g.t() @ u
-        return dx, dW, dA, dB, dxd
+        if need[2]:
+            dA = _scaled_mm(gB.t(), x if xd is None else xd, s)
+        dBs, r0 = [], 0
+        for gi, B, n in zip(gs, Bs, need[6:]):
+            r = B.shape[1]
+            dBs.append(_scaled_mm(gi.t(), u[:, r0:r0 + r] if len(Bs) > 1 else u, s) if n else None)
+            r0 += r
+        return dx, dW, dA, dxd, None, None, *dBs
 
 
-def low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                    xd: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """x W^T + (xd A^T) B^T (xd defaults to x) -> [..., out], W [out, in], A [r, in], B [out, r]: a linear layer
-    with a low-rank term beside its weight (LoRA), in two matmuls and two narrow ones, without forming W + B A.
-    Computes in autocast's dtype where autocast is on (as F.linear would), else in x's."""
+def low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B, xd: torch.Tensor | None = None,
+                    scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """x W^T + scale (xd A^T) B^T (xd defaults to x) -> [..., out], W [out, in], A [r, in], B [out, r]: a linear
+    layer with a low-rank term beside its weight (LoRA), in two matmuls and two narrow ones, without forming W + B A.
+    B may also be a list of blocks [(first output column, B_i [o_i, r_i]), ...] over A's rows in order (a block-
+    diagonal B, without forming it). Computes in autocast's dtype where autocast is on (as F.linear would), else in
+    x's."""
     kind = x.device.type
     dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    blocks = [(0, B)] if torch.is_tensor(B) else list(B)
     flat = [None if t is None else t.reshape(-1, t.shape[-1]).to(dt) for t in (x, xd)]
     with torch.autocast(kind, enabled=False):
-        y = _LowRankLinear.apply(flat[0], W.to(dt), A.to(dt), B.to(dt), flat[1])
+        y = _LowRankLinear.apply(flat[0], W.to(dt), A.to(dt), flat[1], float(scale), tuple(at for at, _ in blocks),
+                                 *(b.to(dt) for _, b in blocks))  # fmt: skip
     # 2-D x: y itself, not a view of it. An in-place op on a view of a Function's output (rope_tail_ on q_b's output)
     # makes autograd copy the whole gradient back through CopySlices (~1.4 ms a step on `small` at 8k tokens)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], W.shape[0])

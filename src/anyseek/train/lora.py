@@ -4,11 +4,12 @@
 
 A target Linear W [out, in] becomes `LoRALinear`: y = x W^T + s * B A x with A [r, in], B [out, r], s = alpha / r,
 B = 0 at the start (the output equals the base's). No merged weight is formed on the training path: called as a
-layer, `model.concat.low_rank_linear` runs the base matmul and adds (x A^T)(s B)^T into its output with one addmm
-(backward likewise: dx = g W + (g s B) A, no [out, in] weight gradient; dropout on the adapter input). Where the
-model joins two layers' weights itself (MLA's q_a|kv_a, an MLP's gate|up: `model.concat.fused_linear`), the frozen
-base weights lie row after row in one buffer (`_join_frozen`, so the join is a view) and the adapters join as one
-low-rank term (A's stacked, B's block-diagonal; the pair shares one dropout mask on its common input).
+layer, `model.concat.low_rank_linear` runs the base matmul and adds s (x A^T) B^T into its output with one addmm, s
+as its alpha (backward likewise: dx = g W + s (g B) A, no [out, in] weight gradient; dropout on the adapter input).
+Where the model joins two layers' weights itself (MLA's q_a|kv_a, an MLP's gate|up: `model.concat.fused_linear`),
+the frozen base weights lie row after row in one buffer (`_join_frozen`, so the join is a view) and the adapters
+join as one low-rank term (A's stacked: one narrow matmul reads x; each B added into its own layer's output
+columns; the pair shares one dropout mask on its common input).
 `LoRALinear.weight` still gives the merged W + s * B A for code that reads weights (decoding, export).
 
 Routed experts get per-expert adapters, stacked. Where the Triton routed experts run, `LoRAExperts` hands them the
@@ -99,16 +100,17 @@ class LoRALinear(nn.Module):
         return self.base.weight + (self.scale * delta).to(self.base.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        A, B, drop = self.low_rank
-        y = low_rank_linear(x, self.base.weight, A, B, None if drop is None else drop(x))
+        A, B, drop, scale = self.low_rank
+        y = low_rank_linear(x, self.base.weight, A, B, None if drop is None else drop(x), scale)
         return y if self.base.bias is None else y + self.base.bias.to(y.dtype)
 
     @property
-    def low_rank(self) -> tuple[torch.Tensor, torch.Tensor, nn.Module | None]:
-        """(A [r, in], s * B [out, r], the dropout on the adapter input or None): the term `model.concat`'s
-        `low_rank_linear` adds beside the base weight, called as a layer or inside `fused_linear`."""
+    def low_rank(self) -> tuple[torch.Tensor, torch.Tensor, nn.Module | None, float]:
+        """(A [r, in], B [out, r], the dropout on the adapter input or None, the scale s): the term s (x A^T) B^T
+        that `model.concat`'s `low_rank_linear` adds beside the base weight (s as its matmuls' alpha: no scaled
+        copy of B), called as a layer or inside `fused_linear`."""
         drop = self.dropout if self.training and isinstance(self.dropout, nn.Dropout) else None
-        return self.lora_A, self.lora_B * self.scale, drop
+        return self.lora_A, self.lora_B, drop, self.scale
 
     @property
     def fused_weight(self) -> torch.Tensor:
