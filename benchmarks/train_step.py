@@ -49,6 +49,7 @@ CASES = {
     "trainer-compile": ("same step with train.compile=true", "packed varlen"),
     "trainer-lora": ("same step, LoRA rank 16 on every target (train.lora_rank=16; base frozen in bf16)",
                      "packed varlen"),
+    "trainer-bf16m": ("same step, AdamW moments in bf16 (train.moments_dtype=bf16)", "packed varlen"),
     "trainer-sync": ("`anyseek train` step, one at a time (train.overlap_steps=false)", "packed varlen"),
     "trainer-lora-sync": ("LoRA step, one at a time (train.overlap_steps=false)", "packed varlen"),
 }
@@ -123,6 +124,8 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
         overrides.append("--train.cuda_graphs=false")
     if case == "trainer-autocast":
         overrides.append("--train.working_copy=false")
+    if case == "trainer-bf16m":
+        overrides.append("--train.moments_dtype=bf16")
     if case == "trainer-lora":  # the base: one full step of this same run, saved as step-1 (the data's tokenizer)
         base_cfg = load_run_config(args.flavor, overrides + ["--train.max_steps=1", "--train.cuda_graphs=false"])
         if not (tmp / "lora-base" / "step-1").is_dir():  # made once per benchmark run (--repeat reuses it)
