@@ -126,6 +126,27 @@ def _worker() -> None:
         t.grad = None
     moe.routed_experts(xs[0], ids, *xs[1:]).square().sum().backward()
     results["compile"] = {"pass": all(torch.allclose(a, t.grad, atol=1e-5) for a, t in zip(compiled, xs)), "table": []}
+    # an addend (the shared experts' output) summed inside the combine: the output is experts + add, add's gradient
+    # is dy, the others' unchanged; an fp16 addend beside an fp32 computation is added after (same values); and
+    # through torch.compile's fake implementations
+    x, ids, w, gu, dn, dy = accuracy.moe_inputs(29, 32, 24, 6, 3, "skewed", 6)
+    add = torch.randn(29, 32)
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn, add)]
+    y = moe.routed_experts(*leaves[:1], ids, *leaves[1:4], add_TD=leaves[4])
+    (y * dy).sum().backward()
+    plain = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    y0 = moe.routed_experts(plain[0], ids, *plain[1:])
+    (y0 * dy).sum().backward()
+    close = [torch.allclose(y, y0 + add, atol=1e-5), torch.equal(leaves[4].grad, dy)]
+    close += [torch.allclose(a.grad, b.grad, atol=1e-5) for a, b in zip(leaves[:4], plain)]
+    y16 = moe.routed_experts(x, ids, w, gu, dn, add_TD=add.half())
+    close.append(y16.dtype == torch.float32 and torch.allclose(y16, y0 + add.half().float(), atol=1e-5))
+    fn = torch.compile(lambda a, b: moe.routed_experts(a, ids, w, gu, dn, add_TD=b).square().sum(),
+                       backend="aot_eager", fullgraph=True)  # fmt: skip
+    xa = [t.clone().requires_grad_() for t in (x, add)]
+    fn(*xa).backward()
+    close.append(torch.allclose(xa[1].grad, 2 * (y0 + add).detach(), atol=1e-4))
+    results["addend"] = {"pass": all(close), "table": close}
     # ANYSEEK_MOE=triton hands out the triton backend, here on CPU under the interpreter
     from anyseek.kernels import registry
 
@@ -145,7 +166,7 @@ def interp_results():
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
                          + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "deterministic",
-                            "compile", "registry"])
+                            "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"

@@ -80,14 +80,17 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts' weights, stacked: gate_up_proj [E, 2I, D] (rows :I gate, I: up), down_proj [E, D, I]."""
 
+    takes_addend = True  # forward(..., add_TD): a [T, D] term added to the output (see kernels.routed_experts)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         E, D, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
-    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj)
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj, add_TD)
 
 
 class MoE(nn.Module):
@@ -113,9 +116,13 @@ class MoE(nn.Module):
         load and the balance loss (MTP passes False for its filler positions past each document end); every token is
         still routed. The balance loss needs `layout` (its sequences are the layout's documents)."""
         scores_TE, topk_ids_TK, weights_TK = self.gate(x_TD)
-        y_TD = self.experts(x_TD, topk_ids_TK, weights_TK)  # fp32 weights; the output is in x's dtype
-        if hasattr(self, "shared_experts"):
-            y_TD = y_TD + self.shared_experts(x_TD)
+        shared_TD = self.shared_experts(x_TD) if hasattr(self, "shared_experts") else None
+        if shared_TD is not None and getattr(self.experts, "takes_addend", False):  # summed with the routed rows
+            y_TD = self.experts(x_TD, topk_ids_TK, weights_TK, add_TD=shared_TD)
+        else:  # (experts wrapped from outside: LoRA, expert parallelism)
+            y_TD = self.experts(x_TD, topk_ids_TK, weights_TK)  # fp32 weights; the output is in x's dtype
+            if shared_TD is not None:
+                y_TD = y_TD + shared_TD
         with torch.no_grad():  # index_add, not bincount: no host sync on GPUs
             counted_M = (
                 torch.ones(topk_ids_TK.numel(), device=x_TD.device) if token_mask_T is None

@@ -233,26 +233,31 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None
 
 
 @triton.jit
-def _sum_k_kernel(X, Y, T, D, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def _sum_k_kernel(X, Y, ADD, T, D, K: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = (t[:, None] < T) & (d[None, :] < D)
     acc = tl.zeros((BT, BD), dtype=tl.float32)
+    if HAS_ADD:  # a [T, D] addend (the shared experts' output) joins the sum, first
+        acc += tl.load(ADD + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
     for k in range(K):  # in slot order: deterministic
         acc += tl.load(X + (t[:, None] * K + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + t[:, None] * D + d[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
-def _sum_k(rows_MD: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
+def _sum_k(rows_MD: torch.Tensor, T: int, dtype: torch.dtype, add_TD: torch.Tensor | None = None) -> torch.Tensor:
     """[T*K, D] in slot order -> [T, D]: the K rows of each token summed in fp32, in a fixed order, rounded to
-    `dtype` once (one kernel: torch's fp32 sum then cast read and wrote the [T, D] result twice more)."""
+    `dtype` once (one kernel: torch's fp32 sum then cast read and wrote the [T, D] result twice more). add_TD
+    (contiguous [T, D] or None): added into the same fp32 sum (the shared experts' output: no separate add)."""
     M, D = rows_MD.shape
     out = rows_MD.new_empty(T, D, dtype=dtype)
     if T == 0 or M == 0:
-        return out.zero_()
+        return out.zero_() if add_TD is None else out.copy_(add_TD)
     BT, BD = 16, min(256, triton.next_power_of_2(D))
-    _sum_k_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](rows_MD.contiguous(), out, T, D, K=M // T, BT=BT, BD=BD,
-                                                           num_warps=4)
+    _sum_k_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+        rows_MD.contiguous(), out, out if add_TD is None else add_TD, T, D, K=M // T, HAS_ADD=add_TD is not None,
+        BT=BT, BD=BD, num_warps=4,
+    )  # fmt: skip
     return out
 
 
@@ -266,9 +271,10 @@ def _nk(t):
     return t.stride(0), t.stride(2), t.stride(1)
 
 
-def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None, low_dn=None):
-    """-> y [T, D], h [M, F] (pre-activations, empty unless save), act [M, I] (weighted SwiGLU output).
-    low_gu / low_dn: the two GEMMs' rank-r terms (see `_gemm`; LoRA, `experts_fwd_lora`)."""
+def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None, low_dn=None, add_TD=None):
+    """-> y [T, D] (+ add_TD, a contiguous [T, D] addend, when given), h [M, F] (pre-activations, empty unless
+    save), act [M, I] (weighted SwiGLU output). low_gu / low_dn: the two GEMMs' rank-r terms (see `_gemm`; LoRA,
+    `experts_fwd_lora`)."""
     T, D = x_TD.shape
     F = gate_up_EFD.shape[1]
     I = F // 2
@@ -276,13 +282,13 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None,
     act_MI = x_TD.new_empty(M, I)
     h_MF = x_TD.new_empty(M if save else 0, F)
     if M == 0:
-        return x_TD.new_zeros(T, D), h_MF, act_MI
+        return (x_TD.new_zeros(T, D) if add_TD is None else add_TD.clone()), h_MF, act_MI
     _gemm(x_TD, gate_up_EFD, _nk(gate_up_EFD), act_MI, plan, I, D, _config(x_TD.device, "swiglu"), gather=True,
           epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=low_gu)  # fmt: skip
     y_slot_MD = x_TD.new_empty(M, D)
     _gemm(act_MI, down_EDI, _nk(down_EDI), y_slot_MD, plan, D, I, _config(x_TD.device, "gemm"), scatter=True,
           low_rank=low_dn)  # fmt: skip
-    return _sum_k(y_slot_MD, T, x_TD.dtype), h_MF, act_MI
+    return _sum_k(y_slot_MD, T, x_TD.dtype, add_TD), h_MF, act_MI
 
 
 def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None):
@@ -408,12 +414,13 @@ def _(topk_ids, num_experts, block_m):
 def _fwd_op(
     x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slot: torch.Tensor,
     tok: torch.Tensor, offs: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, save: bool,
+    add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return experts_fwd(x, w, gate_up, down, (slot, tok, offs, tile_expert, tile_row), save)
+    return experts_fwd(x, w, gate_up, down, (slot, tok, offs, tile_expert, tile_row), save, add_TD=add)
 
 
 @_fwd_op.register_fake
-def _(x, w, gate_up, down, slot, tok, offs, tile_expert, tile_row, save):
+def _(x, w, gate_up, down, slot, tok, offs, tile_expert, tile_row, save, add=None):
     M, F = slot.shape[0], gate_up.shape[1]
     return x.new_empty(x.shape), x.new_empty(M if save else 0, F), x.new_empty(M, F // 2)
 
@@ -451,12 +458,12 @@ def _(dy, x, w, gate_up, down, h, act, slot, tok, offs, tile_expert, tile_row, d
 
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, params):
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, params, add_TD=None):
         ctx.params = params  # the weights as parameters, for their gradient destinations (or None)
         plan = torch.ops.anyseek.moe_plan(topk_ids_TK, gate_up_EFD.shape[0], _block_m(x_TD.device))
         w_M = topk_weights_TK.reshape(-1)
-        save = any(ctx.needs_input_grad)
-        y_TD, h_MF, act_MI = torch.ops.anyseek.moe_experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, *plan, save)
+        save = any(ctx.needs_input_grad[:5])
+        y_TD, h_MF, act_MI = torch.ops.anyseek.moe_experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, *plan, save, add_TD)
         ctx.save_for_backward(x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan)
         ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
         return y_TD
@@ -475,7 +482,8 @@ class _RoutedExperts(torch.autograd.Function):
             dx, dw_M, dgu, ddn = torch.ops.anyseek.moe_experts_bwd(
                 dy_TD.contiguous(), x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan
             )
-        return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn, None
+        d_add = dy_TD if ctx.needs_input_grad[6] else None  # the addend's gradient is dy itself
+        return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn, None, d_add
 
 
 def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
@@ -529,11 +537,14 @@ def routed_experts(
     topk_weights_TK: torch.Tensor,
     gate_up_proj_EFD: torch.Tensor,
     down_proj_EDI: torch.Tensor,
+    add_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton routed experts; shapes and maths as `anyseek.kernels.routed_experts`. -> [T, D] in x's dtype.
 
     x, gate_up_proj and down_proj are computed in one dtype (under autocast: the autocast dtype, as autocast
-    would cast them for a matmul); topk_weights may be any float dtype (read as fp32)."""
+    would cast them for a matmul); topk_weights may be any float dtype (read as fp32). add_TD ([T, D] or None):
+    added to the output; where it has the dtype the experts compute and return in, inside the combine's fp32 sum
+    (one rounding, no separate add)."""
     T, D = x_TD.shape
     E, F, D2 = gate_up_proj_EFD.shape
     if topk_ids_TK.shape != topk_weights_TK.shape or topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != T:
@@ -554,8 +565,11 @@ def routed_experts(
         # torch.compile traces the step (the destination is state outside the traced graph)
         same = gu is gate_up_proj_EFD and dn is down_proj_EDI and not torch.compiler.is_compiling()
         params = (gate_up_proj_EFD, down_proj_EDI) if same else None
-        y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn, params)
-    return y.to(out_dtype)
+        fold = add_TD is not None and add_TD.shape == (T, D) and add_TD.dtype == dtype == out_dtype
+        y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn, params,
+                                 add_TD.contiguous() if fold else None)  # fmt: skip
+    y = y.to(out_dtype)
+    return y + add_TD if add_TD is not None and not fold else y
 
 
 __all__ = ["build_plan", "build_plan_torch", "experts_bwd", "experts_bwd_lora", "experts_fwd", "experts_fwd_lora",
