@@ -4,7 +4,7 @@ deterministic fp32 combine; forward and backward as torch.library custom ops wra
     plan      ids [T, K] -> rows sorted by expert (stable): slot [M], tok [M], offs [E+1], tile map [n_ub]
     forward   act_MI = silu(x[tok] Wg_e^T) * (x[tok] Wu_e^T) * w[slot]      (GEMM 1, SwiGLU epilogue; h kept)
               y_slot[slot] = act_MI Wd_e^T                                   (GEMM 2, scattered to token order)
-              y_TD = sum_k y_slot[t, k]  in fp32                             (fixed order: deterministic)
+              y_TD = [add_TD +] sum_k y_slot[t, k]  in fp32                  (fixed order: deterministic)
     backward  d_act = dy[tok] Wd_e -> dh = [dg, du], dw partials             (GEMM 3, dSwiGLU epilogue)
               dWd_e = dy[tok]^T act_MI,  dWgu_e = dh^T x[tok]                (grouped weight-gradient GEMMs)
               dx_slot[slot] = dh Wgu_e,  dx_TD = sum_k dx_slot[t, k] in fp32 (GEMM 4)
