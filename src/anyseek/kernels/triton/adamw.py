@@ -14,9 +14,9 @@ bf16 moments (`train.moments_dtype=bf16`, DeepSeek-V3's low-precision optimizer 
 updated in fp32 and stored with stochastic rounding (20 bytes per weight instead of 28). The kernel sees them as
 int16 bit patterns (so the Triton interpreter, whose bf16 is broken, runs it too): a bf16 is the high half of an
 fp32, and adding a uniform random 16-bit number to the fp32's bits before dropping the low half rounds up with
-probability equal to the dropped fraction, so the rounding is unbiased (round-to-nearest would freeze a moment
-whose update is below half a bf16 ulp, 2^-9 of it: every step of v with beta2 >= 0.998). The random numbers are a
-hash of (seed, element): deterministic, so a resumed run rounds as the uninterrupted one did.
+probability equal to the dropped fraction, so the rounding is unbiased (round-to-nearest loses every update below
+half a bf16 ulp, 2^-9 of the value: most of v's with beta2 >= 0.998). The random numbers are a hash of (seed,
+element): deterministic, so a resumed run rounds as the uninterrupted one did.
 """
 
 from __future__ import annotations
