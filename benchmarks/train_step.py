@@ -443,6 +443,9 @@ def main() -> None:
                     gathered[case] += r["times"]
                     mems[case] = max(mems.get(case, 0.0), r["mem"])
                     this[case] = statistics.median(r["times"]) * 1e3
+                    # each case's numbers as soon as it ends (the table comes at the end; a timeout keeps these)
+                    print(f"done {case}: {this[case]:.1f} ms/step, {args.tokens / this[case] * 1e3:,.0f} tokens/s, "
+                          f"MFU {r['mfu']:.1%}, peak {r['mem']:.1f} GiB", flush=True)
                 if args.repeat > 1:
                     ratios = [f"{c} {this['hf'] / ms:.2f}x" for c, ms in this.items() if c != "hf" and "hf" in this]
                     print(f"round {rnd + 1}/{args.repeat}: " + ", ".join(f"{c} {ms:.1f} ms" for c, ms in this.items())
