@@ -245,3 +245,29 @@ def test_gpu_no_recompile_and_deterministic():
 
 if __name__ == "__main__":
     _worker()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_addend_in_the_combine(dtype):
+    """The shared experts' output summed inside the combine: against the fp32 experts + addend, within 2x the error of
+    adding it after (two roundings); the addend's gradient is dy, the others as without it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.triton import moe
+
+    x, ids, w, gu, dn, dy = (t.cuda() for t in accuracy.moe_inputs(3001, 256, 128, 16, 4, "skewed", 9))
+    add = torch.randn(3001, 256, device="cuda")
+    truth = moe.routed_experts(x, ids, w, gu, dn).double() + add.double()  # fp32 everywhere
+    low = [t.to(dtype).requires_grad_() for t in (x, gu, dn, add)]
+    y = moe.routed_experts(low[0], ids, w, low[1], low[2], add_TD=low[3])
+    xd, gd, dd, ad = (t.detach() for t in low)
+    after = moe.routed_experts(xd, ids, w, gd, dd) + ad  # rounded, then added and rounded again
+    err, err_after = (y.double() - truth).abs().max().item(), (after.double() - truth).abs().max().item()
+    assert err <= 2 * err_after + 1e-6, (err, err_after)
+    (y * dy.to(dtype)).sum().backward()
+    assert torch.equal(low[3].grad, dy.to(dtype))
+    plain = [t.detach().clone().requires_grad_() for t in low[:3]]
+    (moe.routed_experts(plain[0], ids, w, plain[1], plain[2]) * dy.to(dtype)).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(low[:3], plain))
