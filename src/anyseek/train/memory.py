@@ -6,7 +6,8 @@
 Parameters are counted exactly on a model built on the meta device (LoRA applied there too); activations come from
 a per-token, per-layer count of the tensors autograd keeps. Against peaks measured on an H100 (docs/benchmarks.md):
 the default GPU step (`train.working_copy`, CUDA graphs) of the `small` flavor at 8,192 tokens 10.49 GiB
-estimated, 10.5 measured, and LoRA rank 16 on it 4.16 estimated, 4.1 measured (32,768 tokens: 19.5 estimated,
+estimated, 10.5 measured (with train.moments_dtype=bf16 8.68 estimated, 8.7 measured; 32,768 tokens 17.66 and
+17.6), and LoRA rank 16 on it 4.16 estimated, 4.1 measured (32,768 tokens: 19.5 estimated,
 19.6 measured before the loss held one chunk of logits at a time); the autocast step (`train.working_copy=false`)
 is estimated ~15% low (its fp32 residual and the casts autocast keeps are counted only in part; not re-measured
 since the fusions).
