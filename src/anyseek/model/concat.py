@@ -92,10 +92,11 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale * (a @ b) in one matmul (addmm's alpha; beta 0: its input is not read)."""
+    """scale * (a @ b) in one matmul (addmm's alpha; with beta 0 its input, a [1, 1] view of b that broadcasts, is
+    not read: no tensor made for it)."""
     if scale == 1.0:
         return a @ b
-    return torch.addmm(a.new_zeros(()), a, b, beta=0.0, alpha=scale)
+    return torch.addmm(b[:1, :1], a, b, beta=0.0, alpha=scale)
 
 
 class _LowRankLinear(torch.autograd.Function):
