@@ -100,10 +100,12 @@ class ExpertParallelExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(distribute_tensor(gate_up_proj.detach(), mesh, placements))
         self.down_proj = nn.Parameter(distribute_tensor(down_proj.detach(), mesh, placements))
 
-    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         gate_up = self.gate_up_proj.to_local(grad_placements=self.gate_up_proj.placements)
         down = self.down_proj.to_local(grad_placements=self.down_proj.placements)
-        return dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, self.mesh.get_group("ep"))
+        y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, self.mesh.get_group("ep"))
+        return y_TD if add_TD is None else y_TD + add_TD
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:

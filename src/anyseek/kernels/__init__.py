@@ -71,14 +71,12 @@ def routed_experts(
 
     x [T, D], topk_ids int [T, K], topk_weights [T, K] (already normalised and scaled by the router),
     gate_up_proj [E, 2*I, D] (rows 0..I-1 the gate projection, I..2I-1 the up projection; nn.Linear layout),
-    down_proj [E, D, I]; add_TD [T, D] or None: a term added to the output (the shared experts'; the Triton backend
-    sums it with the K experts' rows in one fp32 pass). Returns y [T, D] in x's dtype (promoted with add's).
+    down_proj [E, D, I]; add_TD [T, D] or None: a term added to the output (the shared experts'; every backend takes
+    it, the Triton one sums it with the K experts' rows in one fp32 pass). Returns y [T, D] in x's dtype (promoted
+    with add's).
     """
-    fn, name, _ = registry.choose("routed_experts", x_TD)
-    if add_TD is not None and name == "triton":
-        return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, add_TD=add_TD)
-    y = fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI)
-    return y if add_TD is None else y + add_TD
+    fn = registry.get("routed_experts", x_TD)
+    return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, add_TD=add_TD)
 
 
 def mla_decode(

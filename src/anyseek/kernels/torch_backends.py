@@ -227,8 +227,9 @@ def grouped_mm_routed_experts(
     topk_weights_TK: torch.Tensor,
     gate_up_proj_EFD: torch.Tensor,
     down_proj_EDI: torch.Tensor,
+    add_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The `grouped_mm` backend of routed_experts: the reference maths (`kernels.reference.moe`) through `torch._grouped_mm` (bf16, CUDA sm90+): no host sync and two matmul
+    """The `grouped_mm` backend of routed_experts (add_TD: added to the output): the reference maths (`kernels.reference.moe`) through `torch._grouped_mm` (bf16, CUDA sm90+): no host sync and two matmul
     launches per call instead of two per expert. Check `grouped_mm_available` first."""
     E, I = gate_up_proj_EFD.shape[0], down_proj_EDI.shape[-1]
     out_dtype = x_TD.dtype
@@ -240,7 +241,8 @@ def grouped_mm_routed_experts(
     h_MF = torch._grouped_mm(x_MD, gate_up_proj_EFD.transpose(1, 2), offs=offs_E)
     act_MI = F.silu(h_MF[:, :I]) * h_MF[:, I:]
     y_MD = torch._grouped_mm(act_MI, down_proj_EDI.transpose(1, 2), offs=offs_E)
-    return moe_ref.unpermute(y_MD, order_M, topk_weights_TK).to(out_dtype)
+    y_TD = moe_ref.unpermute(y_MD, order_M, topk_weights_TK).to(out_dtype)
+    return y_TD if add_TD is None else y_TD + add_TD
 
 
 def grouped_mm_available(example: torch.Tensor) -> tuple[bool, str]:

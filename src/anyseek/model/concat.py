@@ -111,10 +111,9 @@ class _LowRankLinear(torch.autograd.Function):
         u = (x if xd is None else xd) @ A.t()
         y = x @ W.t()
         r0 = 0
-        for at, B in zip(starts, Bs):
+        for at, B in zip(starts, Bs):  # (slices of y and u: views, written in place)
             o, r = B.shape
-            target = y if (at == 0 and o == y.shape[1]) else y[:, at:at + o]
-            target.addmm_(u[:, r0:r0 + r] if len(Bs) > 1 else u, B.t(), alpha=scale)
+            y[:, at:at + o].addmm_(u[:, r0:r0 + r], B.t(), alpha=scale)
             r0 += r
         ctx.save_for_backward(x, W, A, u, xd, *Bs)
         ctx.scale, ctx.starts = scale, starts
@@ -124,9 +123,9 @@ class _LowRankLinear(torch.autograd.Function):
     def backward(ctx, g):
         x, W, A, u, xd, *Bs = ctx.saved_tensors
         s, starts = ctx.scale, ctx.starts
-        one = len(Bs) == 1 and starts[0] == 0 and Bs[0].shape[0] == g.shape[1]
-        gs = [g] if one else [g[:, at:at + B.shape[0]] for at, B in zip(starts, Bs)]
-        gB = torch.cat([gi @ B for gi, B in zip(gs, Bs)], dim=1) if len(Bs) > 1 else gs[0] @ Bs[0]
+        gs = [g[:, at:at + B.shape[0]] for at, B in zip(starts, Bs)]  # each block's output columns (views)
+        gBs = [gi @ B for gi, B in zip(gs, Bs)]
+        gB = torch.cat(gBs, dim=1) if len(gBs) > 1 else gBs[0]
         dx = dW = dA = dxd = None
         need = ctx.needs_input_grad
         if need[0]:
@@ -142,7 +141,7 @@ class _LowRankLinear(torch.autograd.Function):
         dBs, r0 = [], 0
         for gi, B, n in zip(gs, Bs, need[6:]):
             r = B.shape[1]
-            dBs.append(_scaled_mm(gi.t(), u[:, r0:r0 + r] if len(Bs) > 1 else u, s) if n else None)
+            dBs.append(_scaled_mm(gi.t(), u[:, r0:r0 + r], s) if n else None)
             r0 += r
         return dx, dW, dA, dxd, None, None, *dBs
 

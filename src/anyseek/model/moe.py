@@ -78,9 +78,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts' weights, stacked: gate_up_proj [E, 2I, D] (rows :I gate, I: up), down_proj [E, D, I]."""
-
-    takes_addend = True  # forward(..., add_TD): a [T, D] term added to the output (see kernels.routed_experts)
+    """Routed experts' weights, stacked: gate_up_proj [E, 2I, D] (rows :I gate, I: up), down_proj [E, D, I].
+    forward(x, topk_ids, topk_weights, add_TD=None): modules that replace it from outside (LoRA, expert
+    parallelism) take the same arguments."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -117,12 +117,9 @@ class MoE(nn.Module):
         still routed. The balance loss needs `layout` (its sequences are the layout's documents)."""
         scores_TE, topk_ids_TK, weights_TK = self.gate(x_TD)
         shared_TD = self.shared_experts(x_TD) if hasattr(self, "shared_experts") else None
-        if shared_TD is not None and getattr(self.experts, "takes_addend", False):  # summed with the routed rows
-            y_TD = self.experts(x_TD, topk_ids_TK, weights_TK, add_TD=shared_TD)
-        else:  # (experts wrapped from outside: LoRA, expert parallelism)
-            y_TD = self.experts(x_TD, topk_ids_TK, weights_TK)  # fp32 weights; the output is in x's dtype
-            if shared_TD is not None:
-                y_TD = y_TD + shared_TD
+        # the shared experts' output is added by the experts (summed with the routed rows where the kernel can);
+        # fp32 routing weights, the output in x's dtype
+        y_TD = self.experts(x_TD, topk_ids_TK, weights_TK, add_TD=shared_TD)
         with torch.no_grad():  # index_add, not bincount: no host sync on GPUs
             counted_M = (
                 torch.ones(topk_ids_TK.numel(), device=x_TD.device) if token_mask_T is None

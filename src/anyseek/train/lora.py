@@ -170,7 +170,8 @@ class LoRAExperts(nn.Module):
         """(gate_up [E, F, D], down [E, D, I]) = W + s * B A per expert: one batched matmul each."""
         return self.gate_up_proj, self.down_proj
 
-    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         from anyseek import kernels
         from anyseek.kernels import registry
 
@@ -180,11 +181,12 @@ class LoRAExperts(nn.Module):
             # kept for backward (kernels/triton/moe.py: lora_routed_experts)
             from anyseek.kernels.triton.moe import lora_routed_experts
 
-            return lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
+            y_TD = lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
                                        self.base.down_proj, self.gate_up_lora_A, self.gate_up_lora_B,
                                        self.down_lora_A, self.down_lora_B, self.scale)  # fmt: skip
+            return y_TD if add_TD is None else y_TD + add_TD
         gate_up_EFD, down_EDI = self.effective()
-        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI)
+        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD)
 
     def merged(self) -> Experts:
         with torch.no_grad():

@@ -66,7 +66,7 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     accumulate = run_cfg.train.grad_accum > 1
     grad_bytes = 4 if accumulate or not working_copy else 2  # the working copy's flat gradients: bf16 unless summed
     # AdamW's two moments: fp32, or bf16 with the working copy's optimizer (train.moments_dtype)
-    moment_bytes = 4 if working_copy and getattr(run_cfg.train, "moments_dtype", "fp32") == "bf16" else 8
+    moment_bytes = 4 if working_copy and run_cfg.train.moments_dtype == "bf16" else 8
     if lora_spec is None:
         n = model.num_parameters()
         weights, grads, optimizer = 4 * n, grad_bytes * n, moment_bytes * n

@@ -242,7 +242,7 @@ def build_flat_adamw(working: WorkingCopy, cfg) -> FlatAdamW:
     decay = [p for p in working.trained if p.dim() >= 2]
     no_decay = [p for p in working.trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[getattr(cfg, "moments_dtype", "fp32")]
+    moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.moments_dtype]
     return FlatAdamW(groups, working, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, moments)
 
 

@@ -62,7 +62,7 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
         return
     g = grad.float() / scale
     p.mul_(1.0 - lr * weight_decay)
-    m32, v32 = m.float(), v.float()
+    m32, v32 = m.float(), v.float()  # fp32 moments: these are m and v themselves, updated in place
     m32.lerp_(g, 1.0 - beta1)
     v32.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     denom = (v32.sqrt() / math.sqrt(1.0 - beta2**step)).add_(eps)
@@ -71,9 +71,6 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
         r_m, r_v = random16(p.numel(), seed, p.device)
         m.copy_(round_bf16_stochastic(m32, r_m))
         v.copy_(round_bf16_stochastic(v32, r_v))
-    elif m32 is not m:
-        m.copy_(m32)
-        v.copy_(v32)
     if low is not None:
         low.copy_(p)
 

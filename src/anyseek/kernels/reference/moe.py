@@ -85,8 +85,10 @@ def routed_experts(
     topk_weights_TK: torch.Tensor,
     gate_up_proj_EFD: torch.Tensor,
     down_proj_EDI: torch.Tensor,
+    add_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k]. -> [T, D] in x's dtype.
+    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]) (+ add[t]), e = topk_ids[t,k]. -> [T, D] in x's
+    dtype (promoted with add's).
 
     One host sync (the per-expert row counts).
     """
@@ -99,4 +101,5 @@ def routed_experts(
     x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)
     w_M = sorted_weights(topk_weights_TK, order_M)
     y_MD = grouped_swiglu(x_MD, counts_E.tolist(), gate_up_proj_EFD, down_proj_EDI, w_M)  # rows already weighted
-    return combine(y_MD, order_M, *topk_ids_TK.shape).to(x_TD.dtype)
+    y_TD = combine(y_MD, order_M, *topk_ids_TK.shape).to(x_TD.dtype)
+    return y_TD if add_TD is None else y_TD + add_TD
