@@ -165,7 +165,7 @@ class Trainer:
         else:
             if t.moments_dtype != "fp32":
                 raise ConfigError(f"train.moments_dtype={t.moments_dtype} needs the working copy's optimizer, and "
-                                  f"this run has none ({self.working_note})")
+                                  f"this run has none; weights: {self.working_note}")
             self.optimizer = build_optimizer(self.model, t, self.device)
         self.forward = torch.compile(self.model) if t.compile else self.model
         self.graphs, self.graphs_note = self._step_graphs()
