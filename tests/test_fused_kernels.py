@@ -52,9 +52,11 @@ def norm_errors(lead, D, x_dtype, w_dtype, strided, device, seed=0):
             for what, o, t, r in zip(("out", "dx", "dw"), ours, torch_low, want)]
 
 
-def add_norm_errors(lead, D, x_dtype, y_dtype, w_dtype, use_h, device, seed=0):
+def add_norm_errors(lead, D, x_dtype, y_dtype, w_dtype, use_h, device, seed=0, uses=(True,)):
     """[(what, err kernel, err torch)] for add_rms_norm's h, out, dx, dy and dw against an fp32 (fp64 on GPU)
-    reference. use_h: the residual h feeds the loss too (its gradient is added in the kernel), else only the norm."""
+    reference. use_h: the residual h feeds the loss too (its gradient is added in the kernel), else only the norm.
+    uses: the output asked for len(uses) times (`copies`), each copy with its own gradient where True and unused
+    where False (the kernel sums the copies' gradients)."""
     from anyseek.kernels.reference.norm import add_rms_norm as ref
     from anyseek.kernels.triton.rmsnorm import add_rms_norm as fused
 
@@ -63,16 +65,22 @@ def add_norm_errors(lead, D, x_dtype, y_dtype, w_dtype, use_h, device, seed=0):
     y0 = (torch.randn(*lead, D, generator=g) * 2).to(device=device)
     w0 = (1 + 0.5 * torch.randn(D, generator=g)).to(device=device)
     dh = torch.randn(*lead, D, generator=g).to(device=device)
-    dout = torch.randn(*lead, D, generator=g).to(device=device)
+    douts = [torch.randn(*lead, D, generator=g).to(device=device) for _ in uses]
     exact = torch.float64 if device != "cpu" else torch.float32
 
     def run(fn, dx_, dy_, dw_):
         x = x0.detach().to(dx_).requires_grad_()
         y = y0.detach().to(dy_).requires_grad_()
         w = w0.detach().to(dw_).requires_grad_()
-        h, out = fn(x, y, w, 1e-6)
-        loss = (out * dout.to(out.dtype)).sum() + ((h * dh.to(h.dtype)).sum() if use_h else 0)
+        h, *outs = fn(x, y, w, 1e-6, len(uses))
+        assert len(outs) == len(uses)
+        out = outs[0]
+        loss = sum((o * d.to(o.dtype)).sum() for o, d, u in zip(outs, douts, uses) if u)
+        loss = loss + ((h * dh.to(h.dtype)).sum() if use_h else 0)
         loss.backward()
+        if not any(uses):
+            assert w.grad is None
+            w.grad = torch.zeros_like(w)
         return [t.detach().to(exact) for t in (h, out, x.grad, y.grad, w.grad)], (h.dtype, out.dtype)
 
     want, _ = run(ref, exact, exact, exact)
@@ -90,6 +98,10 @@ ADD_NORM_CASES = [
     ("fp16_fp32_w_norm_only", (19,), 33, "float16", "float16", "float32", False),
     ("fp32_residual_fp16_branch", (11,), 48, "float32", "float16", "float32", True),
     ("one_row", (1,), 7, "float32", "float32", "float32", True),
+    ("fp16_three_copies", (13,), 64, "float16", "float16", "float32", True, (True, True, True)),
+    ("fp32_three_copies_middle_unused", (9,), 40, "float32", "float32", "float32", False, (True, False, True)),
+    ("fp16_two_copies_first_unused", (17,), 33, "float16", "float16", "float16", True, (False, True)),
+    ("fp32_copies_all_unused", (5,), 24, "float32", "float32", "float32", True, (False, False, False)),
 ]
 
 
@@ -277,8 +289,9 @@ def _worker() -> None:
     for name, lead, D, xd, wd, strided in NORM_CASES:
         table = norm_errors(lead, D, getattr(torch, xd), getattr(torch, wd), strided, "cpu")
         results[f"rms_norm_{name}"] = {"pass": passes(table), "table": table}
-    for name, lead, D, xd, yd, wd, use_h in ADD_NORM_CASES:
-        table = add_norm_errors(lead, D, getattr(torch, xd), getattr(torch, yd), getattr(torch, wd), use_h, "cpu")
+    for name, lead, D, xd, yd, wd, use_h, *uses in ADD_NORM_CASES:
+        table = add_norm_errors(lead, D, getattr(torch, xd), getattr(torch, yd), getattr(torch, wd), use_h, "cpu",
+                                uses=uses[0] if uses else (True,))  # fmt: skip
         results[f"add_norm_{name}"] = {"pass": passes(table), "table": table}
     for name, N, I, dt, strided in SWIGLU_CASES:
         table = swiglu_errors(N, I, getattr(torch, dt), "cpu", strided)
@@ -384,6 +397,15 @@ def test_gpu_add_rms_norm(x_dtype, D, use_h):
             continue
         table = add_norm_errors((4099,), D, x_dtype, y_dtype, w_dtype, use_h, "cuda")
         assert passes(table, atol=1e-5), (y_dtype, w_dtype, table)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("uses", [(True, True, True), (True, False, True), (False, True)])
+def test_gpu_add_rms_norm_copies(x_dtype, uses):
+    """The MoE's input: the normalised h once per reader, their gradients summed in the norm's backward."""
+    table = add_norm_errors((4099,), 1024, x_dtype, x_dtype, torch.float32, True, "cuda", uses=uses)
+    assert passes(table, atol=1e-5), table
 
 
 @pytest.mark.cuda

@@ -234,3 +234,27 @@ def test_router_matches_official_semantics(scoring, normalize):
     order, ref_order = ids.sort(dim=-1), ref_ids.sort(dim=-1)
     assert torch.equal(order.values, ref_order.values)
     torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
+
+
+def test_moe_input_as_one_copy_per_reader():
+    """MoE.forward takes x or `input_copies` tensors of it (router, routed, shared experts), as the norm before it
+    hands them out so that its backward can sum their gradients: the same output and gradients either way."""
+    config = ModelConfig.from_name("tiny")
+    torch.manual_seed(0)
+    moe = DeepSeekV3(config).model.layers[1].mlp
+    assert moe.input_copies == (3 if config.n_shared_experts else 2)
+    x = torch.randn(31, config.hidden_size)
+    dy = torch.randn(31, config.hidden_size)
+    grads = []
+    for as_copies in (False, True):
+        moe.zero_grad()
+        xs = [x.clone().requires_grad_() for _ in range(moe.input_copies if as_copies else 1)]
+        y, _ = moe(tuple(xs) if as_copies else xs[0])
+        y.backward(dy)
+        grads.append((y.detach(), sum(t.grad for t in xs), [p.grad.clone() for p in moe.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+    for a, b in zip(grads[0][2], grads[1][2]):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="copies"):
+        moe((x, x)) if moe.input_copies == 3 else moe((x, x, x))

@@ -105,14 +105,18 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
     return fn(x, weight_D, eps)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float, copies: int = 1
+                 ) -> tuple[torch.Tensor, ...]:
     """The residual add and the RMSNorm after it: (h, rms_norm(h, weight, eps)) with h = x + y in the promotion of
-    x's and y's dtypes. x, y [..., D] of one shape."""
+    x's and y's dtypes. x, y [..., D] of one shape. copies (1-3): the normalised h is returned that many times,
+    (h, out_1, ..., out_copies), one per consumer; a backend may then sum the consumers' gradients inside its own
+    backward instead of autograd adding them one [..., D] pass at a time (the MoE's three inputs)."""
     if x.shape != y.shape:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and y {tuple(y.shape)} must have one shape")
+    if not 1 <= copies <= 3:
+        raise ValueError(f"add_rms_norm: copies must be 1, 2 or 3, got {copies}")
     fn = registry.get("add_rms_norm", x)
-    return fn(x, y, weight_D, eps)
+    return fn(x, y, weight_D, eps, copies)
 
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:

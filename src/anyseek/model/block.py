@@ -51,9 +51,10 @@ class DecoderLayer(nn.Module):
         else:
             h_TD, x_TD = self.input_layernorm.add_forward(h_TD, pending)
         a_TD = self.self_attn(x_TD, layout)
-        h_TD, x_TD = self.post_attention_layernorm.add_forward(h_TD, a_TD)  # h + a, and its norm
         if not self.is_moe:
+            h_TD, x_TD = self.post_attention_layernorm.add_forward(h_TD, a_TD)  # h + a, and its norm
             y_TD, stats = self.mlp(x_TD), None
-        else:
-            y_TD, stats = self.mlp(x_TD, layout, token_mask_T, want_balance_loss)
+        else:  # the norm once per reader of it, so that its backward sums their gradients (no [T, D] adds)
+            h_TD, *x_TD = self.post_attention_layernorm.add_forward(h_TD, a_TD, self.mlp.input_copies)
+            y_TD, stats = self.mlp(tuple(x_TD), layout, token_mask_T, want_balance_loss)
         return ((h_TD, y_TD) if defer else h_TD + y_TD), stats

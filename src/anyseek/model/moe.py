@@ -105,21 +105,34 @@ class MoE(nn.Module):
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
 
+    @property
+    def input_copies(self) -> int:
+        """How many modules read the input x (the router, the routed experts, the shared experts if any): `forward`
+        takes x as one tensor or as that many copies, whose gradients the norm before it can sum in its own
+        backward (`RMSNorm.add_forward(copies=)`)."""
+        return 3 if hasattr(self, "shared_experts") else 2
+
     def forward(
         self,
-        x_TD: torch.Tensor,
+        x_TD: torch.Tensor | tuple[torch.Tensor, ...],
         layout: PackedLayout | None = None,
         token_mask_T: torch.Tensor | None = None,
         want_balance_loss: bool = False,
     ) -> tuple[torch.Tensor, RoutingStats]:
-        """x [T, D] -> (y [T, D], stats). token_mask_T (bool [T], default all): the tokens that count in the expert
-        load and the balance loss (MTP passes False for its filler positions past each document end); every token is
-        still routed. The balance loss needs `layout` (its sequences are the layout's documents)."""
+        """x [T, D] -> (y [T, D], stats). x may also be `input_copies` tensors of the same value, read by the router,
+        the routed experts and the shared experts in that order. token_mask_T (bool [T], default all): the tokens
+        that count in the expert load and the balance loss (MTP passes False for its filler positions past each
+        document end); every token is still routed. The balance loss needs `layout` (its sequences are the layout's
+        documents)."""
+        xs = (x_TD,) * self.input_copies if isinstance(x_TD, torch.Tensor) else tuple(x_TD)
+        if len(xs) != self.input_copies:
+            raise ValueError(f"MoE.forward: x as {len(xs)} copies, expected 1 or {self.input_copies}")
+        x_TD = xs[0]
         scores_TE, topk_ids_TK, weights_TK = self.gate(x_TD)
-        shared_TD = self.shared_experts(x_TD) if hasattr(self, "shared_experts") else None
+        shared_TD = self.shared_experts(xs[2]) if hasattr(self, "shared_experts") else None
         # the shared experts' output is added by the experts (summed with the routed rows where the kernel can);
         # fp32 routing weights, the output in x's dtype
-        y_TD = self.experts(x_TD, topk_ids_TK, weights_TK, add_TD=shared_TD)
+        y_TD = self.experts(xs[1], topk_ids_TK, weights_TK, add_TD=shared_TD)
         with torch.no_grad():  # index_add, not bincount: no host sync on GPUs
             counted_M = (
                 torch.ones(topk_ids_TK.numel(), device=x_TD.device) if token_mask_T is None

@@ -19,10 +19,11 @@ class RMSNorm(nn.Module):
         (`kernels.rms_norm`: one fused kernel each way on GPUs, F.rms_norm's chain elsewhere)."""
         return kernels.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor, copies: int = 1) -> tuple[torch.Tensor, ...]:
         """(h, norm(h)) for the residual h = x + y: the add and the norm in one kernel each way on GPUs
-        (`kernels.add_rms_norm`)."""
-        return kernels.add_rms_norm(x, y, self.weight, self.eps)
+        (`kernels.add_rms_norm`). copies > 1: (h, norm(h), ...) with norm(h) that many times, one per consumer, so
+        that the norm's backward sums their gradients itself."""
+        return kernels.add_rms_norm(x, y, self.weight, self.eps, copies)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -16,8 +16,10 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
     return weight_D * y.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h)) with h = x + y (the residual stream, in the promotion of x's and y's dtypes)."""
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float, copies: int = 1
+                 ) -> tuple[torch.Tensor, ...]:
+    """(h, rms_norm(h), ...) with h = x + y (the residual stream, in the promotion of x's and y's dtypes) and the
+    normalised h given `copies` times (one per consumer; here the same tensor, whose gradients autograd sums)."""
     h = x + y
-    return h, rms_norm(h, weight_D, eps)
+    out = rms_norm(h, weight_D, eps)
+    return (h, *([out] * copies))

@@ -37,8 +37,9 @@ from anyseek.kernels.triton.moe_gemm import (
 # the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight
 # gradients. BLOCK_M must be equal in "gemm", "swiglu" and "dswiglu": the routing plan's row tiles serve all.
 # - hopper (sm_90) and blackwell_dc (sm_100/103, 228 KB shared memory per SM): swept on an H100 (benchmarks/moe.py
-#   --tune, docs/benchmarks.md): wgrad 128x128x64 tiles, 8 warps, 4 stages (32 KB per stage; 128x256, 256x128, 4 or
-#   16 warps, 3 stages, BLOCK_K 32 all 1-9% slower); gemm 128x256x64 with 16 warps and 4 stages (48 KB per stage):
+#   --tune, docs/benchmarks.md): wgrad 128x128x64 tiles, 8 warps, 6 stages (32 KB per stage: the gathered rows'
+#   latency wants a deep pipeline; each kernel alone at small 32k, 4 -> 6 stages: 652 -> 571 us and 337 -> 303 us,
+#   5 and 7 stages slower than 6; 128x256, 256x128, 4 or 16 warps, BLOCK_K 32 with 6-10 stages all slower); gemm 128x256x64 with 16 warps and 4 stages (48 KB per stage):
 #   the whole op's forward+backward 4-7% faster than 128x128 with 8 warps (small 32k 3.40 -> 3.20 ms, 16B 16k 12.74
 #   -> 12.25, 671B 8k 57.9 -> 54.0; with 8 warps 128x256 spilled and was 60% slower); the SwiGLU GEMM with two
 #   128-wide accumulators and 3 stages (48 KB per stage) was 3% faster than 64-wide ones with 4, and 1-3% faster
@@ -53,7 +54,7 @@ from anyseek.kernels.triton.moe_gemm import (
 # 13.00, 671B 8k 59.0 -> 57.8 (128x64 tiles with 8 warps: 3.68, 1.07, 13.29, 60.7). Elsewhere not measured: half the
 # gemm's columns.
 _TABLE = {
-    "hopper": {"gemm": (128, 256, 64, 16, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 4),
+    "hopper": {"gemm": (128, 256, 64, 16, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 6),
                "dswiglu": (128, 128, 64, 16, 4)},
     "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4),
                   "dswiglu": (128, 64, 32, 8, 4)},
@@ -351,7 +352,7 @@ def _rank_config(device: torch.device, kind: str, r: int) -> dict:
     """Tiles for the rank-r weight gradients: "wgrad_n" (out [E, N1, r]), "wgrad_m" (out [E, r, N2])."""
     rb = _rank_block(r)
     base = _config(device, "wgrad")
-    cfg = {**base, "num_warps": min(base["num_warps"], 4)}
+    cfg = {**base, "num_warps": min(base["num_warps"], 4), "num_stages": min(base["num_stages"], 4)}  # as measured
     return {**cfg, "BLOCK_M": rb} if kind == "wgrad_m" else {**cfg, "BLOCK_N": rb}
 
 

@@ -77,7 +77,8 @@ def _grouped_gemm_kernel(
         cols_c = tl.max_contiguous(tl.multiple_of(cols_c, BLOCK_N), BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
-    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols_c[None, :].to(tl.int64) * stride_bn
+    b_ptrs = (b_ptr + e.to(tl.int64) * stride_be) + (ks[:, None] * stride_bk + cols_c[None, :] * stride_bn)  # 32-bit
+    # offsets within expert e's weight (as for C below: 64-bit pointers per element cost registers)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kr = tl.arange(0, RANK)
@@ -123,16 +124,18 @@ def _grouped_gemm_kernel(
     mask = rmask[:, None] & cmask[None, :]
     if SCATTER_C or EPI != 0:
         slots = tl.load(slot_ptr + rows_c).to(tl.int64)
+    # Tiles in row order: a 64-bit base per tile and 32-bit offsets within it (a [BM, BN] tensor of 64-bit
+    # pointers costs two registers per element, and the epilogues run at the register limit).
+    local = tl.arange(0, BLOCK_M)[:, None]
     if SCATTER_C:
-        c_rows = slots
+        c_ptrs = c_ptr + slots[:, None] * stride_cm + cols[None, :]
     else:
-        c_rows = rows.to(tl.int64)
-    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + cols[None, :]
+        c_ptrs = (c_ptr + row0.to(tl.int64) * stride_cm) + (local * stride_cm + cols[None, :])
     if EPI == 0:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         w = tl.load(w_ptr + slots).to(tl.float32)[:, None]
-        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
+        h_ptrs = (h_ptr + row0.to(tl.int64) * stride_hm) + (local * stride_hm + cols[None, :])
         if EPI == 1:
             g = acc
             u = acc_u

@@ -42,10 +42,12 @@ def _rmsnorm_fwd_kernel(X, R, H, W, Y, RSTD, stride_x, stride_r, stride_h, strid
 
 
 @triton.jit
-def _rmsnorm_bwd_kernel(DOUT, X, W, RSTD, DH, DX, DW_PART, stride_do, stride_x, stride_dh, stride_dx, N, D,
-                        rows_per_program, HAS_DH: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+def _rmsnorm_bwd_kernel(DOUT, DOUT2, DOUT3, X, W, RSTD, DH, DX, DW_PART, stride_do, stride_do2, stride_do3, stride_x,
+                        stride_dh, stride_dx, N, D, rows_per_program, N_DOUT: tl.constexpr, HAS_DH: tl.constexpr,
+                        BD: tl.constexpr, BR: tl.constexpr):
     """Program pid: rows [pid * rows_per_program, +rows_per_program), BR rows at a time (several rows' loads in
-    flight: one row per iteration left the kernel latency-bound at twice its memory time on an H100)."""
+    flight: one row per iteration left the kernel latency-bound at twice its memory time on an H100). N_DOUT (1-3):
+    the output's gradients to sum first (one per copy of the output, `add_rms_norm(copies=)`)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     mask = cols < D
@@ -61,6 +63,10 @@ def _rmsnorm_bwd_kernel(DOUT, X, W, RSTD, DH, DX, DW_PART, stride_do, stride_x, 
         x_raw = tl.load(X + rows64 * stride_x + cols[None, :], mask=m2, other=0.0)
         x = x_raw.to(tl.float32)
         dout = tl.load(DOUT + rows64 * stride_do + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if N_DOUT > 1:  # the copies' gradients, summed in fp32 (what autograd would add in bf16, pass by pass)
+            dout += tl.load(DOUT2 + rows64 * stride_do2 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if N_DOUT > 2:
+            dout += tl.load(DOUT3 + rows64 * stride_do3 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)[:, None]
         xhat = x * rstd
         dw += dout * xhat.to(x_raw.dtype).to(tl.float32)
@@ -101,10 +107,14 @@ def _forward(x2, r2, weight, eps, h_dtype):
     return h, y, rstd
 
 
-def _backward(dout, x2, weight, rstd, dh):
-    """(dx [N, D] in x2's dtype, with dh added when given; dw in weight's dtype)."""
+def _backward(douts, x2, weight, rstd, dh):
+    """(dx [N, D] in x2's dtype, with dh added when given; dw in weight's dtype) for the output gradient
+    sum(douts) (1-3 tensors, summed inside the kernel)."""
     N, D = x2.shape
-    do2 = _rows(dout)
+    do = [_rows(d) for d in douts]
+    if not 1 <= len(do) <= 3:
+        raise ValueError(f"fused RMSNorm backward: 1 to 3 output gradients, got {len(do)}")
+    do3 = do + [do[0]] * (3 - len(do))
     dh2 = _rows(dh) if dh is not None else None
     dx = torch.empty((N, D), dtype=x2.dtype, device=x2.device)
     P = _num_programs(N, x2.device)
@@ -114,9 +124,9 @@ def _backward(dout, x2, weight, rstd, dh):
     BR = max(1, min(16, 4096 // BD))  # a [BR, BD] tile of ~4K elements per step
     if N:
         _rmsnorm_bwd_kernel[(P,)](
-            do2, x2, weight, rstd, dh2 if dh2 is not None else do2, dx, dw_part, do2.stride(0), x2.stride(0),
-            dh2.stride(0) if dh2 is not None else 0, dx.stride(0), N, D, rows_per_program, HAS_DH=dh2 is not None,
-            BD=BD, BR=BR, num_warps=min(16, max(4, BR * BD // 512)),
+            *do3, x2, weight, rstd, dh2 if dh2 is not None else do3[0], dx, dw_part, *(d.stride(0) for d in do3),
+            x2.stride(0), dh2.stride(0) if dh2 is not None else 0, dx.stride(0), N, D, rows_per_program,
+            N_DOUT=len(do), HAS_DH=dh2 is not None, BD=BD, BR=BR, num_warps=min(16, max(4, BR * BD // 512)),
         )  # fmt: skip
     return dx, dw_part.sum(0).to(weight.dtype)
 
@@ -133,29 +143,31 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x2, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(dout, x2, weight, rstd, None)
+        dx, dw = _backward([dout], x2, weight, rstd, None)
         return dx.view(ctx.x_shape), dw, None
 
 
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, weight, eps: float):
+    def forward(ctx, x, y, weight, eps: float, copies: int):
         h_dtype = torch.promote_types(x.dtype, y.dtype)
         h, out, rstd = _forward(_rows(x), _rows(y), weight, eps, h_dtype)
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape, ctx.dtypes = x.shape, (x.dtype, y.dtype)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zero tensor to add)
-        return h.view(x.shape), out.view(x.shape)
+        out = out.view(x.shape)
+        return h.view(x.shape), out, *(out.view_as(out) for _ in range(copies - 1))
 
     @staticmethod
-    def backward(ctx, dh, dout):
+    def backward(ctx, dh, *douts):
         h, weight, rstd = ctx.saved_tensors
-        if dout is None:  # only h was used: the add's backward
+        douts = [d for d in douts if d is not None]
+        if not douts:  # only h was used: the add's backward
             dx, dw = dh, None
         else:
-            dx, dw = _backward(dout, h, weight, rstd, dh)
+            dx, dw = _backward(douts, h, weight, rstd, dh)
             dx = dx.view(ctx.shape)
-        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw, None
+        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw, None, None
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,15 +181,18 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
     return _RMSNorm.apply(x, weight_D, eps)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton backend of `kernels.add_rms_norm` (see the module docstring); the reference twin under
-    torch.compile, as `rms_norm`."""
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight_D: torch.Tensor, eps: float, copies: int = 1
+                 ) -> tuple[torch.Tensor, ...]:
+    """The Triton backend of `kernels.add_rms_norm` (see the module docstring): (h, out, and copies - 1 more views
+    of out, whose gradients the backward sums in its own pass); the reference twin under torch.compile, as
+    `rms_norm`."""
+    if not 1 <= copies <= 3:
+        raise ValueError(f"add_rms_norm: copies must be 1, 2 or 3, got {copies}")
     if torch.compiler.is_compiling():
         from anyseek.kernels.reference.norm import add_rms_norm as reference
 
-        return reference(x, y, weight_D, eps)
-    return _AddRMSNorm.apply(x, y, weight_D, eps)
+        return reference(x, y, weight_D, eps, copies)
+    return _AddRMSNorm.apply(x, y, weight_D, eps, copies)
 
 
 def available(example: torch.Tensor) -> tuple[bool, str]:
