@@ -4,7 +4,8 @@
     python benchmarks/moe.py --tune       # the triton backend under several launch settings (16B, 671B shapes)
     python benchmarks/moe.py --bench      # forward and forward+backward: triton, torch._grouped_mm, loop, reference
     python benchmarks/moe.py --lora       # LoRA experts (frozen base, rank-r adapters) vs full fine-tuning's experts
-    --out DIR writes check.md / tune.md / bench.md / lora.md there as well as printing them.
+    python benchmarks/moe.py --kernels    # each of the six grouped GEMMs alone vs cuBLAS bmm on equal expert blocks
+    --out DIR writes check.md / tune.md / bench.md / lora.md / kernels.md there as well as printing them.
 
 Shapes (E experts, I expert width, K experts per token, D hidden): small 32/512/4/1024, 16B (Moonlight)
 64/1408/6/2048, 671B (DeepSeek-V3, one layer) 256/2048/8/7168; balanced routing (K distinct experts drawn
@@ -311,6 +312,73 @@ def tune(out_dir: str | None, cases_arg: str = "16B:16384,671B:16384", graph: bo
     moe._TABLE[row] = base
     emit(lines, out_dir, "tune.md")
 
+# ----------------------------------------------------------------------------------------------------------------
+# each grouped GEMM alone
+
+
+KERNELS = ("swiglu", "down", "dswiglu", "dx", "wgrad_gu", "wgrad_dn")
+
+
+def kernels(out_dir: str | None, cases_arg: str = "small:32768") -> None:
+    """The six grouped GEMMs of one MoE layer's forward and backward, each alone at its shipped launch settings
+    (balanced routing), against cuBLAS `bmm` over equal expert blocks of the same FLOPs (the ceiling a grouped GEMM
+    could reach): where the experts' time goes, kernel by kernel."""
+    import triton
+
+    from anyseek.kernels.triton import moe
+
+    dev = "cuda"
+    lines = [f"Each routed-experts GEMM alone (balanced routing), {env_line()}", "",
+             "| shape | tokens | kernel | launch settings | us | TFLOP/s | cuBLAS bmm us | cuBLAS TFLOP/s "
+             "| vs cuBLAS |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for case in cases_arg.split(","):
+        shape, T = case.split(":")[0], int(case.split(":")[1])
+        E, I, K, D = SHAPES[shape]
+        F_, M, bf = 2 * I, int(T) * K, torch.bfloat16
+        x, ids, w, gu, dn, dy = accuracy.moe_inputs(T, D, I, E, K, "balanced", seed=0)
+        x, dy, gu, dn, ids = x.to(dev, bf), dy.to(dev, bf), gu.to(dev, bf), dn.to(dev, bf), ids.to(dev)
+        w_M = w.to(dev).reshape(-1).float()
+        cfg = {k: moe._config(x.device, k) for k in ("swiglu", "gemm", "dswiglu", "wgrad")}
+        plan = moe.build_plan(ids, E, cfg["gemm"]["BLOCK_M"])
+        act, h = x.new_empty(M, I), x.new_empty(M, F_)
+        moe._gemm(x, gu, moe._nk(gu), act, plan, I, D, cfg["swiglu"], gather=True, epi=moe.EPI_SWIGLU, h=h, w=w_M,
+                  save_h=True, up_cols=I)  # real pre-activations for the dSwiGLU epilogue
+        y_slot, dh, dh_out, dx_slot = x.new_empty(M, D), torch.randn_like(h), torch.empty_like(h), x.new_empty(M, D)
+        dw_parts = torch.empty(M, triton.cdiv(I, cfg["dswiglu"]["BLOCK_N"]), device=dev, dtype=torch.float32)
+        ddn, dgu = torch.empty_like(dn), torch.empty_like(gu)
+        g, sw, ds, wg = cfg["gemm"], cfg["swiglu"], cfg["dswiglu"], cfg["wgrad"]
+        run = {
+            "swiglu": (sw, lambda: moe._gemm(x, gu, moe._nk(gu), act, plan, I, D, sw, gather=True,
+                                             epi=moe.EPI_SWIGLU, h=h, w=w_M, save_h=True, up_cols=I)),
+            "down": (g, lambda: moe._gemm(act, dn, moe._nk(dn), y_slot, plan, D, I, g, scatter=True)),
+            "dswiglu": (ds, lambda: moe._gemm(dy, dn, moe._kn(dn), dh_out, plan, I, D, ds, gather=True,
+                                              epi=moe.EPI_DSWIGLU, h=h, w=w_M, dw=dw_parts, up_cols=I)),
+            "dx": (g, lambda: moe._gemm(dh, gu, moe._kn(gu), dx_slot, plan, D, F_, g, scatter=True)),
+            "wgrad_gu": (wg, lambda: moe._wgrad(dh, None, x, plan[1], dgu, plan[2], wg)),
+            "wgrad_dn": (wg, lambda: moe._wgrad(dy, plan[1], act, None, ddn, plan[2], wg)),
+        }  # fmt: skip
+        R = M // E  # cuBLAS: E equal blocks of R rows, operands laid out as the grouped GEMM reads them
+        a_D, a_I, a_F = (torch.randn(E, R, n, device=dev, dtype=bf) for n in (D, I, F_))
+        b_DF, b_ID = torch.randn(E, D, F_, device=dev, dtype=bf), torch.randn(E, I, D, device=dev, dtype=bf)
+        ceiling = {"swiglu": (a_D, b_DF), "down": (a_I, b_ID), "dswiglu": (a_D, b_ID.transpose(1, 2)),
+                   "dx": (a_F, b_DF.transpose(1, 2)), "wgrad_gu": (a_F.transpose(1, 2), a_D),
+                   "wgrad_dn": (a_D.transpose(1, 2), a_I)}  # fmt: skip
+        fl = {"swiglu": 2 * M * D * F_, "down": 2 * M * I * D, "dswiglu": 2 * M * D * I, "dx": 2 * M * F_ * D,
+              "wgrad_gu": 2 * M * F_ * D, "wgrad_dn": 2 * M * D * I}  # fmt: skip
+        for name in KERNELS:
+            c, fn = run[name]
+            fn()
+            t = triton.testing.do_bench(fn, rep=100)
+            a, b = ceiling[name]
+            tc = triton.testing.do_bench(lambda: torch.bmm(a, b), rep=100)
+            setting = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"])
+            lines.append(f"| {shape} | {T} | {name} | {setting} | {t * 1e3:.0f} | {fl[name] / t / 1e9:.0f} | "
+                         f"{tc * 1e3:.0f} | {fl[name] / tc / 1e9:.0f} | {tc / t:.2f}x |")  # fmt: skip
+            print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    emit(lines, out_dir, "kernels.md")
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -318,6 +386,8 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="store_true")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--lora", action="store_true")
+    p.add_argument("--kernels", action="store_true")
+    p.add_argument("--kernel-cases", default="small:32768,16B:16384", help="--kernels: SHAPE:TOKENS,...")
     p.add_argument("--shapes", default="small,16B,671B")
     p.add_argument("--tokens", default=None, help="token counts for every shape, comma-separated (default: per shape)")
     p.add_argument("--tune-cases", default="16B:16384,671B:16384", help="--tune: SHAPE:TOKENS,... (balanced)")
@@ -336,6 +406,8 @@ def main(argv=None) -> int:
         bench(args.out, shapes, tokens)
     if args.lora:
         lora(args.out, [s for s in args.shapes.split(",") if s != "671B"])
+    if args.kernels:
+        kernels(args.out, args.kernel_cases)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 
