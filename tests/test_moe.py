@@ -258,3 +258,13 @@ def test_moe_input_as_one_copy_per_reader():
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="copies"):
         moe((x, x)) if moe.input_copies == 3 else moe((x, x, x))
+
+
+def test_routed_experts_addend_of_another_shape_is_an_error():
+    from anyseek import kernels
+
+    x, ids, w, gu, dn = random_problem()
+    with pytest.raises(ValueError, match=r"add_TD \(23, 17\) must have x's shape \(23, 16\)"):
+        kernels.routed_experts(x, ids, w, gu, dn, torch.zeros(23, 17))
+    y = kernels.routed_experts(x, ids, w, gu, dn, torch.ones(23, 16))
+    torch.testing.assert_close(y, kernels.routed_experts(x, ids, w, gu, dn) + 1)

@@ -75,6 +75,8 @@ def routed_experts(
     it, the Triton one sums it with the K experts' rows in one fp32 pass). Returns y [T, D] in x's dtype (promoted
     with add's).
     """
+    if add_TD is not None and add_TD.shape != x_TD.shape:
+        raise ValueError(f"routed_experts: add_TD {tuple(add_TD.shape)} must have x's shape {tuple(x_TD.shape)}")
     fn = registry.get("routed_experts", x_TD)
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, add_TD=add_TD)
 

@@ -229,8 +229,9 @@ def grouped_mm_routed_experts(
     down_proj_EDI: torch.Tensor,
     add_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The `grouped_mm` backend of routed_experts (add_TD: added to the output): the reference maths (`kernels.reference.moe`) through `torch._grouped_mm` (bf16, CUDA sm90+): no host sync and two matmul
-    launches per call instead of two per expert. Check `grouped_mm_available` first."""
+    """The `grouped_mm` backend of routed_experts (add_TD: added to the output): the reference maths
+    (`kernels.reference.moe`) through `torch._grouped_mm` (bf16, CUDA sm90+): no host sync and two matmul launches
+    per call instead of two per expert. Check `grouped_mm_available` first."""
     E, I = gate_up_proj_EFD.shape[0], down_proj_EDI.shape[-1]
     out_dtype = x_TD.dtype
     if torch.is_autocast_enabled(x_TD.device.type):  # autocast does not cover _grouped_mm: cast as it would

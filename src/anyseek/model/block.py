@@ -56,5 +56,5 @@ class DecoderLayer(nn.Module):
             y_TD, stats = self.mlp(x_TD), None
         else:  # the norm once per reader of it, so that its backward sums their gradients (no [T, D] adds)
             h_TD, *x_TD = self.post_attention_layernorm.add_forward(h_TD, a_TD, self.mlp.input_copies)
-            y_TD, stats = self.mlp(tuple(x_TD), layout, token_mask_T, want_balance_loss)
+            y_TD, stats = self.mlp(x_TD, layout, token_mask_T, want_balance_loss)
         return ((h_TD, y_TD) if defer else h_TD + y_TD), stats

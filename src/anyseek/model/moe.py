@@ -12,6 +12,7 @@ B documents.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +115,7 @@ class MoE(nn.Module):
 
     def forward(
         self,
-        x_TD: torch.Tensor | tuple[torch.Tensor, ...],
+        x_TD: torch.Tensor | Sequence[torch.Tensor],
         layout: PackedLayout | None = None,
         token_mask_T: torch.Tensor | None = None,
         want_balance_loss: bool = False,

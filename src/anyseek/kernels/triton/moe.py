@@ -39,7 +39,8 @@ from anyseek.kernels.triton.moe_gemm import (
 # - hopper (sm_90) and blackwell_dc (sm_100/103, 228 KB shared memory per SM): swept on an H100 (benchmarks/moe.py
 #   --tune, docs/benchmarks.md): wgrad 128x128x64 tiles, 8 warps, 6 stages (32 KB per stage: the gathered rows'
 #   latency wants a deep pipeline; each kernel alone at small 32k, 4 -> 6 stages: 652 -> 571 us and 337 -> 303 us,
-#   5 and 7 stages slower than 6; 128x256, 256x128, 4 or 16 warps, BLOCK_K 32 with 6-10 stages all slower); gemm 128x256x64 with 16 warps and 4 stages (48 KB per stage):
+#   5 and 7 stages slower than 6; 128x256, 256x128, 4 or 16 warps, BLOCK_K 32 with 6-10 stages all slower);
+#   gemm 128x256x64 with 16 warps and 4 stages (48 KB per stage):
 #   the whole op's forward+backward 4-7% faster than 128x128 with 8 warps (small 32k 3.40 -> 3.20 ms, 16B 16k 12.74
 #   -> 12.25, 671B 8k 57.9 -> 54.0; with 8 warps 128x256 spilled and was 60% slower); the SwiGLU GEMM with two
 #   128-wide accumulators and 3 stages (48 KB per stage) was 3% faster than 64-wide ones with 4, and 1-3% faster
@@ -566,7 +567,7 @@ def routed_experts(
         # torch.compile traces the step (the destination is state outside the traced graph)
         same = gu is gate_up_proj_EFD and dn is down_proj_EDI and not torch.compiler.is_compiling()
         params = (gate_up_proj_EFD, down_proj_EDI) if same else None
-        fold = add_TD is not None and add_TD.shape == (T, D) and add_TD.dtype == dtype == out_dtype
+        fold = add_TD is not None and add_TD.dtype == dtype == out_dtype  # (the seam checked its shape)
         y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn, params,
                                  add_TD.contiguous() if fold else None)  # fmt: skip
     y = y.to(out_dtype)
