@@ -99,9 +99,10 @@ def profile_steps(step, items, out_path: Path | None = None) -> tuple[list[int],
             cats[categorize(e.name)] = cats.get(categorize(e.name), 0.0) + e.device_time / 1e3 / len(items)
         elif e.name in LAUNCH_CALLS:
             host += 1
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
-    if out_path is not None:
-        out_path.write_text(table)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    if out_path is not None:  # every kernel, for comparing two cases' files
+        out_path.write_text(averages.table(sort_by="cuda_time_total", row_limit=-1, max_name_column_width=120))
     return [host // len(items), kernels // len(items)], dict(sorted(cats.items(), key=lambda kv: -kv[1])), table
 
 

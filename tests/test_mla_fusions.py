@@ -173,6 +173,41 @@ def test_low_rank_linear_blocks_and_scale_gradients(dropout_input):
     assert torch.autograd.gradcheck(f, args)
 
 
+@pytest.mark.parametrize("rows", [5, 12])  # fewer rows than input features: added; more: the merged weight
+@pytest.mark.parametrize("blocks", ["one", "partial"])
+def test_low_rank_linear_merged_and_added_paths(rows, blocks):
+    """Both ways of applying the low-rank term (`concat.merge_wanted`): values and every gradient by gradcheck,
+    fp64, with one B over all outputs (a single addmm merge) and with blocks that leave rows of W uncovered."""
+    g = torch.Generator().manual_seed(2)
+    x, W, A = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in ((rows, 7), (9, 7), (5, 7)))  # fmt: skip
+    shapes = [(9, 5)] if blocks == "one" else [(3, 2), (4, 3)]
+    Bs = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
+    starts = [0] if blocks == "one" else [1, 5]
+    assert concat.merge_wanted(rows, W, False) == (rows > 7) and not concat.merge_wanted(rows, W, True)
+
+    def f(x, W, A, *Bs):
+        return concat.low_rank_linear(x, W, A, list(zip(starts, Bs)), None, scale=0.75)
+
+    def dense_B(Bs):  # the block-diagonal B [9, 5] the blocks stand for, differentiable
+        out, r0 = 0, 0
+        for at, B in zip(starts, Bs):
+            out = out + torch.nn.functional.pad(B, (r0, 5 - r0 - B.shape[1], at, 9 - at - B.shape[0]))
+            r0 += B.shape[1]
+        return out
+
+    def want(x, W, A, *Bs):
+        return x @ W.t() + 0.75 * (x @ A.t()) @ dense_B(Bs).t()
+
+    torch.testing.assert_close(f(x, W, A, *Bs), want(x, W, A, *Bs), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(f, (x, W, A, *Bs))
+    # a frozen W and an input without a gradient (LoRA's first layer): the adapters' gradients alone, as wanted
+    xf, Wf = x.detach(), W.detach()
+    gy = torch.randn(rows, 9, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(f(xf, Wf, A, *Bs), (A, *Bs), gy)
+    torch.testing.assert_close(got, torch.autograd.grad(want(xf, Wf, A, *Bs), (A, *Bs), gy), rtol=1e-12, atol=1e-12)
+
+
 def test_working_copy_lays_joined_weights_out_adjacent():
     """train/precision.py keeps each pair the model joins (q_a|kv_a, gate|up) row after row, so cat_rows is a view;
     the model's output and gradients are those of the plain model."""

@@ -99,39 +99,78 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.addmm(b[:1, :1], a, b, beta=0.0, alpha=scale)
 
 
+def merge_wanted(rows: int, W: torch.Tensor, separate_input: bool) -> bool:
+    """Whether `_LowRankLinear` applies the low-rank term through the merged weight W + s B A: when there are more
+    rows than input features (a pass over the [rows, out] output costs more than forming the [out, in] weight; at
+    8k tokens on `small` every adapted layer merges) and the term reads x itself (with dropout it reads xd)."""
+    return not separate_input and rows > W.shape[1]
+
+
+def _merged_weight(W: torch.Tensor, A: torch.Tensor, starts, Bs, scale: float) -> torch.Tensor:
+    """W + s B A in W's dtype, each block B_i added into its own rows (reading A's rows in order), fp32 sums."""
+    if len(Bs) == 1 and starts[0] == 0 and Bs[0].shape[0] == W.shape[0]:
+        return torch.addmm(W, Bs[0], A, alpha=scale)
+    Wm, r0, row = torch.empty_like(W), 0, 0
+    for at, B in zip(starts, Bs):  # each block's rows written once by its addmm; rows no block covers copied
+        o, r = B.shape
+        if at > row:
+            Wm[row:at].copy_(W[row:at])
+        torch.addmm(W[at:at + o], B, A[r0:r0 + r], alpha=scale, out=Wm[at:at + o])
+        r0, row = r0 + r, at + o
+    if row < W.shape[0]:
+        Wm[row:].copy_(W[row:])
+    return Wm
+
+
 class _LowRankLinear(torch.autograd.Function):
     """y = x W^T + s u B^T with u = xd A^T for 2-D x [N, in] (xd: the low-rank term's own input, e.g. x after
     dropout; x where None). B may come in blocks, each adding into its own output columns (layers joined by
-    `fused_linear`: block i reads the i-th rows of A); the scale s is the matmuls' alpha. The low-rank term is
-    added into the base matmul's output (addmm: no [N, out] temporary, no extra pass); in backward dx = g W +
-    s (g B) A the same way, dA = s (g B)^T xd, dB = s g^T u, and W's gradient only where asked for."""
+    `fused_linear`: block i reads the i-th rows of A); the scale s is the matmuls' alpha. Two ways to add the term:
+
+    - merged (`merge_wanted`: many rows, no dropout): y = x (W + s B A)^T, the merged weight formed for this matmul
+      and again in backward (not kept: no weight-sized memory per layer), dx = g (W + s B A). The rank-r products
+      u and g B are still made, for the adapters' gradients;
+    - added: the term added into the base matmul's output (addmm: no [N, out] temporary) and likewise into dx =
+      g W + s (g B) A: a pass over the output and one over dx, which cost more than the merge once N > in.
+
+    Either way dA = s (g B)^T xd, dB = s g^T u, and W's gradient only where asked for. The merged weight is rounded
+    to the compute dtype once (as a merged export is); the sums themselves are fp32 in both."""
 
     @staticmethod
     def forward(ctx, x, W, A, xd, scale, starts, *Bs):
         u = (x if xd is None else xd) @ A.t()
-        y = x @ W.t()
-        r0 = 0
-        for at, B in zip(starts, Bs):  # (slices of y and u: views, written in place)
-            o, r = B.shape
-            y[:, at:at + o].addmm_(u[:, r0:r0 + r], B.t(), alpha=scale)
-            r0 += r
+        merged = merge_wanted(x.shape[0], W, xd is not None)
+        if merged:
+            y = x @ _merged_weight(W, A, starts, Bs, scale).t()
+        else:
+            y = x @ W.t()
+            r0 = 0
+            for at, B in zip(starts, Bs):  # (slices of y and u: views, written in place)
+                o, r = B.shape
+                y[:, at:at + o].addmm_(u[:, r0:r0 + r], B.t(), alpha=scale)
+                r0 += r
         ctx.save_for_backward(x, W, A, u, xd, *Bs)
-        ctx.scale, ctx.starts = scale, starts
+        ctx.scale, ctx.starts, ctx.merged = scale, starts, merged
         return y
 
     @staticmethod
     def backward(ctx, g):
         x, W, A, u, xd, *Bs = ctx.saved_tensors
         s, starts = ctx.scale, ctx.starts
-        gs = [g[:, at:at + B.shape[0]] for at, B in zip(starts, Bs)]  # each block's output columns (views)
-        gBs = [gi @ B for gi, B in zip(gs, Bs)]
-        gB = torch.cat(gBs, dim=1) if len(gBs) > 1 else gBs[0]
-        dx = dW = dA = dxd = None
         need = ctx.needs_input_grad
+        gs = [g[:, at:at + B.shape[0]] for at, B in zip(starts, Bs)]  # each block's output columns (views)
+        gB = None
+        if need[2] or (xd is not None and need[3]) or (need[0] and xd is None and not ctx.merged):
+            gBs = [gi @ B for gi, B in zip(gs, Bs)]
+            gB = torch.cat(gBs, dim=1) if len(gBs) > 1 else gBs[0]
+        dx = dW = dA = dxd = None
         if need[0]:
-            dx = g @ W
-            if xd is None:
-                dx.addmm_(gB, A, alpha=s)
+            if ctx.merged:
+                dx = g @ _merged_weight(W, A, starts, Bs, s)
+            else:
+                dx = g @ W
+                if xd is None:
+                    dx.addmm_(gB, A, alpha=s)
         if xd is not None and need[3]:
             dxd = _scaled_mm(gB, A, s)
         if need[1]:
