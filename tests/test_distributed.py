@@ -109,6 +109,8 @@ def _train(data: str, out: str, overrides: list[str], resume: bool) -> None:
     if trainer.par.env.is_main:
         biases = [m.gate.e_score_correction_bias.tolist() for m in trainer.model.moe_layers()]
         (Path(out) / "biases.json").write_text(json.dumps(biases))
+        replays = trainer.graphs.replays if trainer.graphs is not None else 0
+        (Path(out) / "graphs.json").write_text(json.dumps({"note": trainer.graphs_note, "replays": replays}))
 
 
 def _resume_from_one_process(data: str, out: str, overrides: list[str]) -> None:
@@ -387,18 +389,33 @@ def test_plan_counts_parameters_and_suggests_a_degree_that_fits():
 
 
 # ---------------------------------------------------------------------------------------------- one GPU (cuda)
+def val_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "val"}
+
+
 @pytest.mark.cuda
-def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("graphs", ["auto", "false"])
+def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs):  # noqa: F811
     """torchrun with one rank on a GPU (NCCL, FSDP2 with fp32 compute copies) follows the plain one-process run step
-    by step; its sharded checkpoint resumes in a plain process; the bf16 mixed-precision FSDP2 run trains too."""
-    over = [*STEPS, "--train.device=cuda", "--train.dtype=fp32", "--parallel.param_dtype=fp32"]
+    by step, with its step in CUDA graphs (the default for one rank: FSDP2's gathers and reductions replay inside)
+    and without; so do its evaluations between steps (with graphs no eager backward frees the weights gathered for
+    an evaluation, `Parallel.release` does); its sharded checkpoint resumes in a plain process; the bf16
+    mixed-precision FSDP2 run trains too."""
+    over = [*STEPS, "--train.device=cuda", "--train.dtype=fp32", "--parallel.param_dtype=fp32",
+            "--train.eval_every=4", f"--train.cuda_graphs={graphs}"]
     assert spawn(_train, str(data_dir), str(tmp_path / "fsdp"), over, False, world=1, timeout=300) == [0]
+    used = json.loads((tmp_path / "fsdp" / "graphs.json").read_text())
+    assert (used["replays"] > 0) == (graphs == "auto"), used
     plain = tmp_path / "plain"
-    Trainer(tiny_cfg(data_dir, *over), plain, log=lambda s: None).run()
+    Trainer(tiny_cfg(data_dir, *over[:-1]), plain, log=lambda s: None).run()
     a, b = train_losses(tmp_path / "fsdp"), train_losses(plain)
     assert list(a) == list(range(1, N + 1))
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-4), step
+    va, vb = val_losses(tmp_path / "fsdp"), val_losses(plain)
+    assert len(va) >= 4 and list(va) == list(vb)
+    for step in va:
+        assert va[step] == pytest.approx(vb[step], rel=1e-4), step
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "fsdp", resumed, ignore=shutil.ignore_patterns(LAST))
     (resumed / "metrics.jsonl").unlink()

@@ -24,10 +24,16 @@ def test_config_accepts_auto_true_false_only():
 
 
 def test_reasons_graphs_are_unavailable():
-    assert "CUDA device" in graphs.unavailable(torch.device("cpu"), False, False)
-    assert "torchrun" in graphs.unavailable(torch.device("cuda"), True, False)
-    assert "train.compile" in graphs.unavailable(torch.device("cuda"), False, True)
-    assert graphs.unavailable(torch.device("cuda"), False, False) is None
+    cuda = torch.device("cuda")
+    assert "CUDA device" in graphs.unavailable(torch.device("cpu"), False)
+    assert "train.compile" in graphs.unavailable(cuda, True)
+    assert graphs.unavailable(cuda, False) is None
+    # under torchrun: one rank by default; several only when asked; never with expert parallelism or accumulation
+    assert graphs.unavailable(cuda, False, torchrun=True) is None
+    assert "train.cuda_graphs=true" in graphs.unavailable(cuda, False, torchrun=True, world_size=2)
+    assert graphs.unavailable(cuda, False, torchrun=True, world_size=2, asked=True) is None
+    assert "parallel.ep" in graphs.unavailable(cuda, False, torchrun=True, world_size=2, ep=2, asked=True)
+    assert "grad_accum" in graphs.unavailable(cuda, False, torchrun=True, grad_accum=2, asked=True)
 
 
 def test_cpu_run_says_why_graphs_are_off_and_true_is_an_error(data_dir, tmp_path):  # noqa: F811

@@ -79,6 +79,19 @@ class Parallel:
         mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype)
         return apply_fsdp(model, self.mesh, mp, self.cfg.reshard_after_forward, set(self.expert_params))
 
+    def release(self, model: nn.Module) -> None:
+        """After forwards outside the training step (evaluation, the sample): free the weights FSDP2 gathered for
+        them. The root unit keeps its gathered weights until a backward reshards it; when the step replays as a CUDA
+        graph no eager backward comes, and the next evaluation (or a graph captured later) would take the weights
+        gathered for this one as current. Inactive: nothing."""
+        if not self.active:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over every rank, in place (a no-op for one process)."""
         return all_reduce_sum(t, self.env)

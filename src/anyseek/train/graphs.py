@@ -41,14 +41,28 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def unavailable(device: torch.device, distributed: bool, compiled: bool) -> str | None:
-    """Why the step cannot be captured here (None: it can)."""
+def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False, world_size: int = 1, ep: int = 1,
+                grad_accum: int = 1, asked: bool = False) -> str | None:
+    """Why the step cannot (or, by default, does not) run as CUDA graphs here; None: it does.
+
+    Under torchrun the captured micro-batch holds FSDP2's work too: its hooks run once, while capturing, and the
+    copies and collectives they issue (the gathered weights, the reduced gradients) replay with the rest, so the
+    gradients land in the same sharded `.grad` tensors at every replay. That needs one micro-batch per step and no
+    expert parallelism (its all-to-all reads the counts on the host). One rank: on by default (measured and tested on
+    one GPU). Several ranks: NCCL collectives inside the graph; only when asked (train.cuda_graphs=true) until
+    measured on several GPUs. asked: train.cuda_graphs=true."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (this run is on {device.type})"
-    if distributed:
-        return "CUDA graphs are not used under torchrun (FSDP2's hooks and collectives run on the host)"
     if compiled:
         return "train.compile=true: torch.compile manages its own graphs"
+    if torchrun:
+        if ep > 1:
+            return "expert parallelism (parallel.ep > 1) reads the all-to-all's counts on the host"
+        if grad_accum > 1:
+            return "under torchrun the graphs take one micro-batch per step (train.grad_accum=1)"
+        if world_size > 1 and not asked:
+            return (f"off by default with {world_size} ranks (NCCL collectives inside the graph are not yet measured "
+                    f"on several GPUs); train.cuda_graphs=true turns them on")
     return None
 
 
