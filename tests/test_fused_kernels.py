@@ -280,6 +280,37 @@ def router_errors(T, E, G, TG, K, top2, strided, device, seed=0):
     return [("ids", wrong, 0)]
 
 
+# (name, O, I, r, dtype, out: None | "slice" (rows of a bigger buffer))
+MERGE_CASES = [
+    ("fp32_odd", 37, 100, 3, "float32", None),
+    ("fp16_r16", 64, 128, 16, "float16", None),
+    ("fp16_r20_slice", 19, 150, 20, "float16", "slice"),
+    ("fp32_one_row", 1, 7, 1, "float32", "slice"),
+]
+
+
+def merge_errors(O, I, r, dtype, out, device, seed=0):
+    """[(what, err kernel, err torch)] for low_rank_merge (W + s B A) against an fp64 reference; with out="slice"
+    the kernel writes rows of a bigger buffer, and the rows around them must stay as they were."""
+    from anyseek.kernels.reference.lowrank import low_rank_merge as ref
+    from anyseek.kernels.triton.lowrank import low_rank_merge as fused
+
+    g = torch.Generator().manual_seed(seed)
+    W, B, A = (torch.randn(*s, generator=g) for s in ((O, I), (O, r), (r, I)))
+    want = ref(W.double(), B.double(), A.double(), 0.75)
+    low = [t.to(device=device, dtype=dtype) for t in (W, B, A)]
+    torch_low = ref(*low, 0.75).double().cpu()
+    if out == "slice":
+        buf = torch.full((O + 3, I), 7.0, dtype=dtype, device=device)
+        got = fused(*low, 0.75, out=buf[1:O + 1])
+        untouched = float(((buf[0] != 7).sum() + (buf[O + 1:] != 7).sum()).item())
+    else:
+        got, untouched = fused(*low, 0.75), 0.0
+    assert got.dtype == dtype and got.shape == (O, I)
+    return [("merged", (got.double().cpu() - want).abs().max().item(), (torch_low - want).abs().max().item()),
+            ("rows around out", untouched, 0.0)]
+
+
 def passes(table, atol=1e-5):
     return all(err <= 2 * err_torch + atol for _, err, err_torch in table)
 
@@ -306,6 +337,9 @@ def _worker() -> None:
         table = adamw_errors(n, getattr(torch, gd), getattr(torch, ld) if ld else None, "cpu",
                              moments_dtype=getattr(torch, md[0]) if md else torch.float32)
         results[f"adamw_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
+    for name, O, I, r, dt, out in MERGE_CASES:
+        table = merge_errors(O, I, r, getattr(torch, dt), out, "cpu")
+        results[f"merge_{name}"] = {"pass": passes(table), "table": table}
     for name, *case in ROUTER_CASES:
         table = router_errors(*case, "cpu")
         results[f"router_{name}"] = {"pass": all(err == 0 for _, err, _ in table), "table": table}
@@ -328,7 +362,8 @@ def interp_results():
 @pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES]
                          + [f"adamw_{c[0]}" for c in ADAMW_CASES] + [f"rope_{c[0]}" for c in ROPE_CASES]
                          + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES] + [f"swiglu_{c[0]}" for c in SWIGLU_CASES]
-                         + [f"router_{c[0]}" for c in ROUTER_CASES] + ["router_nan_rows_stay_valid"])
+                         + [f"router_{c[0]}" for c in ROUTER_CASES] + ["router_nan_rows_stay_valid"]
+                         + [f"merge_{c[0]}" for c in MERGE_CASES])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (what, err, err_torch) = {r['table']}"
@@ -468,3 +503,26 @@ def test_gpu_bf16_moments_round_as_the_reference():
 
 if __name__ == "__main__":
     _worker()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(3072, 512, 16), (832, 1024, 32), (1024, 2048, 16), (100, 37, 5)])
+@pytest.mark.parametrize("out", [None, "slice"])
+def test_gpu_low_rank_merge(dtype, shape, out):
+    table = merge_errors(*shape, dtype, out, "cuda")
+    assert passes(table, atol=1e-6), table
+
+
+def test_low_rank_merge_seam_checks_shapes():
+    """The seam names the shapes it got; on the CPU it runs the twin (W + s B A)."""
+    from anyseek import kernels
+
+    W, B, A = torch.randn(4, 6), torch.randn(4, 2), torch.randn(2, 6)
+    torch.testing.assert_close(kernels.low_rank_merge(W, B, A, 0.5), W + 0.5 * B @ A)
+    with pytest.raises(ValueError, match=r"B \(4, 3\)"):
+        kernels.low_rank_merge(W, torch.randn(4, 3), A, 0.5)
+    with pytest.raises(ValueError, match="share a dtype"):
+        kernels.low_rank_merge(W, B.double(), A, 0.5)
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.low_rank_merge(W, B, A, 0.5, out=torch.empty(3, 6))

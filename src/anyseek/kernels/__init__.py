@@ -4,7 +4,8 @@
 (b) the routed experts: `routed_experts` (group tokens by expert, grouped SwiGLU matmul, weighted combine);
 (c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`);
 (d) fused elementwise chains: `rms_norm`, `add_rms_norm` (a residual add and the norm after it),
-    `cross_entropy_rows` (the output head's loss between its matmuls), `rope_rotate` (MLA's rope dims), `swiglu`;
+    `cross_entropy_rows` (the output head's loss between its matmuls), `rope_rotate` (MLA's rope dims), `swiglu`,
+    `low_rank_merge` (a weight plus its low-rank update, LoRA's merged weight);
 (e) the trainer's optimizer step over flat buffers: `adamw_flat`, `sq_norm` (train/precision.py; not the model's).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
@@ -214,11 +215,27 @@ def grad_destination(param: torch.Tensor) -> torch.Tensor | None:
     return buffer[start:start + param.numel()].view(param.shape)
 
 
+def low_rank_merge(W: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """W + scale * B A -> [O, I] in W's dtype, from W [O, I], B [O, r], A [r, I] (one dtype), the products summed in
+    fp32: a weight with a low-rank update folded in (LoRA's merged weight, `model.concat`). out: an [O, I] tensor
+    to write it to (not W), else a new one."""
+    if W.dim() != 2 or B.dim() != 2 or A.dim() != 2 or B.shape[0] != W.shape[0] or A.shape[1] != W.shape[1] \
+            or B.shape[1] != A.shape[0]:
+        raise ValueError(f"low_rank_merge: W [O, I], B [O, r], A [r, I] expected, got W {tuple(W.shape)}, "
+                         f"B {tuple(B.shape)}, A {tuple(A.shape)}")
+    if not W.dtype == B.dtype == A.dtype:
+        raise ValueError(f"low_rank_merge: W, B, A must share a dtype, got {W.dtype}, {B.dtype}, {A.dtype}")
+    if out is not None and (out.shape != W.shape or out.dtype != W.dtype):
+        raise ValueError(f"low_rank_merge: out must be {tuple(W.shape)} {W.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return registry.get("low_rank_merge", W)(W, B, A, scale, out)
+
+
 def sq_norm(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) of a 1-D tensor, accumulated and returned in fp32 (0-dim)."""
     return registry.get("sq_norm", x)(x)
 
 
-__all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination", "mla_attention",
-           "mla_decode", "registry", "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend",
-           "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]
+__all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination", "low_rank_merge",
+           "mla_attention", "mla_decode", "registry", "rms_norm", "rope_rotate", "route_topk", "routed_experts",
+           "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from anyseek import kernels
+
 
 def joined_view(parts, dim: int) -> torch.Tensor | None:
     """The tensor of which `parts` are consecutive slices along `dim` (one storage and dtype, equal strides and other
@@ -109,13 +111,13 @@ def merge_wanted(rows: int, W: torch.Tensor, separate_input: bool) -> bool:
 def _merged_weight(W: torch.Tensor, A: torch.Tensor, starts, Bs, scale: float) -> torch.Tensor:
     """W + s B A in W's dtype, each block B_i added into its own rows (reading A's rows in order), fp32 sums."""
     if len(Bs) == 1 and starts[0] == 0 and Bs[0].shape[0] == W.shape[0]:
-        return torch.addmm(W, Bs[0], A, alpha=scale)
+        return kernels.low_rank_merge(W, Bs[0], A, scale)
     Wm, r0, row = torch.empty_like(W), 0, 0
-    for at, B in zip(starts, Bs):  # each block's rows written once by its addmm; rows no block covers copied
+    for at, B in zip(starts, Bs):  # each block's rows written once by its merge; rows no block covers copied
         o, r = B.shape
         if at > row:
             Wm[row:at].copy_(W[row:at])
-        torch.addmm(W[at:at + o], B, A[r0:r0 + r], alpha=scale, out=Wm[at:at + o])
+        kernels.low_rank_merge(W[at:at + o], B, A[r0:r0 + r], scale, out=Wm[at:at + o])
         r0, row = r0 + r, at + o
     if row < W.shape[0]:
         Wm[row:].copy_(W[row:])
