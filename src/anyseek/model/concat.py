@@ -140,8 +140,10 @@ class _LowRankLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, W, A, xd, scale, starts, *Bs):
-        u = (x if xd is None else xd) @ A.t()
         merged = merge_wanted(x.shape[0], W, xd is not None)
+        # u: the term's input for the added way, and B's gradient either way (merged without one, e.g. evaluating:
+        # not needed at all)
+        u = (x if xd is None else xd) @ A.t() if not merged or any(ctx.needs_input_grad[6:]) else None
         if merged:
             y = x @ _merged_weight(W, A, starts, Bs, scale).t()
         else:
