@@ -44,8 +44,9 @@ CASES = {
                 "packed varlen"),
     "trainer-eager": ("same step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
     "trainer-autocast": ("same step, bf16 autocast over the fp32 weights (train.working_copy=false)", "packed varlen"),
-    "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params, fp32 reduce)",
+    "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params, fp32 reduce), graphed",
                      "packed varlen"),
+    "trainer-fsdp-eager": ("the torchrun step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
     "trainer-compile": ("same step with train.compile=true", "packed varlen"),
     "trainer-lora": ("same step, LoRA rank 16 on every target (train.lora_rank=16; base frozen in bf16)",
                      "packed varlen"),
@@ -121,6 +122,9 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
     if case.endswith("-sync"):  # the host reads each step's loss before it queues the next
         overrides.append("--train.overlap_steps=false")
         case = case.removesuffix("-sync")
+    if case == "trainer-fsdp-eager":
+        overrides.append("--train.cuda_graphs=false")
+        case = "trainer-fsdp"
     if case == "trainer-eager":
         overrides.append("--train.cuda_graphs=false")
     if case == "trainer-autocast":
