@@ -209,6 +209,34 @@ def _collectives(result: str) -> None:
     Path(result).write_text(outcome)
 
 
+def _release_after_forward(result: str) -> None:
+    """A forward outside the training step leaves FSDP2's root unit gathered (it reshards only in backward);
+    `Parallel.release` frees it: the parameters are DTensor shards again, and the next forward gathers afresh."""
+    from torch.distributed.tensor import DTensor
+
+    from anyseek.distributed.parallel import Parallel
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.config import ParallelConfig
+
+    par = Parallel.from_torchrun(ParallelConfig(timeout_s=30), "cpu")
+    torch.manual_seed(0)
+    model = par.parallelize(DeepSeekV3(ModelConfig.from_name("tiny", num_hidden_layers=2, vocab_size=64)), None)
+    ids = torch.arange(16) % 64
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    model.eval()
+    with torch.no_grad():
+        first = model(ids, cu_seqlens=cu, max_seqlen=16).logits
+    gathered = not isinstance(model.lm_head.weight, DTensor)
+    par.release(model)
+    released = isinstance(model.lm_head.weight, DTensor)
+    with torch.no_grad():
+        again = model(ids, cu_seqlens=cu, max_seqlen=16).logits
+    if par.env.is_main:
+        Path(result).write_text(json.dumps({"gathered": gathered, "released": released,
+                                            "same": bool(torch.equal(first, again))}))
+
+
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):  # noqa: F811
@@ -351,6 +379,12 @@ def test_expert_dispatch_equals_local_experts_nan_verdicts_agree_dead_rank_fails
     codes = spawn(_collectives, str(result), timeout=60)
     assert codes == [0, 0], codes
     assert result.read_text() != "no error"
+
+
+def test_release_frees_what_a_forward_outside_the_step_gathered(tmp_path):
+    result = tmp_path / "release.json"
+    assert spawn(_release_after_forward, str(result), timeout=120) == [0, 0]
+    assert json.loads(result.read_text()) == {"gathered": True, "released": True, "same": True}
 
 
 def test_ep_benchmark_runs_on_two_cpu_ranks():
