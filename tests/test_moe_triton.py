@@ -112,6 +112,22 @@ def _worker() -> None:
     truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
     close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
     results["lora_rank20"] = {"pass": all(close32), "table": close32}
+    # LoRA experts with an addend summed inside the combine: experts + add, add's gradient dy, the others unchanged
+    x, ids, w, gu, dn, dy = accuracy.moe_inputs(23, 32, 24, 5, 2, "skewed", 9)
+    g = torch.Generator().manual_seed(5)
+    ad = [torch.randn(*s, generator=g) * 0.2 for s in ((5, 4, 32), (5, 48, 4), (5, 4, 24), (5, 32, 4))]
+    add = torch.randn(23, 32, generator=g)
+    runs = []
+    for with_add in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, w, *ad, add)]
+        y = moe.lora_routed_experts(leaves[0], ids, leaves[1], gu, dn, *leaves[2:6], 0.5,
+                                    leaves[6] if with_add else None)  # fmt: skip
+        (y * dy).sum().backward()
+        runs.append((y.detach(), leaves))
+    (y1, l1), (y0, l0) = runs
+    close = [torch.allclose(y1, y0 + add, atol=1e-5), torch.equal(l1[6].grad, dy)]
+    close += [torch.allclose(a.grad, b.grad, atol=1e-5) for a, b in zip(l1[:6], l0[:6])]
+    results["lora_addend"] = {"pass": all(close), "table": close}
     # bitwise deterministic, output and gradients
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(33, 32, 24, 6, 3, "skewed", 4)
     runs = [accuracy._run_moe(moe.routed_experts, [x, ids, w, gu, dn, dy], torch.float16, "cpu") for _ in range(2)]
@@ -165,7 +181,8 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "deterministic",
+                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_addend",
+                            "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]

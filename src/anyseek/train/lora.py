@@ -3,9 +3,12 @@
     apply_lora(model, LoRASpec(rank=16, alpha=32, targets=("attention", "routed_experts")), base_dtype=torch.bfloat16)
 
 A target Linear W [out, in] becomes `LoRALinear`: y = x W^T + s * B A x with A [r, in], B [out, r], s = alpha / r,
-B = 0 at the start (the output equals the base's). No merged weight is formed on the training path: called as a
-layer, `model.concat.low_rank_linear` runs the base matmul and adds s (x A^T) B^T into its output with one addmm, s
-as its alpha (backward likewise: dx = g W + s (g B) A, no [out, in] weight gradient; dropout on the adapter input).
+B = 0 at the start (the output equals the base's). Called as a layer, `model.concat.low_rank_linear` applies the
+term one of two ways (`model.concat.merge_wanted`): with more rows than input features and no dropout, through the
+merged weight W + s B A (`kernels.low_rank_merge`), formed for the forward matmul and again for dx in backward, never
+kept; otherwise it runs the base matmul and adds s (x A^T) B^T into its output with one addmm, s as its alpha
+(backward likewise: dx = g W + s (g B) A; dropout on the adapter input). Either way there is no [out, in] weight
+gradient: the adapters' gradients are rank-r products.
 Where the model joins two layers' weights itself (MLA's q_a|kv_a, an MLP's gate|up: `model.concat.fused_linear`),
 the frozen base weights lie row after row in one buffer (`_join_frozen`, so the join is a view) and the adapters
 join as one low-rank term (A's stacked: one narrow matmul reads x; each B added into its own layer's output
@@ -181,10 +184,9 @@ class LoRAExperts(nn.Module):
             # kept for backward (kernels/triton/moe.py: lora_routed_experts)
             from anyseek.kernels.triton.moe import lora_routed_experts
 
-            y_TD = lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
+            return lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
                                        self.base.down_proj, self.gate_up_lora_A, self.gate_up_lora_B,
-                                       self.down_lora_A, self.down_lora_B, self.scale)  # fmt: skip
-            return y_TD if add_TD is None else y_TD + add_TD
+                                       self.down_lora_A, self.down_lora_B, self.scale, add_TD)  # fmt: skip
         gate_up_EFD, down_EDI = self.effective()
         return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD)
 

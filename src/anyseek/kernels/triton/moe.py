@@ -360,15 +360,16 @@ def _rank_config(device: torch.device, kind: str, r: int) -> dict:
 _RANK_SPLIT = 4  # row chunks per expert for the rank-r weight gradients (benchmarks/moe.py --lora)
 
 
-def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: bool):
+def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: bool, add_TD=None):
     """experts_fwd for frozen base weights plus adapters (A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I],
-    B_dn [E, D, r], the scale in the B's): -> y [T, D], h [M, F], act [M, I], u_gu [M, r], u_dn [M, r]."""
+    B_dn [E, D, r], the scale in the B's): -> y [T, D] (+ add_TD, as experts_fwd), h [M, F], act [M, I],
+    u_gu [M, r], u_dn [M, r]."""
     A_gu, B_gu, A_dn, B_dn = adapters
     M, r = plan[0].numel(), A_gu.shape[1]
     u_gu, u_dn = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
     y_TD, h_MF, act_MI = experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save,
                                      low_gu=(u_gu, A_gu, _nk(A_gu), B_gu, _nk(B_gu)),
-                                     low_dn=(u_dn, A_dn, _nk(A_dn), B_dn, _nk(B_dn)))  # fmt: skip
+                                     low_dn=(u_dn, A_dn, _nk(A_dn), B_dn, _nk(B_dn)), add_TD=add_TD)  # fmt: skip
     return y_TD, h_MF, act_MI, u_gu, u_dn
 
 
@@ -499,11 +500,11 @@ class _LoRARoutedExperts(torch.autograd.Function):
     are x, h and two [M, r] products (not the [M, I] SwiGLU output, recomputed from h); no effective weights."""
 
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn):
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, add_TD=None):
         plan = torch.ops.anyseek.moe_plan(topk_ids_TK, W_gu.shape[0], _block_m(x_TD.device))
         w_M = topk_weights_TK.reshape(-1)
         adapters = (A_gu, B_gu, A_dn, B_dn)
-        y_TD, h_MF, act_MI, u_gu, u_dn = experts_fwd_lora(x_TD, w_M, W_gu, W_dn, adapters, plan, True)
+        y_TD, h_MF, act_MI, u_gu, u_dn = experts_fwd_lora(x_TD, w_M, W_gu, W_dn, adapters, plan, True, add_TD)
         ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, *adapters, h_MF, u_gu, u_dn, *plan)
         ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
         return y_TD
@@ -513,24 +514,30 @@ class _LoRARoutedExperts(torch.autograd.Function):
         x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, u_gu, u_dn, *plan = ctx.saved_tensors
         dx, dw_M, *d_adapters = experts_bwd_lora(dy_TD.contiguous(), x_TD, w_M, W_gu, W_dn, h_MF, u_gu, u_dn, plan,
                                                  (A_gu, B_gu, A_dn, B_dn))  # fmt: skip
-        return (dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), None, None, *d_adapters)
+        d_add = dy_TD if ctx.needs_input_grad[9] else None  # the addend's gradient is dy itself
+        return (dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), None, None, *d_adapters, d_add)
 
 
 def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn,
-                        B_dn, scale: float) -> torch.Tensor:  # fmt: skip
+                        B_dn, scale: float, add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Triton routed experts for LoRA (`anyseek.train.lora.LoRAExperts`): the frozen base gate_up [E, F, D] and
     down [E, D, I], adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]; the output equals
     `routed_experts` with the effective weights W + scale * B A, which are never formed. Gradients: x,
-    topk_weights and the four adapters (the base gets none). -> [T, D] in x's dtype."""
+    topk_weights, the four adapters (the base gets none) and add_TD. add_TD ([T, D] or None) as in
+    `routed_experts`: summed inside the combine where it has the dtype computed and returned in. -> [T, D] in x's
+    dtype."""
     out_dtype = x_TD.dtype
     dtype = _compute_dtype(x_TD)
     with torch.autocast(x_TD.device.type, enabled=False):
         x, W_gu, W_dn, a_gu, a_dn = (t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI, A_gu,
                                                                          A_dn))  # fmt: skip
         b_gu, b_dn = ((b * scale).to(dtype).contiguous() for b in (B_gu, B_dn))
+        fold = add_TD is not None and add_TD.dtype == dtype == out_dtype
         y = _LoRARoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), W_gu.detach(),
-                                     W_dn.detach(), a_gu, b_gu, a_dn, b_dn)  # fmt: skip
-    return y.to(out_dtype)
+                                     W_dn.detach(), a_gu, b_gu, a_dn, b_dn,
+                                     add_TD.contiguous() if fold else None)  # fmt: skip
+    y = y.to(out_dtype)
+    return y + add_TD if add_TD is not None and not fold else y
 
 
 def routed_experts(
