@@ -189,9 +189,8 @@ def _collectives(result: str) -> None:
     stats = StepStats(loss=torch.tensor(float("nan") if rank == 1 else 2.0), tokens=10,
                       expert_load=torch.tensor([[1.0, 2.0]]) * (rank + 1), stop_requested=rank == 0)
     par.sum_step(stats)
-    assert torch.isnan(stats.loss) and stats.tokens == 20  # rank 0 skips too
-    assert stats.expert_load.tolist() == [[3.0, 6.0]]
-    assert stats.stop_requested  # rank 1 stops with rank 0
+    assert torch.isnan(stats.loss) and stats.global_counts.tolist() == [20.0, 1.0]  # rank 0 skips too; rank 1
+    assert stats.expert_load.tolist() == [[3.0, 6.0]]                                  # stops with rank 0
     agree(None, par.env)  # nobody failed: nothing raised
     try:  # a full disk on rank 1 only: both see the same OSError
         agree(OSError(errno.ENOSPC, "No space left on device") if rank == 1 else None, par.env)

@@ -160,3 +160,53 @@ def test_overlap_on_the_gpu_matches_the_loop(data_dir, tmp_path, monkeypatch):  
         Trainer(cfg, out, log=lambda s: None).run()
         rows[overlap] = [(r["kind"], r["step"]) for r in read_metrics(out / "metrics.jsonl")]
     assert rows[True] == rows[False] and sum(k == "skip" for k, _ in rows[True]) == 2
+
+
+@pytest.mark.parametrize("poisoned", [(2,), (3, 4)])
+def test_fused_adamw_gated_on_the_device_is_the_loop(data_dir, tmp_path, monkeypatch, poisoned):  # noqa: F811
+    """Without a working copy, fused AdamW (the CUDA optimizer; fused on the CPU here) takes its step before the
+    host reads the verdict, skipped on the device through its found_inf: the same rows, checkpoints and final
+    weights and moments as the loop that reads first (train.overlap_steps=false), with bad steps one and two in a
+    row (the second just before a save)."""
+    import anyseek.train.trainer as trainer_mod
+
+    def fused(model, cfg, device):
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                  {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                 eps=cfg.eps, fused=True)  # fmt: skip
+
+    monkeypatch.setattr(trainer_mod, "build_optimizer", fused)
+    keys = _batch_keys(data_dir, 12)
+    _poison(monkeypatch, {keys[i] for i in poisoned})
+    real_step, gated_steps = torch.optim.AdamW.step, []
+
+    def step(self, *a, **k):
+        gated_steps.append(getattr(self, "found_inf", None) is not None)
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    runs = []
+    for gate in (False, True):
+        out = tmp_path / f"gate{gate}"
+        tr = Trainer(tiny_cfg(data_dir, "--train.max_steps=8", "--train.save_every=4", "--train.eval_every=3",
+                              "--train.keep_last=10", f"--train.overlap_steps={str(gate).lower()}"), out,
+                     log=lambda s: None)  # fmt: skip
+        assert tr.working is None and tr._fused_gate == gate and not tr.overlap
+        gated_steps.clear()
+        tr.run()
+        # gated: every step queued before its verdict, the bad ones too; else only the good ones, after it
+        assert gated_steps == [gate] * (8 + (len(poisoned) if gate else 0))
+        runs.append((tr, out))
+    (a, oa), (b, ob) = runs
+    assert _rows(oa) == _rows(ob) and sum(r["kind"] == "skip" for r in _rows(ob)) == len(poisoned)
+    for c in ckpt_lib.list_checkpoints(oa):
+        for f in c.path.glob("*.safetensors"):
+            x, y = load_file(str(f)), load_file(str(ob / c.path.name / f.name))
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (c.path.name, f.name)
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+        sa, sb = a.optimizer.state[p], b.optimizer.state[q]
+        assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert float(sa["step"]) == 8 and float(b._halt) == 0.0

@@ -133,7 +133,9 @@ class Parallel:
     def sum_step(self, stats) -> None:
         """A step's StepStats (loss, loss parts, expert load, tokens, stop requests) summed over every rank, in one
         all-reduce. After it every rank holds the same numbers: the same NaN verdict, the same routing-bias update,
-        the same decision to stop."""
+        the same decision to stop. Nothing is read back here: the token count and the stop requests stay on the device
+        as `stats.global_counts` [tokens, stops] (the trainer reads them with the step's verdict, after queueing
+        the optimizer step), the rest as device tensors."""
         if not self.active:
             return
         parts = list(stats.parts)
@@ -147,8 +149,7 @@ class Parallel:
         stats.loss = flat[0].float()
         for i, k in enumerate(parts):
             stats.parts[k] = flat[1 + i].float()
-        tokens, stop = flat[1 + len(parts):3 + len(parts)].tolist()  # host sync: tokens_seen drives the schedules
-        stats.tokens, stats.stop_requested = int(tokens), stop > 0
+        stats.global_counts = flat[1 + len(parts):3 + len(parts)]
         if stats.expert_load is not None:
             stats.expert_load = flat[3 + len(parts):].view_as(stats.expert_load).to(stats.expert_load.dtype)
 
