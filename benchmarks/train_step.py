@@ -47,6 +47,7 @@ CASES = {
     "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params, fp32 reduce), graphed",
                      "packed varlen"),
     "trainer-fsdp-eager": ("the torchrun step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
+    "trainer-fsdp-sync": ("the torchrun step with train.overlap_steps=false", "packed varlen"),
     "trainer-compile": ("same step with train.compile=true", "packed varlen"),
     "trainer-lora": ("same step, LoRA rank 16 on every target (train.lora_rank=16; base frozen in bf16)",
                      "packed varlen"),

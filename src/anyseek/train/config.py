@@ -76,7 +76,6 @@ class TrainConfig:
     working_copy: bool | str = "auto"
     # With the working copy: the host queues step N+1 before it reads step N's loss (a non-finite step is skipped on
     # the device, and the step queued after it run again); the steps applied are those of the one-at-a-time loop.
-    # Without one, fused AdamW (CUDA; torchrun's too): the optimizer step is queued before the host reads the loss.
     overlap_steps: bool = True
     # AdamW's two moments: "fp32", or "bf16" (DeepSeek-V3's low-precision optimizer states: stored in bf16 with
     # stochastic rounding, updated in fp32; 4 bytes per trained weight less and a faster optimizer step). bf16 needs

@@ -14,11 +14,8 @@ applied), clears the flag and runs that step again with the learning rate and sc
 steps applied, their order and their numbers are those of the one-at-a-time loop. Steps after which the loop
 evaluates, saves or stops are settled before anything else is queued.
 
-Without a working copy, fused AdamW (a CUDA run's optimizer, one process or FSDP2 under torchrun) gates its step on
-the same flag (its `found_inf`): the optimizer step and the routing-bias update are queued before the host reads the
-step's verdict, so the host's launches (AdamW over FSDP2's DTensors costs milliseconds of Python) run while the
-device still computes the step. Under torchrun the global token count and stop requests are read then too, not
-right after their all-reduce (`Parallel.sum_step`).
+Under torchrun the global token count and stop requests are read back with the step's verdict (`_settle`), not
+right after their all-reduce (`Parallel.sum_step`): nothing in `_launch` waits for the device.
 """
 
 from __future__ import annotations
@@ -197,13 +194,6 @@ class Trainer:
         self._halt = torch.zeros((), dtype=torch.float32, device=self.device)  # set on the device by a bad step
         if self.overlap:
             self.optimizer.skip = self._halt
-        # fused AdamW skips a step on the device where the flag is set (its `found_inf`; the step count restored
-        # there too): its step is queued before the verdict is read, as the overlap's is (`_launch`); not with
-        # train.overlap_steps=false (the host reads each verdict first)
-        self._fused_gate = (t.overlap_steps and self.working is None
-                            and bool(self.optimizer.defaults.get("fused")))  # fmt: skip
-        if self._fused_gate:
-            self.optimizer.found_inf = self._halt
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -357,8 +347,7 @@ class Trainer:
         ahead = pending is not None  # counted as applied until the host reads otherwise
         number = self.step + ahead
         tokens = self.tokens_seen + (pending.stats.tokens if ahead else 0)
-        launched = self._launch(self._accumulate(batches, tokens), lr_at(number, t), tokens,
-                                gated=self.overlap or self._fused_gate)  # fmt: skip
+        launched = self._launch(self._accumulate(batches, tokens), lr_at(number, t), tokens, gated=self.overlap)
         done = []
         if ahead:
             done.append(self._settle(pending))
@@ -399,8 +388,7 @@ class Trainer:
             bad = ~torch.isfinite(loss + grad_norm)  # grad_norm >= 0: the sum is finite iff both are
             self._halt.masked_fill_(bad, 1.0)
             set_lr(self.optimizer, lr)
-            self.optimizer.step()  # reads `_halt` (FlatAdamW.skip, fused AdamW's found_inf): nothing changes once halted
-            self._zero_grads()
+            self.optimizer.step()  # reads `_halt` (FlatAdamW.skip): nothing changes once halted
             if stats.expert_load is not None:  # a zero load moves no bias: sign(0 - 0)
                 self.model.update_routing_bias(stats.expert_load.float() * (1.0 - self._halt), gamma=gamma)
         names = ["loss", "grad_norm", *stats.parts]
@@ -426,7 +414,7 @@ class Trainer:
         t = self.cfg.train
         if halted:
             if item.gated:
-                self._uncount()
+                self.optimizer.uncount()
             again = self._launch(self._accumulate(iter(item.stats.batches), self.tokens_seen), lr_at(self.step, t),
                                  self.tokens_seen, gated=item.gated)
             return self._settle(again)
@@ -438,7 +426,7 @@ class Trainer:
             self.stop_agreed = stats.stop_requested
         if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
             if item.gated:
-                self._uncount()
+                self.optimizer.uncount()
                 self._halt.zero_()  # after the steps already queued, which it halted
             self._zero_grads()
             self.bad_in_a_row += 1
@@ -576,12 +564,6 @@ class Trainer:
             return False, "off: it needs the working copy's optimizer (its step is skipped on the device)"
         return True, ("on: the host queues step N+1 before it reads step N's loss; a non-finite step is skipped on "
                       "the device")
-
-    def _uncount(self) -> None:
-        """Take back the step count of a step the device skipped: FlatAdamW's is on the host; fused AdamW restored its
-        own on the device (found_inf)."""
-        if self.working is not None:
-            self.optimizer.uncount()
 
     def _zero_grads(self) -> None:
         """After a step: freed, except where CUDA graphs add several micro-batches into kept tensors. With a working
