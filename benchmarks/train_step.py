@@ -48,6 +48,8 @@ CASES = {
                      "packed varlen"),
     "trainer-fsdp-eager": ("the torchrun step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
     "trainer-fsdp-sync": ("the torchrun step with train.overlap_steps=false", "packed varlen"),
+    "trainer-fsdp-overlap": ("the torchrun step with train.overlap_steps=true (step N+1 queued before N's loss is "
+                             "read)", "packed varlen"),
     "trainer-compile": ("same step with train.compile=true", "packed varlen"),
     "trainer-lora": ("same step, LoRA rank 16 on every target (train.lora_rank=16; base frozen in bf16)",
                      "packed varlen"),
@@ -123,6 +125,9 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
     if case.endswith("-sync"):  # the host reads each step's loss before it queues the next
         overrides.append("--train.overlap_steps=false")
         case = case.removesuffix("-sync")
+    if case.endswith("-overlap"):  # ... and where `auto` leaves it off (torchrun), queues the next step first
+        overrides.append("--train.overlap_steps=true")
+        case = case.removesuffix("-overlap")
     if case == "trainer-fsdp-eager":
         overrides.append("--train.cuda_graphs=false")
         case = "trainer-fsdp"

@@ -191,6 +191,12 @@ def _collectives(result: str) -> None:
     par.sum_step(stats)
     assert torch.isnan(stats.loss) and stats.global_counts.tolist() == [20.0, 1.0]  # rank 0 skips too; rank 1
     assert stats.expert_load.tolist() == [[3.0, 6.0]]                                  # stops with rank 0
+    # the overlap's way: the counts summed on the host at once, the rest on the device as before
+    stats = StepStats(loss=torch.tensor(1.0), tokens=7 + rank, expert_load=torch.tensor([[1.0, 2.0]]),
+                      stop_requested=rank == 1)
+    par.sum_step(stats, counts_on_host=True)
+    assert (stats.tokens, stats.stop_requested, stats.global_counts) == (15, True, None)
+    assert stats.loss.item() == 2.0 and stats.expert_load.tolist() == [[2.0, 4.0]]
     agree(None, par.env)  # nobody failed: nothing raised
     try:  # a full disk on rank 1 only: both see the same OSError
         agree(OSError(errno.ENOSPC, "No space left on device") if rank == 1 else None, par.env)
@@ -234,6 +240,49 @@ def _release_after_forward(result: str) -> None:
     if par.env.is_main:
         Path(result).write_text(json.dumps({"gathered": gathered, "released": released,
                                             "same": bool(torch.equal(first, again))}))
+
+
+def _train_overlapped(data: str, out: str, overrides: list[str], poisoned: list[int]) -> None:
+    """A 2-rank run with fused AdamW (the CUDA optimizer, here on the CPU), rank 1's batches at `poisoned` (indices
+    into its share) NaN; rank 0 writes the final weights (gathered from the shards) and how the steps settled."""
+    from safetensors.torch import save_file
+    from test_train_overlap import fused_adamw
+
+    import anyseek.train.trainer as trainer_mod
+    from anyseek.data.loader import PackedLoader
+    from anyseek.model.transformer import DeepSeekV3
+
+    trainer_mod.build_optimizer = fused_adamw
+    cfg = tiny_cfg(Path(data), *overrides)
+    d = cfg.data
+    mine = iter(PackedLoader(Path(data), "train", d.tokens_per_batch, d.max_seqlen, cfg.train.seed, rank=1,
+                             world_size=2))  # fmt: skip
+    shares = [tuple(next(mine).input_ids[:48].tolist()) for _ in range(max(poisoned) + 1)]
+    bad = {shares[i] for i in poisoned}
+    real = DeepSeekV3.forward
+
+    def forward(self, input_ids, *args, **kwargs):
+        o = real(self, input_ids, *args, **kwargs)
+        if self.training and tuple(input_ids.reshape(-1)[:48].tolist()) in bad:
+            o.lm_loss = o.lm_loss * float("nan")
+        return o
+
+    DeepSeekV3.forward = forward
+    halts = []
+    real_settle = Trainer._settle
+
+    def settle(self, item, halted=False):
+        halts.append(halted)
+        return real_settle(self, item, halted)
+
+    Trainer._settle = settle
+    trainer = Trainer(cfg, Path(out), log=lambda s: None)
+    trainer.run()
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in trainer.model.named_parameters()}  # (collective: every rank gathers)
+    if trainer.par.env.is_main:
+        save_file(full, str(Path(out) / "final.safetensors"))
+        (Path(out) / "settled.json").write_text(json.dumps({"overlap": trainer.overlap, "halts": sum(halts)}))
 
 
 # ---------------------------------------------------------------------------------------------- tests
@@ -384,6 +433,27 @@ def test_release_frees_what_a_forward_outside_the_step_gathered(tmp_path):
     result = tmp_path / "release.json"
     assert spawn(_release_after_forward, str(result), timeout=120) == [0, 0]
     assert json.loads(result.read_text()) == {"gathered": True, "released": True, "same": True}
+
+
+def test_two_ranks_overlapped_equal_the_loop_with_a_bad_step_on_one_rank(data_dir, tmp_path):  # noqa: F811
+    """train.overlap_steps=true under torchrun (fused AdamW gated on the device, the token count and stop requests
+    summed on the host): the same rows, checkpoints' steps and final weights as the loop that reads each verdict
+    first, with NaN batches on rank 1 only (every rank skips them, and the step queued behind runs again)."""
+    from safetensors.torch import load_file
+
+    over = ["--train.max_steps=10", "--train.save_every=4", "--train.keep_last=3", "--train.eval_every=5",
+            "--model.bias_update_speed=0.01"]
+    for mode in ("false", "true"):
+        assert spawn(_train_overlapped, str(data_dir), str(tmp_path / mode), [*over, f"--train.overlap_steps={mode}"],
+                     [1, 6], timeout=180) == [0, 0], mode  # fmt: skip
+    a, b = (json.loads((tmp_path / m / "settled.json").read_text()) for m in ("false", "true"))
+    assert a == {"overlap": False, "halts": 0} and b["overlap"] and b["halts"] >= 1, (a, b)
+    rows = [[{k: (v if v == v else "nan") for k, v in r.items() if k not in ("time", "elapsed", "tokens_per_s",
+                                                                               "mfu", "tflops")}
+             for r in read_metrics(tmp_path / m / "metrics.jsonl")] for m in ("false", "true")]
+    assert rows[0] == rows[1] and sum(r["kind"] == "skip" for r in rows[1]) == 2
+    x, y = (load_file(str(tmp_path / m / "final.safetensors")) for m in ("false", "true"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def test_ep_benchmark_runs_on_two_cpu_ranks():

@@ -14,6 +14,7 @@ from test_train_loop import data_dir, tiny_cfg  # noqa: F401 - the module's corp
 
 from anyseek.model.transformer import DeepSeekV3
 from anyseek.train import checkpoint as ckpt_lib
+from anyseek.train.config import ConfigError
 from anyseek.train.metrics import read_metrics
 from anyseek.train.trainer import Trainer, TrainingDiverged
 
@@ -131,6 +132,63 @@ def test_overlap_off_without_a_working_copy(data_dir, tmp_path):  # noqa: F811
     assert tr.working is None and not tr.overlap and "working copy" in tr.overlap_note
     tr = Trainer(_cfg(data_dir, False, "--train.max_steps=2"), tmp_path / "run2", log=lambda s: None)
     assert not tr.overlap and "overlap_steps=false" in tr.overlap_note
+    # asked for where the optimizer cannot skip a step on the device (foreach AdamW on the CPU): an error saying so
+    with pytest.raises(ConfigError, match="overlap_steps=true but it needs an optimizer that skips a step on the dev"):
+        Trainer(tiny_cfg(data_dir, "--train.max_steps=2", "--train.overlap_steps=true"), tmp_path / "run3",
+                log=lambda s: None)  # fmt: skip
+
+
+def fused_adamw(model, cfg, device):
+    """build_optimizer's groups, fused (the CUDA optimizer; torch has a fused CPU kernel too)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, fused=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("poisoned", [(1,), (1, 2), (3, 7)])
+def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, poisoned):  # noqa: F811
+    """Without a working copy, fused AdamW skips a step on the device through its found_inf (its step count taken
+    back there too): with train.overlap_steps=true the run is the loop's, bit for bit (rows, checkpoints, weights,
+    moments and step counts), with a bad step alone, two in a row, one before a save and one just before the end,
+    each halting the step queued behind it. "auto" leaves it off there (not yet measured)."""
+    import anyseek.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "build_optimizer", fused_adamw)
+    keys = _batch_keys(data_dir, 12)
+    _poison(monkeypatch, {keys[i] for i in poisoned})
+    real_settle, halts = Trainer._settle, []
+
+    def settle(self, item, halted=False):
+        halts.append(halted)
+        return real_settle(self, item, halted)
+
+    monkeypatch.setattr(Trainer, "_settle", settle)
+    runs = []
+    for mode in ("auto", "true"):
+        out = tmp_path / mode
+        tr = Trainer(tiny_cfg(data_dir, "--train.max_steps=8", "--train.save_every=4", "--train.eval_every=3",
+                              "--train.keep_last=10", f"--train.overlap_steps={mode}"), out,
+                     log=lambda s: None)  # fmt: skip
+        assert tr.working is None and tr.overlap == (mode == "true"), tr.overlap_note
+        assert ("fused AdamW" in tr.overlap_note) and (("not yet measured" in tr.overlap_note) == (mode == "auto"))
+        tr.run()
+        assert tr._pending is None and any(halts) == (mode == "true")  # a step queued behind a bad one ran again
+        halts.clear()
+        runs.append((tr, out))
+    (a, oa), (b, ob) = runs
+    assert _rows(oa) == _rows(ob) and sum(r["kind"] == "skip" for r in _rows(ob)) == len(poisoned)
+    assert [c.step for c in ckpt_lib.list_checkpoints(oa)] == [c.step for c in ckpt_lib.list_checkpoints(ob)]
+    for c in ckpt_lib.list_checkpoints(oa):
+        for f in c.path.glob("*.safetensors"):
+            x, y = load_file(str(f)), load_file(str(ob / c.path.name / f.name))
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (c.path.name, f.name)
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+        sa, sb = a.optimizer.state[p], b.optimizer.state[q]
+        assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert float(sb["step"]) == 8 and float(b._halt) == 0.0
 
 
 @pytest.mark.cuda

@@ -33,6 +33,7 @@ class Parallel:
     def __init__(self, cfg, env: DistEnv, device: torch.device):
         self.cfg, self.env, self.device = cfg, env, device
         self.mesh = self.ep_mesh = None
+        self._host_group = None  # `sum_host`'s gloo group, made at its first use
         self.expert_params: list[nn.Parameter] = []
         if cfg.ep > 1 and not env.active:
             raise ValueError(f"parallel.ep={cfg.ep} needs several processes: launch with torchrun or "
@@ -96,6 +97,25 @@ class Parallel:
         """`t` summed over every rank, in place (a no-op for one process)."""
         return all_reduce_sum(t, self.env)
 
+    def sum_host(self, values: list[float]) -> list[float]:
+        """Numbers the host holds, summed over every rank on the CPU (a gloo group beside NCCL's; the default group
+        under gloo): nothing waits for the device. One rank: as given."""
+        if not self.active or self.env.world_size == 1:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        if self._host_group is None:  # (collective: every rank reaches the first call at the same step)
+            if self.env.device == "cpu":
+                self._host_group = dist.group.WORLD
+            else:
+                import datetime
+
+                self._host_group = dist.new_group(backend="gloo",
+                                                  timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._host_group)
+        return t.tolist()
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, scale: bool = True) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most max_norm; return that norm (fp32 scalar).
         scale=False: the norm only, for an optimizer that applies the factor itself.
@@ -130,28 +150,36 @@ class Parallel:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return norm
 
-    def sum_step(self, stats) -> None:
+    def sum_step(self, stats, counts_on_host: bool = False) -> None:
         """A step's StepStats (loss, loss parts, expert load, tokens, stop requests) summed over every rank, in one
         all-reduce. After it every rank holds the same numbers: the same NaN verdict, the same routing-bias update,
         the same decision to stop. Nothing is read back here: the token count and the stop requests stay on the device
         as `stats.global_counts` [tokens, stops] (the trainer reads them with the step's verdict, after queueing
-        the optimizer step), the rest as device tensors."""
+        the optimizer step), the rest as device tensors. counts_on_host: the token count and stop requests are summed
+        on the host instead (`sum_host`), into `stats.tokens` and `stats.stop_requested` at once, without waiting
+        for the device."""
         if not self.active:
             return
+        if counts_on_host:
+            tokens, stop = self.sum_host([stats.tokens, float(stats.stop_requested)])
+            stats.tokens, stats.stop_requested = int(tokens), stop > 0
         parts = list(stats.parts)
         values = [torch.as_tensor(stats.loss, device=self.device).double().reshape(1)]
         values += [torch.as_tensor(stats.parts[k], device=self.device).double().reshape(1) for k in parts]
-        values.append(torch.tensor([stats.tokens, float(stats.stop_requested)], dtype=torch.float64,
-                                   device=self.device))
+        if not counts_on_host:
+            values.append(torch.tensor([stats.tokens, float(stats.stop_requested)], dtype=torch.float64,
+                                       device=self.device))
         if stats.expert_load is not None:
             values.append(stats.expert_load.double().reshape(-1))
         flat = self.sum_(torch.cat(values))
         stats.loss = flat[0].float()
         for i, k in enumerate(parts):
             stats.parts[k] = flat[1 + i].float()
-        stats.global_counts = flat[1 + len(parts):3 + len(parts)]
+        at = 1 + len(parts)
+        if not counts_on_host:
+            stats.global_counts, at = flat[at:at + 2], at + 2
         if stats.expert_load is not None:
-            stats.expert_load = flat[3 + len(parts):].view_as(stats.expert_load).to(stats.expert_load.dtype)
+            stats.expert_load = flat[at:].view_as(stats.expert_load).to(stats.expert_load.dtype)
 
     @torch.no_grad()
     def generate(self, model: nn.Module, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None,

@@ -74,9 +74,11 @@ class TrainConfig:
     # (train/precision.py), instead of autocast casting each weight at each use. "auto": on a CUDA device in one
     # process when train.dtype computes in bf16; true: also on the CPU (train.dtype=bf16); false: autocast.
     working_copy: bool | str = "auto"
-    # With the working copy: the host queues step N+1 before it reads step N's loss (a non-finite step is skipped on
-    # the device, and the step queued after it run again); the steps applied are those of the one-at-a-time loop.
-    overlap_steps: bool = True
+    # The host queues step N+1 before it reads step N's loss (a non-finite step is skipped on the device, and the
+    # step queued after it run again); the steps applied are those of the one-at-a-time loop. It needs an optimizer
+    # that skips on the device: the working copy's, or fused AdamW (CUDA). "auto": on with the working copy (one
+    # process); true: also with fused AdamW, torchrun's FSDP2 included (not yet measured there); false: never.
+    overlap_steps: bool | str = "auto"
     # AdamW's two moments: "fp32", or "bf16" (DeepSeek-V3's low-precision optimizer states: stored in bf16 with
     # stochastic rounding, updated in fp32; 4 bytes per trained weight less and a faster optimizer step). bf16 needs
     # the working copy's optimizer (kernels.adamw_flat); the master weights stay fp32 either way.
@@ -122,6 +124,10 @@ class TrainConfig:
             self.working_copy = "true" if self.working_copy else "false"
         if self.working_copy not in ("auto", "true", "false"):
             raise ConfigError(f"train.working_copy must be auto, true or false, got {self.working_copy!r}")
+        if isinstance(self.overlap_steps, bool):
+            self.overlap_steps = "true" if self.overlap_steps else "false"
+        if self.overlap_steps not in ("auto", "true", "false"):
+            raise ConfigError(f"train.overlap_steps must be auto, true or false, got {self.overlap_steps!r}")
         if self.moments_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"train.moments_dtype must be fp32 or bf16, got {self.moments_dtype!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):

@@ -6,16 +6,18 @@ One optimizer step = `grad_accum` micro-batches of `data.tokens_per_batch` token
 biases move toward balance (auxiliary-loss-free balancing). A NaN/Inf loss or gradient skips the step; `max_bad_steps`
 in a row stop the run with the last good checkpoint intact. SIGINT/SIGTERM save a checkpoint and exit cleanly.
 
-Overlap (`train.overlap_steps`, with a working copy in one process): the host queues step N+1 before it reads step
-N's loss, so that it prepares the next batch while the device computes. The optimizer step and the routing-bias
-update are queued with the step, gated on the device by a halt flag that a non-finite loss or gradient norm sets
-(`FlatAdamW.skip`). When the host reads a non-finite step it settles the step queued after it (halted, so not
+Overlap (`train.overlap_steps`; by default with a working copy in one process, on request with fused AdamW, torchrun
+included): the host queues step N+1 before it reads step N's loss, so that it prepares the next batch while the
+device computes. The optimizer step and the routing-bias update are queued with the step, gated on the device by a
+halt flag that a non-finite loss or gradient norm sets (`FlatAdamW.skip`, fused AdamW's `found_inf`). When the host reads a non-finite step it settles the step queued after it (halted, so not
 applied), clears the flag and runs that step again with the learning rate and schedules of the step it really is. The
 steps applied, their order and their numbers are those of the one-at-a-time loop. Steps after which the loop
 evaluates, saves or stops are settled before anything else is queued.
 
 Under torchrun the global token count and stop requests are read back with the step's verdict (`_settle`), not
-right after their all-reduce (`Parallel.sum_step`): nothing in `_launch` waits for the device.
+right after their all-reduce (`Parallel.sum_step`): nothing in `_launch` waits for the device. With the overlap they
+are summed on the host instead (a gloo all-reduce of two numbers): queueing step N+1 needs step N's global token
+count (the schedules), and every rank must agree on a stop before it queues another step.
 """
 
 from __future__ import annotations
@@ -192,8 +194,10 @@ class Trainer:
         self.overlap, self.overlap_note = self._overlap()
         self._pending: _InFlight | None = None
         self._halt = torch.zeros((), dtype=torch.float32, device=self.device)  # set on the device by a bad step
-        if self.overlap:
+        if self.overlap and self.working is not None:
             self.optimizer.skip = self._halt
+        elif self.overlap:  # fused AdamW: skips where found_inf is nonzero, its step counts restored on the device
+            self.optimizer.found_inf = self._halt
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -381,14 +385,19 @@ class Trainer:
         if fold:
             self.optimizer.grad_scale = ((grad_norm.float() + CLIP_EPS) / max_norm).clamp(min=1.0)
         stats.stop_requested = self.stop_requested
-        self.par.sum_step(stats)  # losses, expert loads, tokens and stop requests of every rank (no host sync)
+        # losses, expert loads, tokens and stop requests of every rank (no host sync; with the overlap the counts on
+        # the host, for the next step's schedules and the agreed stop)
+        self.par.sum_step(stats, counts_on_host=self.overlap)
+        if self.par.active and self.overlap:
+            self.stop_agreed = stats.stop_requested
         loss = torch.as_tensor(stats.loss, dtype=torch.float32, device=self.device).reshape(())
         grad_norm = grad_norm.float().reshape(())
         if gated:
             bad = ~torch.isfinite(loss + grad_norm)  # grad_norm >= 0: the sum is finite iff both are
             self._halt.masked_fill_(bad, 1.0)
             set_lr(self.optimizer, lr)
-            self.optimizer.step()  # reads `_halt` (FlatAdamW.skip): nothing changes once halted
+            self.optimizer.step()  # reads `_halt` (FlatAdamW.skip, found_inf): nothing changes once halted
+            self._zero_grads()
             if stats.expert_load is not None:  # a zero load moves no bias: sign(0 - 0)
                 self.model.update_routing_bias(stats.expert_load.float() * (1.0 - self._halt), gamma=gamma)
         names = ["loss", "grad_norm", *stats.parts]
@@ -414,7 +423,7 @@ class Trainer:
         t = self.cfg.train
         if halted:
             if item.gated:
-                self.optimizer.uncount()
+                self._uncount()
             again = self._launch(self._accumulate(iter(item.stats.batches), self.tokens_seen), lr_at(self.step, t),
                                  self.tokens_seen, gated=item.gated)
             return self._settle(again)
@@ -426,7 +435,7 @@ class Trainer:
             self.stop_agreed = stats.stop_requested
         if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
             if item.gated:
-                self.optimizer.uncount()
+                self._uncount()
                 self._halt.zero_()  # after the steps already queued, which it halted
             self._zero_grads()
             self.bad_in_a_row += 1
@@ -558,12 +567,29 @@ class Trainer:
 
     def _overlap(self):
         """(whether the host queues a step before reading the last one's verdict, a line saying why)."""
-        if not self.cfg.train.overlap_steps:
+        mode = self.cfg.train.overlap_steps
+        if mode == "false":
             return False, "off (train.overlap_steps=false)"
-        if self.working is None:
-            return False, "off: it needs the working copy's optimizer (its step is skipped on the device)"
-        return True, ("on: the host queues step N+1 before it reads step N's loss; a non-finite step is skipped on "
-                      "the device")
+        fused = self.working is None and bool(self.optimizer.defaults.get("fused"))
+        why = None
+        if self.working is None and not fused:
+            why = "it needs an optimizer that skips a step on the device (the working copy's, or fused AdamW: CUDA)"
+        elif fused and mode == "auto":
+            why = ("with fused AdamW only when asked (train.overlap_steps=true; not yet measured there)" if not
+                   self.par.active else "under torchrun only when asked (train.overlap_steps=true; not yet measured)")
+        if why is not None:
+            if mode == "true" and self.working is None and not fused:
+                raise ConfigError(f"train.overlap_steps=true but {why}")
+            return False, f"off: {why}"
+        how = "the working copy's optimizer" if self.working is not None else "fused AdamW (found_inf)"
+        return True, (f"on: the host queues step N+1 before it reads step N's loss; a non-finite step is skipped on "
+                      f"the device by {how}")
+
+    def _uncount(self) -> None:
+        """Take back the step count of a step the device skipped: FlatAdamW counts on the host; fused AdamW took its
+        own back on the device (found_inf)."""
+        if self.working is not None:
+            self.optimizer.uncount()
 
     def _zero_grads(self) -> None:
         """After a step: freed, except where CUDA graphs add several micro-batches into kept tensors. With a working
