@@ -386,6 +386,12 @@ def test_resume_allows_other_layouts_and_rank_counts_with_the_same_global_batch(
     (old / "run_config.json").write_text(json.dumps(config))
     assert check_resume(old, now("--train.grad_accum=2"), data, ("train.grad_accum",), world_size=1) == [
         "train.grad_accum: 1 -> 2"]
+    # train.overlap_steps changes no step: a checkpoint of before it took "auto" (a JSON true) resumes under any value
+    config["train"]["overlap_steps"] = True
+    (old / "run_config.json").write_text(json.dumps(config))
+    for mode in ("auto", "true", "false"):
+        changes = check_resume(old, now(f"--train.overlap_steps={mode}"), data, world_size=1)
+        assert all("overlap_steps" in line for line in changes), changes
 
 
 def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path):  # noqa: F811
