@@ -9,10 +9,11 @@ in a row stop the run with the last good checkpoint intact. SIGINT/SIGTERM save 
 Overlap (`train.overlap_steps`; by default with a working copy in one process, on request with fused AdamW, torchrun
 included): the host queues step N+1 before it reads step N's loss, so that it prepares the next batch while the
 device computes. The optimizer step and the routing-bias update are queued with the step, gated on the device by a
-halt flag that a non-finite loss or gradient norm sets (`FlatAdamW.skip`, fused AdamW's `found_inf`). When the host reads a non-finite step it settles the step queued after it (halted, so not
-applied), clears the flag and runs that step again with the learning rate and schedules of the step it really is. The
-steps applied, their order and their numbers are those of the one-at-a-time loop. Steps after which the loop
-evaluates, saves or stops are settled before anything else is queued.
+halt flag that a non-finite loss or gradient norm sets (`FlatAdamW.skip`, fused AdamW's `found_inf`). When the host
+reads a non-finite step it settles the step queued after it (halted, so not applied), clears the flag and runs that
+step again with the learning rate and schedules of the step it really is. The steps applied, their order and their
+numbers are those of the one-at-a-time loop. Steps after which the loop evaluates, saves or stops are settled before
+anything else is queued.
 
 Under torchrun the global token count and stop requests are read back with the step's verdict (`_settle`), not
 right after their all-reduce (`Parallel.sum_step`): nothing in `_launch` waits for the device. With the overlap they
@@ -570,17 +571,15 @@ class Trainer:
         mode = self.cfg.train.overlap_steps
         if mode == "false":
             return False, "off (train.overlap_steps=false)"
-        fused = self.working is None and bool(self.optimizer.defaults.get("fused"))
-        why = None
-        if self.working is None and not fused:
+        if self.working is None and not self.optimizer.defaults.get("fused"):
             why = "it needs an optimizer that skips a step on the device (the working copy's, or fused AdamW: CUDA)"
-        elif fused and mode == "auto":
-            why = ("with fused AdamW only when asked (train.overlap_steps=true; not yet measured there)" if not
-                   self.par.active else "under torchrun only when asked (train.overlap_steps=true; not yet measured)")
-        if why is not None:
-            if mode == "true" and self.working is None and not fused:
+            if mode == "true":
                 raise ConfigError(f"train.overlap_steps=true but {why}")
             return False, f"off: {why}"
+        if self.working is None and mode == "auto":
+            where = " under torchrun" if self.par.active else ""
+            return False, (f"off: with fused AdamW{where} only when asked (train.overlap_steps=true; not yet measured "
+                           f"there)")
         how = "the working copy's optimizer" if self.working is not None else "fused AdamW (found_inf)"
         return True, (f"on: the host queues step N+1 before it reads step N's loss; a non-finite step is skipped on "
                       f"the device by {how}")
