@@ -503,20 +503,21 @@ def val_losses(out: Path) -> dict[int, float]:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("graphs", ["auto", "false"])
-def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs):  # noqa: F811
+@pytest.mark.parametrize("graphs,overlap", [("auto", "auto"), ("false", "auto"), ("auto", "true")])
+def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs, overlap):  # noqa: F811
     """torchrun with one rank on a GPU (NCCL, FSDP2 with fp32 compute copies) follows the plain one-process run step
     by step, with its step in CUDA graphs (the default for one rank: FSDP2's gathers and reductions replay inside)
     and without; so do its evaluations between steps (with graphs no eager backward frees the weights gathered for
-    an evaluation, `Parallel.release` does); its sharded checkpoint resumes in a plain process; the bf16
-    mixed-precision FSDP2 run trains too."""
+    an evaluation, `Parallel.release` does), and with the overlap (fused AdamW queued before the loss is read, the
+    next step before this one's loss); its sharded checkpoint resumes in a plain process; the bf16 mixed-precision
+    FSDP2 run trains too."""
     over = [*STEPS, "--train.device=cuda", "--train.dtype=fp32", "--parallel.param_dtype=fp32",
-            "--train.eval_every=4", f"--train.cuda_graphs={graphs}"]
+            "--train.eval_every=4", f"--train.overlap_steps={overlap}", f"--train.cuda_graphs={graphs}"]
     assert spawn(_train, str(data_dir), str(tmp_path / "fsdp"), over, False, world=1, timeout=300) == [0]
     used = json.loads((tmp_path / "fsdp" / "graphs.json").read_text())
     assert (used["replays"] > 0) == (graphs == "auto"), used
     plain = tmp_path / "plain"
-    Trainer(tiny_cfg(data_dir, *over[:-1]), plain, log=lambda s: None).run()
+    Trainer(tiny_cfg(data_dir, *over[:-2]), plain, log=lambda s: None).run()
     a, b = train_losses(tmp_path / "fsdp"), train_losses(plain)
     assert list(a) == list(range(1, N + 1))
     for step in a:
