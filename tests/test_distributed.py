@@ -285,6 +285,33 @@ def _train_overlapped(data: str, out: str, overrides: list[str], poisoned: list[
         (Path(out) / "settled.json").write_text(json.dumps({"overlap": trainer.overlap, "halts": sum(halts)}))
 
 
+def _one_rank_reduce(result: str) -> None:
+    """One rank with bf16 compute copies: the gradient "reduced" in bf16 (what one rank gets) is the fp32-reduced
+    one bit for bit; several ranks keep the configured fp32 reduction."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from anyseek.distributed.fsdp import apply_fsdp, mixed_precision
+    from anyseek.distributed.parallel import Parallel
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.config import ParallelConfig
+
+    Parallel.from_torchrun(ParallelConfig(timeout_s=30), "cpu")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    ids, cu = torch.arange(64) % 64, torch.tensor([0, 40, 64], dtype=torch.int32)
+    picked = [mixed_precision("bf16", "fp32", None, w).reduce_dtype for w in (1, 2)]
+    grads = []
+    for policy in (mixed_precision("bf16", "fp32", None, 1), mixed_precision("bf16", "fp32", None, 2)):
+        torch.manual_seed(0)
+        model = apply_fsdp(DeepSeekV3(ModelConfig.from_name("tiny", num_hidden_layers=2, vocab_size=64)), mesh, policy)
+        model(ids, cu_seqlens=cu, max_seqlen=40).logits.float().square().mean().backward()
+        grads.append({n: p.grad.to_local() for n, p in model.named_parameters() if p.grad is not None})
+    same = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+    fp32 = all(g.dtype == torch.float32 for g in grads[0].values())
+    Path(result).write_text(json.dumps({"picked": [str(d) for d in picked], "same": same, "fp32": fp32,
+                                        "n": len(grads[0])}))
+
+
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):  # noqa: F811
@@ -460,6 +487,13 @@ def test_two_ranks_overlapped_equal_the_loop_with_a_bad_step_on_one_rank(data_di
     assert rows[0] == rows[1] and sum(r["kind"] == "skip" for r in rows[1]) == 2
     x, y = (load_file(str(tmp_path / m / "final.safetensors")) for m in ("false", "true"))
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_one_rank_reduces_in_the_compute_dtype_with_the_same_gradients(tmp_path):
+    result = tmp_path / "reduce.json"
+    assert spawn(_one_rank_reduce, str(result), world=1, timeout=120) == [0]
+    r = json.loads(result.read_text())
+    assert r["picked"] == ["torch.bfloat16", "torch.float32"] and r["same"] and r["fp32"] and r["n"] > 20, r
 
 
 def test_ep_benchmark_runs_on_two_cpu_ranks():

@@ -24,13 +24,18 @@ from torch.utils.checkpoint import checkpoint
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def mixed_precision(param_dtype: str, reduce_dtype: str, autocast_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+def mixed_precision(param_dtype: str, reduce_dtype: str, autocast_dtype: torch.dtype | None,
+                    world_size: int) -> MixedPrecisionPolicy:  # fmt: skip
     """bf16 (or fp32) copies of the weights for compute, fp32 (or bf16) gradient reduction; the fp32 sharded
-    parameters stay the optimizer's master weights. Inputs are never cast (num_targets is fp32 and must stay so)."""
+    parameters stay the optimizer's master weights. Inputs are never cast (num_targets is fp32 and must stay so).
+    One rank (`world_size` 1): the reduction sums a single gradient, so it runs in the compute dtype whatever
+    `reduce_dtype` says (the gradient is the same bits either way, cast to fp32 after it; in fp32 it would cost a
+    cast into an fp32 buffer and twice the bytes through the reduction and out of it)."""
     compute = autocast_dtype if param_dtype == "auto" else _DTYPES[param_dtype]
     if compute in (None, torch.float32):
         return MixedPrecisionPolicy(cast_forward_inputs=False)
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=_DTYPES[reduce_dtype], cast_forward_inputs=False)
+    reduce = compute if world_size == 1 else _DTYPES[reduce_dtype]
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce, cast_forward_inputs=False)
 
 
 def _expose_output_tensors() -> None:

@@ -77,7 +77,7 @@ class Parallel:
             from anyseek.distributed.expert_parallel import apply_ep
 
             self.expert_params = apply_ep(model, self.ep_mesh)
-        mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype)
+        mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype, self.env.world_size)
         return apply_fsdp(model, self.mesh, mp, self.cfg.reshard_after_forward, set(self.expert_params))
 
     def release(self, model: nn.Module) -> None:
