@@ -246,36 +246,20 @@ def _train_overlapped(data: str, out: str, overrides: list[str], poisoned: list[
     """A 2-rank run with fused AdamW (the CUDA optimizer, here on the CPU), rank 1's batches at `poisoned` (indices
     into its share) NaN; rank 0 writes the final weights (gathered from the shards) and how the steps settled."""
     from safetensors.torch import save_file
-    from test_train_overlap import fused_adamw
+    from test_train_overlap import _count_halts, _key, _poison, fused_adamw
 
     import anyseek.train.trainer as trainer_mod
     from anyseek.data.loader import PackedLoader
-    from anyseek.model.transformer import DeepSeekV3
 
-    trainer_mod.build_optimizer = fused_adamw
+    patch = pytest.MonkeyPatch()  # (this process ends with the run)
+    patch.setattr(trainer_mod, "build_optimizer", fused_adamw)
     cfg = tiny_cfg(Path(data), *overrides)
     d = cfg.data
     mine = iter(PackedLoader(Path(data), "train", d.tokens_per_batch, d.max_seqlen, cfg.train.seed, rank=1,
                              world_size=2))  # fmt: skip
-    shares = [tuple(next(mine).input_ids[:48].tolist()) for _ in range(max(poisoned) + 1)]
-    bad = {shares[i] for i in poisoned}
-    real = DeepSeekV3.forward
-
-    def forward(self, input_ids, *args, **kwargs):
-        o = real(self, input_ids, *args, **kwargs)
-        if self.training and tuple(input_ids.reshape(-1)[:48].tolist()) in bad:
-            o.lm_loss = o.lm_loss * float("nan")
-        return o
-
-    DeepSeekV3.forward = forward
-    halts = []
-    real_settle = Trainer._settle
-
-    def settle(self, item, halted=False):
-        halts.append(halted)
-        return real_settle(self, item, halted)
-
-    Trainer._settle = settle
+    shares = [_key(next(mine).input_ids) for _ in range(max(poisoned) + 1)]
+    _poison(patch, {shares[i] for i in poisoned})
+    halts = _count_halts(patch)
     trainer = Trainer(cfg, Path(out), log=lambda s: None)
     trainer.run()
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()

@@ -39,6 +39,32 @@ def _poison(monkeypatch, keys: set) -> None:
     monkeypatch.setattr(DeepSeekV3, "forward", forward)
 
 
+def _count_halts(monkeypatch) -> list[bool]:
+    """The `halted` flag of every step the trainer settles from now on (True: a step queued behind a bad one, run
+    again), appended to the returned list."""
+    real_settle, halts = Trainer._settle, []
+
+    def settle(self, item, halted=False):
+        halts.append(halted)
+        return real_settle(self, item, halted)
+
+    monkeypatch.setattr(Trainer, "_settle", settle)
+    return halts
+
+
+def _same_checkpoints(oa, ob) -> None:
+    """Two runs' checkpoints: the same steps, the same tensors bit for bit, the same train state."""
+    assert [c.step for c in ckpt_lib.list_checkpoints(oa)] == [c.step for c in ckpt_lib.list_checkpoints(ob)]
+    for c in ckpt_lib.list_checkpoints(oa):
+        names = sorted(f.name for f in c.path.glob("*.safetensors"))
+        assert names == sorted(f.name for f in (ob / c.path.name).glob("*.safetensors")) and names
+        for name in names:
+            x, y = load_file(str(c.path / name)), load_file(str(ob / c.path.name / name))
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (c.path.name, name)
+        x, y = (json.loads((d / "train_state.json").read_text()) for d in (c.path, ob / c.path.name))
+        assert x.pop("saved_at") and y.pop("saved_at") and x == y
+
+
 def _cfg(data, overlap: bool, *extra: str):
     return tiny_cfg(data, "--train.working_copy=true", "--train.dtype=bf16", f"--train.overlap_steps={str(overlap).lower()}",
                     "--train.save_every=4", "--train.eval_every=6", "--train.keep_last=10",
@@ -62,13 +88,7 @@ def _compare(data, tmp_path, monkeypatch, poisoned, *extra: str) -> None:
     """Both loops on the same config, `poisoned` batches NaN: the same logs, checkpoints and final state."""
     keys = _batch_keys(data, 20)
     _poison(monkeypatch, {keys[i] for i in poisoned})
-    real_settle, halts = Trainer._settle, []
-
-    def settle(self, item, halted=False):
-        halts.append(halted)
-        return real_settle(self, item, halted)
-
-    monkeypatch.setattr(Trainer, "_settle", settle)
+    halts = _count_halts(monkeypatch)
     runs = {}
     for overlap in (False, True):
         out = tmp_path / f"overlap{overlap}"
@@ -83,15 +103,7 @@ def _compare(data, tmp_path, monkeypatch, poisoned, *extra: str) -> None:
     assert _rows(oa) == _rows(ob)
     assert sum(r["kind"] == "skip" for r in _rows(ob)) == len(poisoned)
     assert sa["val_loss"] == sb["val_loss"] and sa["tokens_seen"] == sb["tokens_seen"]
-    assert [c.step for c in ckpt_lib.list_checkpoints(oa)] == [c.step for c in ckpt_lib.list_checkpoints(ob)]
-    for c in ckpt_lib.list_checkpoints(oa):
-        names = sorted(f.name for f in c.path.glob("*.safetensors"))
-        assert names == sorted(f.name for f in (ob / c.path.name).glob("*.safetensors")) and names
-        for name in names:
-            x, y = load_file(str(c.path / name)), load_file(str(ob / c.path.name / name))
-            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (c.path.name, name)
-        x, y = (json.loads((d / "train_state.json").read_text()) for d in (c.path, ob / c.path.name))
-        assert x.pop("saved_at") and y.pop("saved_at") and x == y
+    _same_checkpoints(oa, ob)
     assert torch.equal(a.working.flat, b.working.flat) and torch.equal(a.working.flat_low, b.working.flat_low)
     assert int(a.optimizer._step_t) == int(b.optimizer._step_t) == 12
     assert float(b._halt) == 0.0
@@ -158,13 +170,7 @@ def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, p
     monkeypatch.setattr(trainer_mod, "build_optimizer", fused_adamw)
     keys = _batch_keys(data_dir, 12)
     _poison(monkeypatch, {keys[i] for i in poisoned})
-    real_settle, halts = Trainer._settle, []
-
-    def settle(self, item, halted=False):
-        halts.append(halted)
-        return real_settle(self, item, halted)
-
-    monkeypatch.setattr(Trainer, "_settle", settle)
+    halts = _count_halts(monkeypatch)
     runs = []
     for mode in ("auto", "true"):
         out = tmp_path / mode
@@ -179,11 +185,7 @@ def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, p
         runs.append((tr, out))
     (a, oa), (b, ob) = runs
     assert _rows(oa) == _rows(ob) and sum(r["kind"] == "skip" for r in _rows(ob)) == len(poisoned)
-    assert [c.step for c in ckpt_lib.list_checkpoints(oa)] == [c.step for c in ckpt_lib.list_checkpoints(ob)]
-    for c in ckpt_lib.list_checkpoints(oa):
-        for f in c.path.glob("*.safetensors"):
-            x, y = load_file(str(f)), load_file(str(ob / c.path.name / f.name))
-            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (c.path.name, f.name)
+    _same_checkpoints(oa, ob)
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
         sa, sb = a.optimizer.state[p], b.optimizer.state[q]

@@ -389,8 +389,6 @@ class Trainer:
         # losses, expert loads, tokens and stop requests of every rank (no host sync; with the overlap the counts on
         # the host, for the next step's schedules and the agreed stop)
         self.par.sum_step(stats, counts_on_host=self.overlap)
-        if self.par.active and self.overlap:
-            self.stop_agreed = stats.stop_requested
         loss = torch.as_tensor(stats.loss, dtype=torch.float32, device=self.device).reshape(())
         grad_norm = grad_norm.float().reshape(())
         if gated:
@@ -433,7 +431,7 @@ class Trainer:
         if stats.global_counts is not None:
             stats.tokens, stats.stop_requested = int(v.pop(_TOKENS)), v.pop(_STOP) > 0
             stats.global_counts = None
-            self.stop_agreed = stats.stop_requested
+        self.stop_agreed = stats.stop_requested  # (summed over the ranks; one process: this process's own)
         if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
             if item.gated:
                 self._uncount()
