@@ -180,16 +180,10 @@ def bench(out_dir: str | None, shapes: list[str], tokens: dict) -> list[dict]:
     return rows
 
 
-NARROW_VARIANTS = [(128, 4, 3), (64, 8, 4), (32, 4, 6), (128, 8, 2)]  # (BLOCK_K, warps, stages) for --lora
-
-
 def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
     """Forward + backward of one MoE layer's routed experts as fine-tuning runs them, CUDA-graph replay:
     full        the Triton experts, gradients for x, the routing weights and both weight stacks;
-    lora        frozen base, per-expert adapters inside the Triton GEMMs (`lora_routed_experts`, the default: the
-                rank-r products L = A[row] @ P_e by their own narrow launches, read in the big GEMMs' epilogues);
-    in-loop     the same with L accumulated inside each big GEMM's loop over K (moe._LORA_NARROW = False);
-    narrow bk/w/s  the narrow launches with other (BLOCK_K, num_warps, num_stages) than moe._NARROW's;
+    lora        frozen base, per-expert adapters inside the Triton GEMMs (`lora_routed_experts`, the default);
     lora split  the same with the rank-r weight gradients' rows in 1/2/8 chunks per expert (default 4);
     merged      the effective weights W + s B A formed each call (torch.baddbmm) and handed to the same Triton
                 experts (ANYSEEK_LORA=merged, and the path of every other backend): [E, F, D] gradients reduced to
@@ -197,10 +191,8 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
     from anyseek.kernels.triton import moe
 
     lines = [f"LoRA routed experts, rank {rank}, fwd+bwd as one CUDA graph, {env_line()}", "",
-             "| shape | tokens | routing | full ms | lora ms | lora vs full | in-loop | " + " | ".join(
-                 f"narrow {bk}/{w}/{st}" for bk, w, st in NARROW_VARIANTS)
-             + " | split 1 | split 2 | split 8 | merged ms |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(NARROW_VARIANTS) + "---|---|---|---|"]  # fmt: skip
+             "| shape | tokens | routing | full ms | lora ms | lora vs full | split 1 | split 2 | split 8 | merged ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for shape in shapes:
         E, I, K, D = SHAPES[shape]
         T = 8192
@@ -231,23 +223,14 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
                 return triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
 
             t = {k: run(k) for k in ("full", "lora", "merged")}
-            moe._LORA_NARROW = False
-            t["in-loop"] = run("lora")
-            moe._LORA_NARROW = True
-            fam, narrow = moe.family(x.device), dict(moe._NARROW)
-            for v in NARROW_VARIANTS:
-                moe._NARROW[fam] = v
-                t[v] = run("lora")
-            moe._NARROW.update(narrow)
             default = moe._RANK_SPLIT
             for split in (1, 2, 8):
                 moe._RANK_SPLIT = split
                 t[f"split{split}"] = run("lora")
             moe._RANK_SPLIT = default
             lines.append(f"| {shape} | {T} | {routing} | {t['full']:.3f} | {t['lora']:.3f} | "
-                         f"{t['full'] / t['lora']:.2f}x | {t['in-loop']:.3f} | "
-                         + "".join(f"{t[v]:.3f} | " for v in NARROW_VARIANTS)
-                         + f"{t['split1']:.3f} | {t['split2']:.3f} | {t['split8']:.3f} | {t['merged']:.3f} |")  # fmt: skip
+                         f"{t['full'] / t['lora']:.2f}x | {t['split1']:.3f} | {t['split2']:.3f} | {t['split8']:.3f} | "
+                         f"{t['merged']:.3f} |")  # fmt: skip
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     emit(lines, out_dir, "lora.md")

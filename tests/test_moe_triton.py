@@ -107,12 +107,6 @@ def _worker() -> None:
     table = [((a - t).abs().max().item(), (m - t).abs().max().item()) for a, m, t in zip(lora16, merged16, truth)]
     rule16 = [e <= 2 * e_pt + 1e-3 for e, e_pt in table]
     results["lora"] = {"pass": all(close32) and all(rule16), "table": [close32, table]}
-    # the rank-r products formed inside the big GEMMs' loop instead of by their own narrow launches: same results
-    moe._LORA_NARROW = False
-    in_loop = lora_run(False, torch.float32)
-    moe._LORA_NARROW = True
-    same = [torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(in_loop, lora32)]
-    results["lora_in_loop"] = {"pass": all(same), "table": same}
     # a rank that is not a power of two (the rank tiles padded to 32), every expert busy
     lora_run = _lora_case(accuracy.moe_inputs(41, 48, 40, 4, 2, "balanced", 8), rank=20, scale=0.1, seed=4)
     truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
@@ -187,8 +181,7 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_in_loop", "lora_rank20",
-                            "lora_addend",
+                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):
@@ -203,16 +196,11 @@ def test_interpreter(interp_results, name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape,rank", [((2048, 256, 128, 16, 4), 16), ((777, 200, 136, 16, 6), 8),
                                         ((1000, 256, 96, 8, 2), 64)])  # fmt: skip
-@pytest.mark.parametrize("narrow", [True, False])
-def test_gpu_lora_experts(shape, rank, dtype, narrow, monkeypatch):
+def test_gpu_lora_experts(shape, rank, dtype):
     """LoRA routed experts (adapters inside the Triton path) against the fp32 merged-weight truth, within twice the
     error of the merged-weight path in the same low precision: output, dx, routing weights, the four adapters.
-    Widths that are no multiple of the tiles, ranks below and above the 16-wide rank tile; the rank-r products by
-    their own narrow launches and inside the big GEMMs' loop."""
+    Widths that are no multiple of the tiles, ranks below and above the 16-wide rank tile."""
     from anyseek.kernels import accuracy
-    from anyseek.kernels.triton import moe
-
-    monkeypatch.setattr(moe, "_LORA_NARROW", narrow)
 
     run = _lora_case([t.cuda() for t in accuracy.moe_inputs(*shape, "skewed", 11)], rank=rank,
                      scale=0.05, seed=5)  # fmt: skip

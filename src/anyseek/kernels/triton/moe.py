@@ -193,44 +193,25 @@ def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=Fa
           w=None, dw=None, save_h=False, up_cols=0, low_rank=None):  # fmt: skip
     """C[r] = A[row(r)] @ B_e over the plan's row tiles (see `_grouped_gemm_kernel`). low_rank = (L [M, r], P [E, ...],
     P's strides as (expert, k, n), R [E, ...], R's strides): C[r] = A[row(r)] @ (B_e + P_e R_e), and L (row order)
-    receives A[row(r)] @ P_e: formed first by a narrow launch of the same kernel (N = r; `_LORA_NARROW`), which the
-    main launch's epilogue reads, or inside the main launch's loop."""
+    receives A[row(r)] @ P_e."""
     slot, tok, offs, tile_expert, tile_row = plan
     n_m = tile_expert.numel()
     h = c if h is None else h
     grid = (n_m * triton.cdiv(N, cfg["BLOCK_N"]),)
     l_, p_, strides_p, r_, strides_r = low_rank if low_rank is not None else (c, c, (0, 0, 0), c, (0, 0, 0))
     rank = l_.shape[1] if low_rank is not None else 0
-    mode = 0 if low_rank is None else 2 if _LORA_NARROW else 1
-    if mode == 2:
-        _gemm(a, p_, strides_p, l_, plan, rank, K_red, _narrow_config(a.device, rank), gather=gather)
     _launch(_grouped_gemm_kernel, grid, cfg)(
         a, tok, slot, b_e, c, h, c if w is None else w, c if dw is None else dw, offs, tile_expert, tile_row,
         n_m, N, K_red, a.stride(0), *strides_b, c.stride(0), h.stride(0), up_cols,
         l_, p_, r_, l_.stride(0), *strides_p, *strides_r, rank,
         GATHER_A=gather, SCATTER_C=scatter, EPI=epi, SAVE_H=save_h, EVEN_K=K_red % cfg["BLOCK_K"] == 0,
-        EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=mode, RANK=_rank_block(rank), PREC=_prec(a.dtype),
+        EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=low_rank is not None, RANK=_rank_block(rank), PREC=_prec(a.dtype),
     )  # fmt: skip
 
 
 def _rank_block(r: int) -> int:
     """The K (or N) extent of a tile over a rank-r dimension: a power of two, at least 16 (tl.dot's minimum)."""
     return max(16, triton.next_power_of_2(r))
-
-
-# LoRA experts: each big GEMM's rank-r product L = A[row] @ P_e formed by its own narrow launch first (True), or
-# accumulated inside the big GEMM's loop over K (False: a second, N = r dot per step of the loop, in every column
-# tile). benchmarks/moe.py --lora measures both.
-_LORA_NARROW = True
-_NARROW = {"hopper": (64, 4, 4), "ampere_dc": (64, 4, 3), "consumer": (32, 4, 3), "interpreter": (16, 1, 1)}
-
-
-def _narrow_config(device: torch.device, r: int) -> dict:
-    """Tiles for L = A[row] @ P_e [M, r]: the plan's row tiles (BLOCK_M as in "gemm"), one rank-wide column tile;
-    a memory-bound stream over A's rows. (BLOCK_K, num_warps, num_stages) from _NARROW."""
-    bk, warps, stages = _NARROW[family(device)]
-    return {**_config(device, "gemm"), "BLOCK_N": _rank_block(r), "BLOCK_K": bk, "num_warps": warps,
-            "num_stages": stages}  # fmt: skip
 
 
 def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None):

@@ -17,11 +17,9 @@ B_e is read through strides, so nn.Linear weights serve as B or B^T without a co
      routing-weight gradient sum_j act * d(act*w) of this column tile (summed over tiles on the host side,
      in a fixed order: deterministic).
 With LORA, a rank-r term joins the accumulator(s) before the epilogue: C[r] = A[row(r)] @ (B_e + P_e R_e), the
-effective weight of a LoRA expert (W_e + B_e A_e) without forming it (moe.py). The epilogue adds L @ R_e, where
-L = A[row(r)] @ P_e [M, r] (row order, also kept for the weight gradients) is either read (LORA=2: an earlier
-narrow launch of this kernel, N = r, formed it) or accumulated in the loop over K (LORA=1: r/BN more MMA work,
-each column tile computing its own, a second dot that stalls the main one's pipeline; the first column tile
-stores L).
+effective weight of a LoRA expert (W_e + B_e A_e) without forming it (moe.py). The loop over K also accumulates
+L = A[row(r)] @ P_e [BM, r] (r/BN more MMA work: each column tile computes its own); the epilogue adds L @ R_e, and
+the first column tile stores L (row order) for the weight gradients.
 
 `_grouped_wgrad_kernel`: dW_e = A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
 bounds are read from offs on the device). Empty experts get zeros.
@@ -85,7 +83,7 @@ def _grouped_gemm_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kr = tl.arange(0, RANK)
     acc_l = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-    if LORA == 1:  # P_e [K_red, r]; columns past r wrap (duplicates, cancelled by R's zero rows past r below)
+    if LORA:  # P_e [K_red, r]; columns past r wrap (duplicates, cancelled by R's zero rows past r below)
         p_ptrs = p_ptr + e.to(tl.int64) * stride_pe + ks[:, None] * stride_pk + (kr % rank)[None, :] * stride_pn
     for k in range(tl.cdiv(K_red, BLOCK_K)):
         if EVEN_K:
@@ -96,7 +94,7 @@ def _grouped_gemm_kernel(
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
-        if LORA == 1:
+        if LORA:
             if EVEN_K:
                 pk = tl.load(p_ptrs)
             else:
@@ -112,15 +110,11 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
 
-    if LORA != 0:  # + L @ R_e, L rounded to the inputs' dtype (as it is stored)
-        if LORA == 1:
-            l_tile = acc_l.to(a_ptr.dtype.element_ty)
-            if pid_n == 0:
-                tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile,
-                         mask=rmask[:, None] & (kr < rank)[None, :])  # fmt: skip
-        else:
-            l_tile = tl.load(l_ptr + rows_c.to(tl.int64)[:, None] * stride_lm + kr[None, :],
-                             mask=(kr < rank)[None, :], other=0.0)  # fmt: skip
+    if LORA:  # + L @ R_e, L rounded to the inputs' dtype (as it is stored)
+        l_tile = acc_l.to(a_ptr.dtype.element_ty)
+        if pid_n == 0:
+            tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile,
+                     mask=rmask[:, None] & (kr < rank)[None, :])  # fmt: skip
         r_ptrs = r_ptr + e.to(tl.int64) * stride_re + kr[:, None] * stride_rk + cols_c[None, :].to(tl.int64) * stride_rn
         acc = tl.dot(l_tile, tl.load(r_ptrs, mask=(kr < rank)[:, None], other=0.0), acc, input_precision=PREC)
         if EPI == 1:
