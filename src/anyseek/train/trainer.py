@@ -6,8 +6,8 @@ One optimizer step = `grad_accum` micro-batches of `data.tokens_per_batch` token
 biases move toward balance (auxiliary-loss-free balancing). A NaN/Inf loss or gradient skips the step; `max_bad_steps`
 in a row stop the run with the last good checkpoint intact. SIGINT/SIGTERM save a checkpoint and exit cleanly.
 
-Overlap (`train.overlap_steps`; by default with a working copy in one process, on request with fused AdamW, torchrun
-included): the host queues step N+1 before it reads step N's loss, so that it prepares the next batch while the
+Overlap (`train.overlap_steps`; by default with a working copy in one process and with fused AdamW under torchrun; on
+request with fused AdamW in one process): the host queues step N+1 before it reads step N's loss, so that it prepares the next batch while the
 device computes. The optimizer step and the routing-bias update are queued with the step, gated on the device by a
 halt flag that a non-finite loss or gradient norm sets (`FlatAdamW.skip`, fused AdamW's `found_inf`). When the host
 reads a non-finite step it settles the step queued after it (halted, so not applied), clears the flag and runs that
@@ -574,10 +574,9 @@ class Trainer:
             if mode == "true":
                 raise ConfigError(f"train.overlap_steps=true but {why}")
             return False, f"off: {why}"
-        if self.working is None and mode == "auto":
-            where = " under torchrun" if self.par.active else ""
-            return False, (f"off: with fused AdamW{where} only when asked (train.overlap_steps=true; not yet measured "
-                           f"there)")
+        if self.working is None and mode == "auto" and not self.par.active:
+            return False, ("off: with fused AdamW in one process only when asked (train.overlap_steps=true; measured "
+                           "under torchrun only)")
         how = "the working copy's optimizer" if self.working is not None else "fused AdamW (found_inf)"
         return True, (f"on: the host queues step N+1 before it reads step N's loss; a non-finite step is skipped on "
                       f"the device by {how}")
