@@ -225,8 +225,7 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None
     dimension must be contiguous."""
     E, N1, N2 = out_EN1N2.shape
     tiles = triton.cdiv(N1, cfg["BLOCK_M"]) * triton.cdiv(N2, cfg["BLOCK_N"])
-    part = out_EN1N2.new_empty(0, dtype=torch.float32)  # (unused pointers without a split: no allocation)
-    cnt = torch.empty(0, device=out_EN1N2.device, dtype=torch.int32)
+    part = cnt = out_EN1N2
     if split > 1:
         part = out_EN1N2.new_empty(split * tiles * E * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32)
         cnt = torch.zeros(tiles * E, device=out_EN1N2.device, dtype=torch.int32)
@@ -237,8 +236,7 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None
         N1, N2, a.stride(0), b.stride(0), out_EN1N2.stride(0), out_EN1N2.stride(1), part, cnt, float(scale),
         0 if n_rows is None else n_rows, *(swiglu if swiglu is not None else (b, offs)), N2,
         GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, EVEN_N1=N1 % cfg["BLOCK_M"] == 0,
-        EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, DENSE=dense, SPLIT=split > 1,
-        PREC=_prec(a.dtype),
+        EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, DENSE=dense, PREC=_prec(a.dtype),
     )  # fmt: skip
 
 

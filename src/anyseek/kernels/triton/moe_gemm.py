@@ -167,11 +167,11 @@ def _grouped_wgrad_kernel(
     a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, c_ptr, offs_ptr,
     N1, N2, stride_am, stride_bm, stride_ce, stride_c1, part_ptr, cnt_ptr, scale, n_rows, w_ptr, slot_ptr, up_cols,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_N2: tl.constexpr,
-    B_SWIGLU: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    B_SWIGLU: tl.constexpr, DENSE: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """c[e, i, j] = scale * sum_r A[a_row(r), i] * B[b_row(r), j] over the rows r of expert e (program axis 1; DENSE:
-    rows 0..n_rows). With SPLIT, more than one program on axis 2: program s sums the s-th of as many equal chunks of the rows
+    rows 0..n_rows). With more than one program on axis 2, program s sums the s-th of as many equal chunks of the rows
     into its fp32 partial (part_ptr: [splits, tiles, BLOCK_M, BLOCK_N]); the last one to count itself in
     (cnt_ptr: [tiles] int32, zero before the launch and again after it) sums the partials in chunk order and writes
     the tile. B_SWIGLU: B is the weighted SwiGLU output recomputed from the saved pre-activations (b_ptr: h [M, 2 *
@@ -185,7 +185,7 @@ def _grouped_wgrad_kernel(
         start = tl.load(offs_ptr + e)
         end = tl.load(offs_ptr + e + 1)
     n_split = tl.num_programs(2)
-    if SPLIT:
+    if n_split > 1:
         chunk = tl.cdiv(tl.cdiv(end - start, n_split), BLOCK_K) * BLOCK_K
         start = tl.minimum(start + tl.program_id(2) * chunk, end)
         end = tl.minimum(start + chunk, end)
@@ -223,7 +223,7 @@ def _grouped_wgrad_kernel(
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PREC)
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + i.to(tl.int64)[:, None] * stride_c1 + j[None, :]
     cmask = (i < N1)[:, None] & (j < N2)[None, :]
-    if not SPLIT:
+    if n_split == 1:
         tl.store(c_ptrs, (acc * scale).to(c_ptr.dtype.element_ty), mask=cmask)
     else:
         tiles = tl.num_programs(0) * tl.num_programs(1)
