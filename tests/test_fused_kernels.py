@@ -311,38 +311,6 @@ def merge_errors(O, I, r, dtype, out, device, seed=0):
             ("rows around out", untouched, 0.0)]
 
 
-# (name, N rows, P, Q, dtype, column slices): scale * a^T b over many rows, one side narrow (LoRA's dA, dB)
-ROWS_CASES = [
-    ("fp32_narrow_right", 700, 45, 5, "float32", False),
-    ("fp32_narrow_left", 513, 3, 70, "float32", True),
-    ("fp16_r16", 1000, 16, 96, "float16", False),
-    ("fp16_slices", 333, 40, 20, "float16", True),
-    ("fp32_few_rows", 7, 20, 4, "float32", False),
-]
-
-
-def rows_errors(N, P, Q, dtype, sliced, device, seed=0):
-    """[(what, err kernel, err torch)] for rows_product (s a^T b) against an fp64 reference; sliced: a and b are
-    column slices of wider buffers (rows strided, as LoRA's per-block gradients and rank slices are)."""
-    from anyseek.kernels.reference.lowrank import rows_product as ref
-    from anyseek.kernels.triton.lowrank import rows_product as fused
-
-    g = torch.Generator().manual_seed(seed)
-    a, b = torch.randn(N, P + 3, generator=g), torch.randn(N, Q + 5, generator=g)
-    if sliced:
-        a, b = a[:, 2:2 + P], b[:, 1:1 + Q]
-    else:
-        a, b = a[:, :P].contiguous(), b[:, :Q].contiguous()
-    want = ref(a.double(), b.double(), 0.75)
-    low = [t.to(device=device, dtype=dtype) for t in (a, b)]
-    torch_low = ref(*low, 0.75).double().cpu()
-    got = fused(*low, 0.75)
-    again = fused(*low, 0.75)
-    assert got.dtype == dtype and got.shape == (P, Q)
-    return [("product", (got.double().cpu() - want).abs().max().item(), (torch_low - want).abs().max().item()),
-            ("same bits twice", float((got != again).sum().item()), 0.0)]
-
-
 def passes(table, atol=1e-5):
     return all(err <= 2 * err_torch + atol for _, err, err_torch in table)
 
@@ -372,9 +340,6 @@ def _worker() -> None:
     for name, O, I, r, dt, out in MERGE_CASES:
         table = merge_errors(O, I, r, getattr(torch, dt), out, "cpu")
         results[f"merge_{name}"] = {"pass": passes(table), "table": table}
-    for name, N, P, Q, dt, sliced in ROWS_CASES:
-        table = rows_errors(N, P, Q, getattr(torch, dt), sliced, "cpu")
-        results[f"rows_{name}"] = {"pass": passes(table, atol=1e-4), "table": table}
     for name, *case in ROUTER_CASES:
         table = router_errors(*case, "cpu")
         results[f"router_{name}"] = {"pass": all(err == 0 for _, err, _ in table), "table": table}
@@ -398,7 +363,7 @@ def interp_results():
                          + [f"adamw_{c[0]}" for c in ADAMW_CASES] + [f"rope_{c[0]}" for c in ROPE_CASES]
                          + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES] + [f"swiglu_{c[0]}" for c in SWIGLU_CASES]
                          + [f"router_{c[0]}" for c in ROUTER_CASES] + ["router_nan_rows_stay_valid"]
-                         + [f"merge_{c[0]}" for c in MERGE_CASES] + [f"rows_{c[0]}" for c in ROWS_CASES])
+                         + [f"merge_{c[0]}" for c in MERGE_CASES])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (what, err, err_torch) = {r['table']}"
@@ -547,29 +512,6 @@ if __name__ == "__main__":
 def test_gpu_low_rank_merge(dtype, shape, out):
     table = merge_errors(*shape, dtype, out, "cuda")
     assert passes(table, atol=1e-6), table
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(8192, 4096, 16), (8192, 16, 1024), (8192, 1088, 16), (777, 37, 5), (100000, 16, 512)])
-@pytest.mark.parametrize("sliced", [False, True])
-def test_gpu_rows_product(dtype, shape, sliced):
-    """s a^T b on the GPU (LoRA's dA and dB shapes at 8k tokens, odd ones, many rows): the 2x rule against fp64,
-    and the same bits on a second call (the partials added up in a fixed order)."""
-    table = rows_errors(*shape, dtype, sliced, "cuda")
-    assert passes(table, atol=1e-4), table
-
-
-def test_rows_product_seam_checks_shapes():
-    """The seam names the shapes it got; on the CPU it runs the twin (s a^T b)."""
-    from anyseek import kernels
-
-    a, b = torch.randn(9, 4), torch.randn(9, 3)
-    torch.testing.assert_close(kernels.rows_product(a, b, 0.5), 0.5 * a.t() @ b)
-    with pytest.raises(ValueError, match=r"b \(8, 3\)"):
-        kernels.rows_product(a, torch.randn(8, 3), 0.5)
-    with pytest.raises(ValueError, match="share a dtype"):
-        kernels.rows_product(a, b.double(), 0.5)
 
 
 def test_low_rank_merge_seam_checks_shapes():

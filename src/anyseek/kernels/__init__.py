@@ -5,8 +5,7 @@
 (c) decoding: `mla_decode` (absorbed MLA attention over a paged latent cache, for `anyseek.infer`);
 (d) fused elementwise chains: `rms_norm`, `add_rms_norm` (a residual add and the norm after it),
     `cross_entropy_rows` (the output head's loss between its matmuls), `rope_rotate` (MLA's rope dims), `swiglu`,
-    `low_rank_merge` (a weight plus its low-rank update, LoRA's merged weight), `rows_product` (s a^T b over many
-    rows: LoRA's adapter gradients);
+    `low_rank_merge` (a weight plus its low-rank update, LoRA's merged weight);
 (e) the trainer's optimizer step over flat buffers: `adamw_flat`, `sq_norm` (train/precision.py; not the model's).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
@@ -232,16 +231,6 @@ def low_rank_merge(W: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: flo
     return registry.get("low_rank_merge", W)(W, B, A, scale, out)
 
 
-def rows_product(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """scale * a^T b -> [P, Q] in a's dtype, from a [N, P] and b [N, Q] (one dtype) over many rows N, summed in fp32:
-    LoRA's adapter gradients (dB = s g^T u, dA = s (g B)^T x; `model.concat`), one side r wide."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
-        raise ValueError(f"rows_product: a [N, P], b [N, Q] expected, got a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise ValueError(f"rows_product: a and b must share a dtype, got {a.dtype}, {b.dtype}")
-    return registry.get("rows_product", a)(a, b, scale)
-
-
 def sq_norm(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) of a 1-D tensor, accumulated and returned in fp32 (0-dim)."""
     return registry.get("sq_norm", x)(x)
@@ -249,4 +238,4 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination", "low_rank_merge",
            "mla_attention", "mla_decode", "registry", "rms_norm", "rope_rotate", "route_topk", "routed_experts",
-           "rows_product", "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]
+           "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]

@@ -8,7 +8,7 @@ an availability check `available(example) -> (ok, reason)` and the device types 
   `ANYSEEK_NORM=name` for rms_norm and add_rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_SWIGLU=name`
   for swiglu, `ANYSEEK_XENT=name` for
   cross_entropy_rows, `ANYSEEK_ADAMW=name` for the working copy's optimizer step (adamw_flat, sq_norm),
-  `ANYSEEK_ROUTER=name` for route_topk, `ANYSEEK_LOWRANK=name` for low_rank_merge and rows_product.
+  `ANYSEEK_ROUTER=name` for route_topk, `ANYSEEK_LOWRANK=name` for low_rank_merge.
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
   device that cannot run is skipped with ONE warning per (op, backend, reason).
@@ -43,14 +43,13 @@ ENV_VARS = {
     "sq_norm": "ANYSEEK_ADAMW",
     "route_topk": "ANYSEEK_ROUTER",
     "low_rank_merge": "ANYSEEK_LOWRANK",
-    "rows_product": "ANYSEEK_LOWRANK",
 }
 # short names accepted by set_backend for groups of ops
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",),
              "norm": ("rms_norm", "add_rms_norm"), "rope": ("rope_rotate",), "swiglu": ("swiglu",),
              "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
              "adamw": ("adamw_flat", "sq_norm"), "router": ("route_topk",),
-             "lowrank": ("low_rank_merge", "rows_product")}
+             "lowrank": ("low_rank_merge",)}
 
 
 @dataclass(frozen=True)
@@ -189,8 +188,7 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
              "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "add_rms_norm": (1, 1024), "swiglu": (1, 4096),
              "cross_entropy_rows": (1, 129280),
              "adamw_flat": (1024,), "sq_norm": (1024,),
-             "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "low_rank_merge": (1536, 7168),
-             "rows_product": (8192, 16)}
+             "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "low_rank_merge": (1536, 7168)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
 
@@ -239,8 +237,7 @@ def _register_defaults() -> None:
              "adamw_flat": ("adamw", "adamw", "foreach-free flat ops"),
              "sq_norm": ("adamw", "adamw", "foreach-free flat ops"),
              "route_topk": ("router", "router", "three topk calls"),
-             "low_rank_merge": ("lowrank", "lowrank", "addmm"),
-             "rows_product": ("lowrank", "lowrank", "addmm")}
+             "low_rank_merge": ("lowrank", "lowrank", "addmm")}
     for op, (mod, ref, what) in fused.items():
         register(op, Backend("triton", _lazy(f"anyseek.kernels.triton.{mod}.{op}"),
                              _lazy_check(f"anyseek.kernels.triton.{mod}.available"), ("cuda",)))

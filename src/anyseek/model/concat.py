@@ -135,7 +135,7 @@ class _LowRankLinear(torch.autograd.Function):
     - added: the term added into the base matmul's output (addmm: no [N, out] temporary) and likewise into dx =
       g W + s (g B) A: a pass over the output and one over dx, which cost more than the merge once N > in.
 
-    Either way dA = s (g B)^T xd, dB = s g^T u (`kernels.rows_product`), and W's gradient only where asked for. The merged weight is rounded
+    Either way dA = s (g B)^T xd, dB = s g^T u, and W's gradient only where asked for. The merged weight is rounded
     to the compute dtype once (as a merged export is); the sums themselves are fp32 in both."""
 
     @staticmethod
@@ -180,11 +180,11 @@ class _LowRankLinear(torch.autograd.Function):
         if need[1]:
             dW = g.t() @ x
         if need[2]:
-            dA = kernels.rows_product(gB, x if xd is None else xd, s)
+            dA = _scaled_mm(gB.t(), x if xd is None else xd, s)
         dBs, r0 = [], 0
         for gi, B, n in zip(gs, Bs, need[6:]):
             r = B.shape[1]
-            dBs.append(kernels.rows_product(gi, u[:, r0:r0 + r], s) if n else None)
+            dBs.append(_scaled_mm(gi.t(), u[:, r0:r0 + r], s) if n else None)
             r0 += r
         return dx, dW, dA, dxd, None, None, *dBs
 

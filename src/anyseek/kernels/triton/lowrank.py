@@ -1,18 +1,11 @@
-"""A weight with its low-rank update folded in, W + s B A, in one pass (LoRA's merged weight, `model.concat`); and
-the adapters' gradients, s a^T b over many rows (`rows_product`).
+"""A weight with its low-rank update folded in, W + s B A, in one pass (LoRA's merged weight, `model.concat`).
 
 PyTorch's `addmm(W, B, A)` first copies W into its output and then runs a rank-r matmul that reads that copy back
 and writes it again: three passes over an [O, I] weight. Here each program loads its B rows and A columns (r wide),
 forms their product with one tensor-core dot, adds the W tile it reads and writes the sum: one read of W and one
 write. The product and the sum are fp32, rounded once to the output's dtype, as the twin's matmul does.
 
-`rows_product`: dA = s (g B)^T x and dB = s g^T u reduce over all N rows (8k at 8k tokens) into an output with
-one side r wide. cuBLAS runs each as a split-K GEMM plus a separate reduction kernel; here the routed experts'
-weight-gradient kernel runs with one "expert" (`moe._wgrad`, DENSE): the rows in chunks over about two programs per
-SM, each chunk's fp32 partial added up in chunk order by the tile's last program, the scale applied there.
-
-Shape legend: O output rows, I input columns, r the rank (a power-of-two tile of at least 16, masked); N rows, P and
-Q the two sides of a rows product.
+Shape legend: O output rows, I input columns, r the rank (a power-of-two tile of at least 16, masked).
 """
 
 from __future__ import annotations
@@ -61,41 +54,6 @@ def low_rank_merge(W: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: flo
                         RANK=max(16, triton.next_power_of_2(r)), BLOCK_O=BLOCK_O, BLOCK_I=BLOCK_I,
                         IEEE=W.dtype == torch.float32, num_warps=4)  # fmt: skip
     return out
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a few programs, so that the tests see chunks
-    return _SMS.setdefault(device.index, torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-_SMS: dict = {}
-_ROWS_MIN_CHUNK = 256  # rows per program at least (the pipeline's fill is paid per chunk)
-_ROWS_MAX_SPLIT = 32  # chunks per tile at most (the last program adds their partials up alone)
-
-
-def rows_product(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """As `kernels.reference.lowrank.rows_product` (the seam checked the shapes and dtypes)."""
-    from anyseek.kernels.triton import moe
-
-    N, P = a.shape
-    Q = b.shape[1]
-    if a.stride(1) != 1 or b.stride(1) != 1 or min(N, P, Q) == 0:
-        from anyseek.kernels.reference.lowrank import rows_product as twin
-
-        return twin(a, b, scale)
-    interp = a.device.type != "cuda"
-    narrow = 16 if interp else 128
-    bm = max(16, triton.next_power_of_2(P)) if P < Q and P <= 64 else narrow
-    bn = max(16, triton.next_power_of_2(Q)) if Q <= P and Q <= 64 else narrow
-    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 16 if interp else 64, "GROUP_M": 8,
-           "num_warps": 1 if interp else 4, "num_stages": 1 if interp else 4}  # fmt: skip
-    tiles = triton.cdiv(P, bm) * triton.cdiv(Q, bn)
-    min_chunk = 16 if interp else _ROWS_MIN_CHUNK
-    split = max(1, min(triton.cdiv(2 * _sm_count(a.device), tiles), N // min_chunk, _ROWS_MAX_SPLIT))
-    out = a.new_empty(1, P, Q)
-    moe._wgrad(a, None, b, None, out, None, cfg, split, scale=scale, n_rows=N)
-    return out[0]
 
 
 def available(example: torch.Tensor) -> tuple[bool, str]:

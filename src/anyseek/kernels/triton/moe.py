@@ -214,30 +214,24 @@ def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None, scale: float = 1.0,
-           n_rows: int | None = None):  # fmt: skip
-    """out[e] = scale * A[rows of e]^T @ B[rows of e], rows gathered through a_idx / b_idx where given (offs None:
-    one "expert", out [1, N1, N2], over rows 0..n_rows). split > 1: each expert's rows in `split` chunks, summed in
-    fp32 into partials that the last chunk's program adds up in a fixed order (deterministic; see
-    `_grouped_wgrad_kernel`); for narrow outputs (LoRA's rank-r gradients), whose few tiles per expert would leave the
-    GPU idle while the busiest expert's rows run through one program. swiglu = (w [M] slot order, slot [M]): b is h
-    [M, 2N2] and B the weighted SwiGLU output recomputed from it (`_grouped_wgrad_kernel`'s B_SWIGLU). out's last
-    dimension must be contiguous."""
+def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None):
+    """out[e] = A[rows of e]^T @ B[rows of e], rows gathered through a_idx / b_idx where given. split > 1: each
+    expert's rows in `split` chunks, summed in fp32 into partials [split, E, N1, N2] then added up in a fixed order
+    (deterministic); for narrow outputs (LoRA's rank-r gradients), whose few tiles per expert would leave the GPU
+    idle while the busiest expert's rows run through one program. swiglu = (w [M] slot order, slot [M]): b is h
+    [M, 2N2] and B the weighted SwiGLU output recomputed from it (`_grouped_wgrad_kernel`'s B_SWIGLU)."""
     E, N1, N2 = out_EN1N2.shape
-    tiles = triton.cdiv(N1, cfg["BLOCK_M"]) * triton.cdiv(N2, cfg["BLOCK_N"])
-    part = cnt = out_EN1N2
-    if split > 1:
-        part = out_EN1N2.new_empty(split * tiles * E * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32)
-        cnt = torch.zeros(tiles * E, device=out_EN1N2.device, dtype=torch.int32)
-    dense = offs is None
-    offs = out_EN1N2 if dense else offs  # (an unused pointer)
-    _launch(_grouped_wgrad_kernel, (tiles, E, split), cfg)(
-        a, offs if a_idx is None else a_idx, b, offs if b_idx is None else b_idx, out_EN1N2, offs,
-        N1, N2, a.stride(0), b.stride(0), out_EN1N2.stride(0), out_EN1N2.stride(1), part, cnt, float(scale),
-        0 if n_rows is None else n_rows, *(swiglu if swiglu is not None else (b, offs)), N2,
+    target = out_EN1N2 if split == 1 else out_EN1N2.new_empty(split, E, N1, N2, dtype=torch.float32)
+    grid = (triton.cdiv(N1, cfg["BLOCK_M"]) * triton.cdiv(N2, cfg["BLOCK_N"]), E, split)
+    _launch(_grouped_wgrad_kernel, grid, cfg)(
+        a, offs if a_idx is None else a_idx, b, offs if b_idx is None else b_idx, target, offs,
+        N1, N2, a.stride(0), b.stride(0), target.stride(-3), target.stride(-2), target.stride(0),
+        *(swiglu if swiglu is not None else (b, offs)), N2,
         GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, EVEN_N1=N1 % cfg["BLOCK_M"] == 0,
-        EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, DENSE=dense, PREC=_prec(a.dtype),
+        EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, PREC=_prec(a.dtype),
     )  # fmt: skip
+    if split > 1:
+        out_EN1N2.copy_(target.sum(0))
 
 
 @triton.jit

@@ -21,11 +21,8 @@ effective weight of a LoRA expert (W_e + B_e A_e) without forming it (moe.py). T
 L = A[row(r)] @ P_e [BM, r] (r/BN more MMA work: each column tile computes its own); the epilogue adds L @ R_e, and
 the first column tile stores L (row order) for the weight gradients.
 
-`_grouped_wgrad_kernel`: dW_e = s A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
-bounds are read from offs on the device; DENSE: one "expert", all rows, and no offs). Empty experts get zeros. With
-several programs per output tile (axis 2, for narrow outputs: LoRA's rank-r gradients), each sums a chunk of the rows
-into an fp32 partial, and the last of them to finish (an atomic counter per tile) adds the partials up in chunk order
-and writes the tile: deterministic, and no separate reduction kernel.
+`_grouped_wgrad_kernel`: dW_e = A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
+bounds are read from offs on the device). Empty experts get zeros.
 
 Shape legend: M routed rows, K_red the reduction length, N output columns, E experts, BM/BN/BK tile sizes.
 """
@@ -165,30 +162,26 @@ def _grouped_gemm_kernel(
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, c_ptr, offs_ptr,
-    N1, N2, stride_am, stride_bm, stride_ce, stride_c1, part_ptr, cnt_ptr, scale, n_rows, w_ptr, slot_ptr, up_cols,
+    N1, N2, stride_am, stride_bm, stride_ce, stride_c1, stride_cs, w_ptr, slot_ptr, up_cols,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_N2: tl.constexpr,
-    B_SWIGLU: tl.constexpr, DENSE: tl.constexpr, PREC: tl.constexpr,
+    B_SWIGLU: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """c[e, i, j] = scale * sum_r A[a_row(r), i] * B[b_row(r), j] over the rows r of expert e (program axis 1; DENSE:
-    rows 0..n_rows). With more than one program on axis 2, program s sums the s-th of as many equal chunks of the rows
-    into its fp32 partial (part_ptr: [splits, tiles, BLOCK_M, BLOCK_N]); the last one to count itself in
-    (cnt_ptr: [tiles] int32, zero before the launch and again after it) sums the partials in chunk order and writes
-    the tile. B_SWIGLU: B is the weighted SwiGLU output recomputed from the saved pre-activations (b_ptr: h [M, 2 *
-    up_cols], rows in row order): silu(h[r, j]) * h[r, up_cols + j] * w[slot[r]], so the forward need not keep it."""
+    """c[e, i, j] = sum_r A[a_row(r), i] * B[b_row(r), j] over the rows r of expert e (program axis 1). With more
+    than one program on axis 2, program s sums the s-th of as many equal chunks of the rows into c + s * stride_cs
+    (partial sums, added up by the caller). B_SWIGLU: B is the weighted SwiGLU output recomputed from the saved
+    pre-activations (b_ptr: h [M, 2 * up_cols], rows in row order): silu(h[r, j]) * h[r, up_cols + j] * w[slot[r]],
+    so the forward need not keep it."""
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(N1, BLOCK_M), tl.cdiv(N2, BLOCK_N), GROUP_M)
     e = tl.program_id(1)
-    if DENSE:
-        start = 0
-        end = n_rows
-    else:
-        start = tl.load(offs_ptr + e)
-        end = tl.load(offs_ptr + e + 1)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
     n_split = tl.num_programs(2)
     if n_split > 1:
         chunk = tl.cdiv(tl.cdiv(end - start, n_split), BLOCK_K) * BLOCK_K
         start = tl.minimum(start + tl.program_id(2) * chunk, end)
         end = tl.minimum(start + chunk, end)
+        c_ptr += tl.program_id(2).to(tl.int64) * stride_cs
     i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     i_c = i % N1
@@ -222,19 +215,4 @@ def _grouped_wgrad_kernel(
             b = tl.load(b_ptr + b_rows[:, None] * stride_bm + j_c[None, :], mask=rmask[:, None], other=0.0)  # [BK, BN]
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PREC)
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + i.to(tl.int64)[:, None] * stride_c1 + j[None, :]
-    cmask = (i < N1)[:, None] & (j < N2)[None, :]
-    if n_split == 1:
-        tl.store(c_ptrs, (acc * scale).to(c_ptr.dtype.element_ty), mask=cmask)
-    else:
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        tile = e * tl.num_programs(0) + tl.program_id(0)
-        within = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(part_ptr + (tl.program_id(2) * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + within, acc)
-        tl.debug_barrier()  # every thread's partial stored before the count (released by the atomic below)
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == n_split - 1:  # the last: every partial is visible
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(n_split):  # in chunk order: deterministic
-                total += tl.load(part_ptr + (s * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + within,
-                                 cache_modifier=".cg")  # fmt: skip
-            tl.store(c_ptrs, (total * scale).to(c_ptr.dtype.element_ty), mask=cmask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # zero again for the next launch that reuses the counters
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(i < N1)[:, None] & (j < N2)[None, :])
