@@ -125,7 +125,7 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
     if case.endswith("-sync"):  # the host reads each step's loss before it queues the next
         overrides.append("--train.overlap_steps=false")
         case = case.removesuffix("-sync")
-    if case.endswith("-overlap"):  # ... and where `auto` leaves it off (torchrun), queues the next step first
+    if case.endswith("-overlap"):  # ... and asked for explicitly (`auto` is on under torchrun too since stop 31)
         overrides.append("--train.overlap_steps=true")
         case = case.removesuffix("-overlap")
     if case == "trainer-fsdp-eager":
