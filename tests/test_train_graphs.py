@@ -97,6 +97,13 @@ def test_graphed_step_matches_eager(data_dir, tmp_path, accum):  # noqa: F811
     assert g.accumulate == (accum > 1)
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=2e-3, atol=0)
     assert graphed[-1] < graphed[0] - 0.3
+    # closing deletes the graphs (before a process group they captured collectives of is destroyed); the trainer
+    # still steps, eagerly
+    replays = g.replays
+    tr.close()
+    assert not g.enabled and not g.graphs
+    ok, loss, _ = tr._apply(tr._accumulate(iter(tr.train_loader)))
+    assert ok and loss == loss and g.replays == replays
 
 
 def test_clip_folded_into_fused_adamw_matches_clip_then_step(data_dir, tmp_path, monkeypatch):  # noqa: F811

@@ -82,11 +82,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     from anyseek.distributed.env import shutdown_process_group
     from anyseek.train.trainer import Trainer, TrainingDiverged
 
+    trainer = None
     try:
-        summary = Trainer(cfg, out, resume=args.resume, resume_overrides=tuple(args.resume_override)).run()
+        trainer = Trainer(cfg, out, resume=args.resume, resume_overrides=tuple(args.resume_override))
+        summary = trainer.run()
     except TrainingDiverged:
         return 3
     finally:
+        if trainer is not None:
+            trainer.close()  # the CUDA graphs go before the process group they captured collectives of
         shutdown_process_group()
     if "val_loss" in summary and os.environ.get("RANK", "0") == "0":
         val = summary["val_loss"]

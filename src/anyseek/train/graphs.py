@@ -129,6 +129,18 @@ class StepGraphs:
         loss, parts, load = g.outputs
         return loss.clone(), {k: v.clone() for k, v in parts.items()}, None if load is None else load.clone()
 
+    def release(self) -> None:
+        """Delete the captured graphs (the run is over, or graphs are off from now on). Under torchrun they hold
+        NCCL kernels of the process group's communicators: on 2 ranks (H200s, stop 31) the process hung in
+        destroy_process_group after a complete run while they were alive."""
+        torch.cuda.synchronize(self.device)
+        for g in self.graphs.values():
+            if g.graph is not None:
+                g.graph.reset()
+                g.graph = None
+        self.graphs.clear()
+        self.enabled = False
+
     def _capture(self, g: _Graph) -> None:
         """Record (not run) the micro-batch on g's buffers. The step's gradients so far stay as they are."""
         held = [p.grad for p in self.params]

@@ -692,6 +692,12 @@ class Trainer:
         return {"val_loss": val_loss, "val_perplexity": math.exp(val_loss) if val_loss < 50 else float("inf"),
                 "checkpoint": str(path), "sample": sample}
 
+    def close(self) -> None:
+        """Release what holds the process group's communicators before the group is destroyed: the CUDA graphs
+        (`StepGraphs.release`). The trainer can still evaluate or sample afterwards, eagerly."""
+        if self.graphs is not None:
+            self.graphs.release()
+
     def sample(self) -> str:
         t = self.cfg.train
         prompt = self.tokenizer.encode(t.sample_prompt).ids
