@@ -47,6 +47,8 @@ CASES = {
     "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params), graphed, overlapped",
                      "packed varlen"),
     "trainer-fsdp-eager": ("the torchrun step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
+    "trainer-fsdp-keep": ("the torchrun step keeping the gathered weights from forward to backward "
+                          "(parallel.reshard_after_forward=false: one gather per step, not two)", "packed varlen"),
     "trainer-fsdp-sync": ("the torchrun step with train.overlap_steps=false", "packed varlen"),
     "trainer-fsdp-overlap": ("the torchrun step with train.overlap_steps=true (step N+1 queued before N's loss is "
                              "read; the default since stop 31)", "packed varlen"),
@@ -130,6 +132,9 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
         case = case.removesuffix("-overlap")
     if case == "trainer-fsdp-eager":
         overrides.append("--train.cuda_graphs=false")
+        case = "trainer-fsdp"
+    if case == "trainer-fsdp-keep":
+        overrides.append("--parallel.reshard_after_forward=false")
         case = "trainer-fsdp"
     if case == "trainer-eager":
         overrides.append("--train.cuda_graphs=false")
