@@ -112,6 +112,7 @@ def _train(data: str, out: str, overrides: list[str], resume: bool) -> None:
         replays = trainer.graphs.replays if trainer.graphs is not None else 0
         (Path(out) / "graphs.json").write_text(json.dumps({"note": trainer.graphs_note, "replays": replays,
                                                            "overlap": trainer.overlap}))
+    trainer.close()  # as `anyseek train` does: the graphs before the process group (`_entry` destroys it)
 
 
 def _resume_from_one_process(data: str, out: str, overrides: list[str]) -> None:
@@ -558,6 +559,82 @@ def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs
     d = train_losses(tmp_path / "bf16")
     for step in d:
         assert d[step] == pytest.approx(a[step], rel=3e-2), step
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")
+def test_two_gpus_graphed_equal_eager_and_exit(data_dir, tmp_path):  # noqa: F811
+    """torchrun with 2 ranks on 2 GPUs (NCCL, fp32): the step in CUDA graphs (the default; the collectives replay
+    inside) gives the eager step's losses and evaluations, and both runs exit (the graphs are released before the
+    process group is destroyed: with them alive NCCL's teardown hung)."""
+    over = [*STEPS, "--train.device=cuda", "--train.dtype=fp32", "--parallel.param_dtype=fp32", "--train.eval_every=4"]
+    for graphs in ("auto", "false"):
+        codes = spawn(_train, str(data_dir), str(tmp_path / graphs), [*over, f"--train.cuda_graphs={graphs}"], False,
+                      world=2, timeout=300)  # fmt: skip
+        assert codes == [0, 0], (graphs, codes)
+    used = json.loads((tmp_path / "auto" / "graphs.json").read_text())
+    assert used["replays"] > 0, used
+    a, b = train_losses(tmp_path / "auto"), train_losses(tmp_path / "false")
+    assert list(a) == list(b) == list(range(1, N + 1))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-4), step
+    va, vb = val_losses(tmp_path / "auto"), val_losses(tmp_path / "false")
+    assert len(va) >= 4 and list(va) == list(vb)
+    for step in va:
+        assert va[step] == pytest.approx(vb[step], rel=1e-4), step
+
+
+def test_shutdown_gives_up_on_a_teardown_that_hangs(monkeypatch):
+    """NCCL's teardown can hang (CUDA graphs holding its communicators: pytorch/pytorch#115388): the shutdown gives up
+    after its timeout instead of waiting forever; a teardown that returns gives True, one that fails raises its
+    error in the caller."""
+    import threading
+
+    import torch.distributed as dist
+
+    from anyseek.distributed.env import shutdown_process_group
+
+    release = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))
+    t0 = time.monotonic()
+    assert shutdown_process_group(timeout_s=0.2) is False
+    assert time.monotonic() - t0 < 5
+    release.set()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    assert shutdown_process_group(timeout_s=5) is True
+
+    def fails():
+        raise RuntimeError("teardown failed")
+
+    monkeypatch.setattr(dist, "destroy_process_group", fails)
+    with pytest.raises(RuntimeError, match="teardown failed"):
+        shutdown_process_group(timeout_s=5)
+
+
+def test_train_leaves_with_its_code_when_the_teardown_hangs(data_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """`anyseek train` whose process-group teardown does not return: the run's outputs are written, a warning says
+    why, and the process ends with the run's own exit code (os._exit: a normal exit would wait on the teardown)."""
+    from anyseek.cli import main
+    from anyseek.distributed import env as env_mod
+
+    class Left(Exception):
+        pass
+
+    def leave(code):
+        raise Left(code)
+
+    monkeypatch.setattr(env_mod, "shutdown_process_group", lambda: False)
+    monkeypatch.setattr(os, "_exit", leave)
+    extra = [f"--data.path={data_dir}", "--data.tokens_per_batch=256", "--data.max_seqlen=64",
+             "--model.num_hidden_layers=2", "--train.max_steps=2", "--train.eval_tokens=256", "--train.sample_tokens=2",
+             "--train.threads=1", "--train.tensorboard=false"]
+    with pytest.raises(Left) as left:
+        main(["train", "--config", "tiny", "--out", str(tmp_path / "run"), *extra])
+    assert left.value.args == (0,)
+    err = capsys.readouterr().err
+    assert "did not shut down" in err and "outputs are complete" in err
+    assert (tmp_path / "run" / "step-2").is_dir()
 
 
 # ---------------------------------------------------------------------------------------------- activation checkpointing

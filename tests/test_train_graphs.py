@@ -28,12 +28,10 @@ def test_reasons_graphs_are_unavailable():
     assert "CUDA device" in graphs.unavailable(torch.device("cpu"), False)
     assert "train.compile" in graphs.unavailable(cuda, True)
     assert graphs.unavailable(cuda, False) is None
-    # under torchrun: one rank by default; several only when asked; never with expert parallelism or accumulation
+    # under torchrun: on for any number of ranks; never with expert parallelism or accumulation
     assert graphs.unavailable(cuda, False, torchrun=True) is None
-    assert "train.cuda_graphs=true" in graphs.unavailable(cuda, False, torchrun=True, world_size=2)
-    assert graphs.unavailable(cuda, False, torchrun=True, world_size=2, asked=True) is None
-    assert "parallel.ep" in graphs.unavailable(cuda, False, torchrun=True, world_size=2, ep=2, asked=True)
-    assert "grad_accum" in graphs.unavailable(cuda, False, torchrun=True, grad_accum=2, asked=True)
+    assert "parallel.ep" in graphs.unavailable(cuda, False, torchrun=True, ep=2)
+    assert "grad_accum" in graphs.unavailable(cuda, False, torchrun=True, grad_accum=2)
 
 
 def test_cpu_run_says_why_graphs_are_off_and_true_is_an_error(data_dir, tmp_path):  # noqa: F811

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +56,31 @@ def init_from_torchrun(device_type: str, backend: str = "auto", timeout_s: float
     return DistEnv(rank, world, local, active=True, device=f"cuda:{local}" if backend == "nccl" else "cpu")
 
 
-def shutdown_process_group() -> None:
-    """End of a run: release the process group (if one was started)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
+def shutdown_process_group(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+    """End of a run: release the process group (if one was started). True once it is released (or there was none);
+    False if `destroy_process_group` has not returned after timeout_s (NCCL's teardown can hang, e.g. while CUDA
+    graphs that captured its collectives are alive: pytorch/pytorch#115388): the caller then leaves without it.
+    An error raised by the teardown is raised here."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    done, failed = threading.Event(), []
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(e)
+        done.set()
+
+    threading.Thread(target=destroy, name="anyseek-shutdown", daemon=True).start()
+    if not done.wait(timeout_s):
+        return False
+    if failed:
+        raise failed[0]
+    return True
 
 
 def all_reduce_sum(t: torch.Tensor, env: DistEnv, group: Any = None) -> torch.Tensor:

