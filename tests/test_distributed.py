@@ -526,7 +526,7 @@ def val_losses(out: Path) -> dict[int, float]:
 @pytest.mark.parametrize("graphs,overlap", [("auto", "auto"), ("false", "auto"), ("auto", "false")])
 def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs, overlap):  # noqa: F811
     """torchrun with one rank on a GPU (NCCL, FSDP2 with fp32 compute copies) follows the plain one-process run step
-    by step, with its step in CUDA graphs (the default for one rank: FSDP2's gathers and reductions replay inside)
+    by step, with its step in CUDA graphs (the default: FSDP2's gathers and reductions replay inside)
     and without; so do its evaluations between steps (with graphs no eager backward frees the weights gathered for
     an evaluation, `Parallel.release` does), with the overlap (the default: fused AdamW queued before the loss is
     read, the next step before this one's loss) and without it; its sharded checkpoint resumes in a plain process;
