@@ -1,0 +1,121 @@
+"""`anyseek train` over the GPUs of one machine: one process, then torchrun with 1..N ranks; prints one markdown table.
+
+    python benchmarks/scale.py --data DIR [--config small] [--gpus 1,2,4] [--steps 60] [--tokens 8192]
+                               [--variants ",--train.cuda_graphs=false"] [--out DIR]
+
+Each row is a whole training run (a fresh process group per run, its own output folder under a temporary directory):
+tokens/s is the median of what the trainer itself logs for the steps after the first third (all ranks together: each
+rank takes --tokens per step), the loss is that of the last step. A run that has not ended after --timeout seconds
+gets SIGABRT (Python's faulthandler then prints every thread's stack into its log) and is reported as hung, with the
+log's tail under --out. --variants: override sets tried for every rank count ("" = the defaults), comma-separated,
+each a space-separated list of --section.key=value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def env_line(device: str) -> str:
+    import torch
+
+    what = (torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available()
+            else platform.processor() or platform.machine())
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    return (f"{what} x {gpus} visible, PyTorch {torch.__version__}, {platform.system()}, "
+            f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
+
+
+def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path | None) -> dict:
+    """One training run: its exit, and its metrics summarized."""
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1")
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd + ["--out", str(out)], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)  # every process of the run: torchrun and its ranks
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            code = "hung"
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        lines = log.read_text(errors="replace").splitlines()
+        (log_dir / f"{name}.log").write_text("\n".join(lines[-200:]) + "\n")
+    rows = []
+    metrics = out / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    later = [r for r in train if r["step"] > max(r["step"] for r in train) // 3] if train else []
+    return {"name": name, "exit": code, "steps": len(train),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later) if later else float("nan"),
+            "loss": train[-1]["loss"] if train else float("nan")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="a prepared data folder (anyseek prepare)")
+    p.add_argument("--config", default="small")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks (a smoke test)")
+    p.add_argument("--gpus", default="1,2", help="rank counts for torchrun")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--variants", default=",--train.cuda_graphs=false")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run before it counts as hung")
+    p.add_argument("--out", default=None, help="folder for the table and each run's log tail")
+    args = p.parse_args()
+
+    common = ["--config", args.config, f"--data.path={args.data}", f"--data.tokens_per_batch={args.tokens}",
+              f"--data.max_seqlen={args.seqlen}", f"--train.max_steps={args.steps}", "--train.eval_every=1000000",
+              "--train.save_every=1000000", "--train.sample_tokens=0", "--train.tensorboard=false",
+              "--train.log_every=1", f"--train.device={args.device}"]  # fmt: skip
+    log_dir = Path(args.out) / "logs" if args.out else None
+    runs = [("one process", 0, "", [sys.executable, "-m", "anyseek", "train", *common])]
+    for n in (int(g) for g in args.gpus.split(",")):
+        for variant in args.variants.split(","):
+            extra = variant.split()
+            runs.append((f"torchrun x{n}" + (f" {variant}" if variant else ""), n, variant,
+                         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                          "-m", "anyseek", "train", *common, *extra]))  # fmt: skip
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, n, variant, cmd) in enumerate(runs):
+            r = run_one(f"run{i}", cmd, Path(tmp) / f"run{i}", args.timeout, log_dir)
+            r.update(label=name, ranks=n)
+            results.append(r)
+            print(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, exit {r['exit']}", file=sys.stderr, flush=True)
+    base = results[0]["tokens_per_s"]
+    lines = [f"`anyseek train --config {args.config}`, {args.tokens} tokens per rank per step, {args.steps} steps, "
+             f"{env_line(args.device)}", "",
+             "| run | ranks | tokens/s (all ranks) | per rank | vs one process | loss at the last step | exit |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in results:
+        per = r["tokens_per_s"] / max(r["ranks"], 1)
+        lines.append(f"| {r['label']} | {r['ranks'] or '-'} | {r['tokens_per_s']:,.0f} | {per:,.0f} | "
+                     f"{r['tokens_per_s'] / base:.2f}x | {r['loss']:.4f} | {r['exit']} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "scale.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
