@@ -7,13 +7,13 @@ biases move toward balance (auxiliary-loss-free balancing). A NaN/Inf loss or gr
 in a row stop the run with the last good checkpoint intact. SIGINT/SIGTERM save a checkpoint and exit cleanly.
 
 Overlap (`train.overlap_steps`; by default with a working copy in one process and with fused AdamW under torchrun; on
-request with fused AdamW in one process): the host queues step N+1 before it reads step N's loss, so that it prepares the next batch while the
-device computes. The optimizer step and the routing-bias update are queued with the step, gated on the device by a
-halt flag that a non-finite loss or gradient norm sets (`FlatAdamW.skip`, fused AdamW's `found_inf`). When the host
-reads a non-finite step it settles the step queued after it (halted, so not applied), clears the flag and runs that
-step again with the learning rate and schedules of the step it really is. The steps applied, their order and their
-numbers are those of the one-at-a-time loop. Steps after which the loop evaluates, saves or stops are settled before
-anything else is queued.
+request with fused AdamW in one process): the host queues step N+1 before it reads step N's loss, so that it prepares
+the next batch while the device computes. The optimizer step and the routing-bias update are queued with the step, gated
+on the device by a halt flag that a non-finite loss or gradient norm sets (`FlatAdamW.skip`, fused AdamW's `found_inf`).
+When the host reads a non-finite step it settles the step queued after it (halted, so not applied), clears the flag and
+runs that step again with the learning rate and schedules of the step it really is. The steps applied, their order and
+their numbers are those of the one-at-a-time loop. Steps after which the loop evaluates, saves or stops are settled
+before anything else is queued.
 
 Under torchrun the global token count and stop requests are read back with the step's verdict (`_settle`), not
 right after their all-reduce (`Parallel.sum_step`): nothing in `_launch` waits for the device. With the overlap they
