@@ -102,19 +102,14 @@ class Parallel:
         under gloo): nothing waits for the device. One rank: as given."""
         if not self.active or self.env.world_size == 1:
             return [float(v) for v in values]
-        import torch.distributed as dist
-
         if self._host_group is None:  # (collective: every rank reaches the first call at the same step)
-            if self.env.device == "cpu":
-                self._host_group = dist.group.WORLD
-            else:
-                import datetime
+            import datetime
 
-                self._host_group = dist.new_group(backend="gloo",
-                                                  timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._host_group)
-        return t.tolist()
+            import torch.distributed as dist
+
+            self._host_group = dist.group.WORLD if self.env.device == "cpu" else dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
+        return all_reduce_sum(torch.tensor(values, dtype=torch.float64), self.env, self._host_group).tolist()
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, scale: bool = True) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most max_norm; return that norm (fp32 scalar).

@@ -532,12 +532,22 @@ def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, do
         x, W_gu, W_dn, a_gu, a_dn = (t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI, A_gu,
                                                                          A_dn))  # fmt: skip
         b_gu, b_dn = ((b * scale).to(dtype).contiguous() for b in (B_gu, B_dn))
-        fold = add_TD is not None and add_TD.dtype == dtype == out_dtype
+        folded = _foldable(add_TD, dtype, out_dtype)
         y = _LoRARoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), W_gu.detach(),
-                                     W_dn.detach(), a_gu, b_gu, a_dn, b_dn,
-                                     add_TD.contiguous() if fold else None)  # fmt: skip
+                                     W_dn.detach(), a_gu, b_gu, a_dn, b_dn, folded)  # fmt: skip
+    return _with_addend(y, add_TD, folded, out_dtype)
+
+
+def _foldable(add_TD: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The addend to sum inside the combine (contiguous): where it has the dtype the experts compute and return
+    in; else None (it is added after, `_with_addend`)."""
+    return add_TD.contiguous() if add_TD is not None and add_TD.dtype == dtype == out_dtype else None
+
+
+def _with_addend(y: torch.Tensor, add_TD: torch.Tensor | None, folded: torch.Tensor | None, out_dtype) -> torch.Tensor:
+    """The experts' output in out_dtype, plus the addend where the combine did not take it."""
     y = y.to(out_dtype)
-    return y + add_TD if add_TD is not None and not fold else y
+    return y + add_TD if add_TD is not None and folded is None else y
 
 
 def routed_experts(
@@ -574,11 +584,10 @@ def routed_experts(
         # torch.compile traces the step (the destination is state outside the traced graph)
         same = gu is gate_up_proj_EFD and dn is down_proj_EDI and not torch.compiler.is_compiling()
         params = (gate_up_proj_EFD, down_proj_EDI) if same else None
-        fold = add_TD is not None and add_TD.dtype == dtype == out_dtype  # (the seam checked its shape)
+        folded = _foldable(add_TD, dtype, out_dtype)  # (the seam checked its shape)
         y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn, params,
-                                 add_TD.contiguous() if fold else None)  # fmt: skip
-    y = y.to(out_dtype)
-    return y + add_TD if add_TD is not None and not fold else y
+                                 folded)  # fmt: skip
+    return _with_addend(y, add_TD, folded, out_dtype)
 
 
 __all__ = ["build_plan", "build_plan_torch", "experts_bwd", "experts_bwd_lora", "experts_fwd", "experts_fwd_lora",
