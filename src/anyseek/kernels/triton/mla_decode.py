@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from anyseek.kernels.reference.decode import check_decode_shapes
-from anyseek.kernels.triton import check
+from anyseek.kernels.triton import check, mla_decode_ws
 from anyseek.kernels.triton.launch import launch as _launch
 
 LOG2E = 1.4426950408889634
@@ -210,7 +210,10 @@ def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dty
         stages -= 1
     while block_n > 16 and too_big():
         block_n //= 2
-    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8, "num_stages": stages, "splits": splits, "tma": tma}
+    # 64-head blocks on Hopper: the warp-specialised Gluon kernel (mla_decode_ws.py), where it builds
+    ws = H % 64 == 0 and L == 512 and R == 64 and torch.cuda.get_device_capability(device) == (9, 0)
+    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8, "num_stages": stages, "splits": splits, "tma": tma,
+            "ws": ws}  # fmt: skip
 
 
 def mla_decode(
@@ -262,7 +265,25 @@ def mla_decode(
             IEEE=q_THX.dtype == torch.float32, TMA=use_tma,
         )  # fmt: skip
 
-    if not tma or isinstance(verdict, str):
+    ws_key = ("ws", *device_key)
+    if cfg.get("ws") and not isinstance(_TMA_STATE.get(ws_key), str) and mla_decode_ws.available(q_THX, cache_NPX, L)[0]:
+        _ensure_allocator()
+        try:
+            mla_decode_ws.split(q_THX, cache_NPX, table, kv_lens_T, o_part, lse_part, scale * LOG2E, S,
+                                triton.cdiv(M, S))  # fmt: skip
+            _TMA_STATE[ws_key] = True
+        except Exception as e:  # noqa: BLE001 - the first launch on this device failed: the Triton kernel from now on
+            if _TMA_STATE.get(ws_key):
+                raise
+            _TMA_STATE[ws_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            warnings.warn(f"anyseek: the warp-specialised MLA decode kernel failed on {q_THX.device} "
+                          f"({_TMA_STATE[ws_key]}); the Triton kernel runs instead", RuntimeWarning, stacklevel=2)
+            ws_key = None
+        else:
+            ws_key = "done"
+    if ws_key == "done":
+        pass
+    elif not tma or isinstance(verdict, str):
         split(False)
     else:
         _ensure_allocator()
