@@ -1,6 +1,8 @@
 """Decoding benchmarks: (a) the MLA decode kernel alone, (b) `anyseek.generate` end to end against transformers.
 
-(a) batch x context grid, H = 16 and 128, DeepSeek-V3 latent width (L 512 + R 64 = 576): the Triton paged kernel,
+(a) batch x context grid, H = 16 and 128, DeepSeek-V3 latent width (L 512 + R 64 = 576): anyseek's paged kernel as
+    shipped (on Hopper, heads in blocks of 64 go to the warp-specialised Gluon kernel), the Triton kernel alone, with
+    and without TMA loads, eagerly and as GPU time in a CUDA graph,
     SDPA over the expanded per-head K/V (what a cache of full keys and values costs: 128 + 64 key and 128 value
     dims per head), and a naive PyTorch absorbed path (einsum + softmax + einsum over a contiguous latent cache).
     Bytes: the cache rows each row reads (+ q and out); FLOPs: 2 * H * S * (576 + 512) per row.
@@ -30,6 +32,19 @@ def _bench(fn) -> float:
     import triton
 
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3  # seconds
+
+
+def _graph_time(fn, launches: int = 10) -> float:
+    """GPU time of one call of `fn`: `launches` calls captured in one CUDA graph, median over replays (seconds)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    t = _bench(g.replay) / launches
+    del g
+    return t
 
 
 def _case(B: int, S: int, H: int, dev, dtype=torch.bfloat16, L=512, R=64, page=64, seed=0):
@@ -79,8 +94,11 @@ def kernel_grid(out_rows: list, sweep: bool) -> None:
                     continue  # keep the grid inside a few minutes
                 row = _kernel_case(H, B, S, dev)
                 out_rows.append(row)
-                print(f"H={H:3d} B={B:3d} S={S:5d}  triton {row['triton_us']:8.1f} us {row['triton_GBps']:6.0f} GB/s "
-                      f"{row['triton_TFLOPs']:6.1f} TFLOP/s | no TMA {row['no_tma_us']:8.1f} us "
+                print(f"H={H:3d} B={B:3d} S={S:5d}  anyseek {row['triton_us']:8.1f} us {row['triton_GBps']:6.0f} GB/s "
+                      f"{row['triton_TFLOPs']:6.1f} TFLOP/s | in a graph {row['graph_us']:8.1f} us "
+                      f"{row['graph_GBps']:6.0f} GB/s {row['graph_TFLOPs']:6.1f} TFLOP/s | Triton kernel "
+                      f"{row['triton_kernel_us']:8.1f} us, in a graph {row['graph_triton_kernel_us']:8.1f} us "
+                      f"{row['graph_triton_kernel_TFLOPs']:6.1f} TFLOP/s | no TMA {row['no_tma_us']:8.1f} us "
                       f"| naive {row['naive_us']:8.1f} us | sdpa(expanded) {row['sdpa_us']:8.1f} us "
                       f"| err {row['err']:.1e} pt {row['err_pt']:.1e}", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
@@ -91,8 +109,11 @@ def _kernel_case(H: int, B: int, S: int, dev: torch.device, L: int = 512, R: int
     from anyseek.kernels.triton.mla_decode import mla_decode
 
     q, cache, table, lens = _case(B, S, H, dev)
-    t_tri = _bench(lambda: mla_decode(q, cache, table, lens, L))
-    t_ptr = _bench(lambda: mla_decode(q, cache, table, lens, L, config={"tma": False}))  # the same kernel, no TMA
+    t_tri = _bench(lambda: mla_decode(q, cache, table, lens, L))  # as shipped: on Hopper, 64-head blocks by Gluon
+    t_trk = _bench(lambda: mla_decode(q, cache, table, lens, L, config={"ws": False}))  # the Triton kernel
+    t_ptr = _bench(lambda: mla_decode(q, cache, table, lens, L, config={"ws": False, "tma": False}))  # no TMA
+    g_ship = _graph_time(lambda: mla_decode(q, cache, table, lens, L))
+    g_trk = _graph_time(lambda: mla_decode(q, cache, table, lens, L, config={"ws": False}))
     err = err_pt = float("nan")
     if B * S <= 64 * 4096:  # the 2x rule against the fp32 oracle, where the oracle fits
         ref = ref_decode(q.float(), cache.float(), table, lens, L)
@@ -115,7 +136,10 @@ def _kernel_case(H: int, B: int, S: int, dev: torch.device, L: int = 512, R: int
         t_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, k, v))
     cache_bytes, flops = B * S * (L + R) * 2, 2 * B * H * S * (L + R + L)
     return {"H": H, "B": B, "S": S, "triton_us": t_tri * 1e6, "triton_GBps": cache_bytes / t_tri / 1e9,
-            "triton_TFLOPs": flops / t_tri / 1e12, "no_tma_us": t_ptr * 1e6, "naive_us": t_naive * 1e6,
+            "triton_TFLOPs": flops / t_tri / 1e12, "triton_kernel_us": t_trk * 1e6, "graph_us": g_ship * 1e6,
+            "graph_GBps": cache_bytes / g_ship / 1e9, "graph_TFLOPs": flops / g_ship / 1e12,
+            "graph_triton_kernel_us": g_trk * 1e6, "graph_triton_kernel_TFLOPs": flops / g_trk / 1e12,
+            "no_tma_us": t_ptr * 1e6, "naive_us": t_naive * 1e6,
             "sdpa_us": t_sdpa * 1e6,
             "sdpa_GBps": kv_bytes / t_sdpa / 1e9, "err": err, "err_pt": err_pt}  # fmt: skip
 

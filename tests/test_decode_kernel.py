@@ -135,6 +135,83 @@ def test_a_tma_failure_falls_back_to_pointers(monkeypatch):
     assert calls == [True, False, False]
 
 
+def test_gluon_kernel_is_chosen_only_where_it_applies(monkeypatch):
+    """The warp-specialised Gluon kernel (mla_decode_ws.py) is asked for on Hopper with heads in blocks of 64 and
+    DeepSeek's 512 + 64 latent; everywhere else the Triton kernel runs, and a CPU tensor gets the reason."""
+    from anyseek.kernels.triton import mla_decode as k
+    from anyseek.kernels.triton import mla_decode_ws as ws
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(k, "_device_limits", lambda device: (132, 227 * 1024, True, True))  # an H100
+    assert k.launch_config(64, 128, 64, gpu, torch.bfloat16, 512, 64)["ws"]
+    assert k.launch_config(64, 64, 64, gpu, torch.float16, 512, 64)["ws"]
+    assert not k.launch_config(64, 16, 64, gpu, torch.bfloat16, 512, 64)["ws"]  # 16 heads: memory-bound, Triton's
+    assert not k.launch_config(64, 96, 64, gpu, torch.bfloat16, 512, 64)["ws"]
+    assert not k.launch_config(64, 128, 64, gpu, torch.bfloat16, 256, 64)["ws"]  # the `small` flavor's latent
+    monkeypatch.setattr(k, "_device_limits", lambda device: (170, 227 * 1024, True, False))  # Blackwell: no wgmma
+    assert not k.launch_config(64, 128, 64, gpu, torch.bfloat16, 512, 64)["ws"]
+    ok, why = ws.available(torch.empty(2, 128, 576, dtype=torch.bfloat16), torch.empty(3, 64, 576), 512)
+    assert not ok and ("Hopper" in why or "Gluon" in why)
+
+
+def test_a_gluon_failure_falls_back_to_the_triton_kernel(monkeypatch):
+    """Where the Gluon kernel cannot be built (a Triton without Gluon's Hopper support, a compile error), its first
+    launch says so once and the Triton kernel runs instead, from then on without a second try."""
+    import warnings
+
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.triton import mla_decode as k
+    from anyseek.kernels.triton import mla_decode_ws as ws
+
+    ran = []
+
+    def gluon_split(*args):
+        ran.append("gluon")
+        raise RuntimeError("no warp specialisation here")
+
+    def launch(kernel, grid, cfg):
+        return lambda *args, **meta: ran.append("triton")
+
+    monkeypatch.setattr(ws, "available", lambda q, cache, L: (True, "pretend"))
+    monkeypatch.setattr(ws, "split", gluon_split)
+    monkeypatch.setattr(k, "_launch", launch)
+    monkeypatch.setattr(k, "_TMA_STATE", {})
+    monkeypatch.setattr(k, "_ensure_allocator", lambda: None)
+    q, cache, table, lens = accuracy.decode_inputs([5, 40], 4, 32, 16, 16, "cpu", torch.float16, seed=3)
+    with pytest.warns(RuntimeWarning, match="warp-specialised MLA decode kernel failed .* no warp specialisation"):
+        k.mla_decode(q, cache, table, lens, 32, config={"ws": True, "tma": False, "splits": 1})
+    assert ran == ["gluon", "triton"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        k.mla_decode(q, cache, table, lens, 32, config={"ws": True, "tma": False, "splits": 1})
+    assert ran == ["gluon", "triton", "triton"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H, lens, splits", [
+    (128, [1, 31, 32, 33, 64, 65, 1000, 4097], None),  # partial tiles of every kind, length 1
+    (64, [7] * 33, None),  # many short rows
+    (128, [20000], None),  # one long row over many splits
+    (256, [5, 129, 4096], 1),  # four head blocks, one split: the output written by the kernel itself
+    (128, [100, 3000, 1], 3),  # splits longer than some rows (empty ranges)
+])  # fmt: skip
+def test_gpu_gluon_decode(H, lens, splits, dtype):
+    """The warp-specialised Gluon kernel against the fp32 reference (2x rule, NaN in every slot no row owns), and
+    the proof that it, not the Triton kernel, ran."""
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.triton import mla_decode as k
+    from anyseek.kernels.triton import mla_decode_ws as ws
+
+    ok, why = ws.device_available(torch.device("cuda"))
+    if not ok:
+        pytest.skip(why)
+    cfg = {"ws": True} if splits is None else {"ws": True, "splits": splits}
+    table = accuracy.decode_error_table(k.mla_decode, lens, H, 512, 64, dtype, "cuda", config=cfg)
+    assert accuracy.passes(table, dtype), table
+    assert [v for key, v in k._TMA_STATE.items() if key[0] == "ws" and key[3] == dtype] == [True]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("LR", [(256, 64), (32, 16)])
 @pytest.mark.parametrize("tma", [True, False])

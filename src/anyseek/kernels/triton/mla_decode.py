@@ -134,13 +134,14 @@ def _decode_reduce_kernel(
 
 
 @functools.cache
-def _device_limits(device: torch.device) -> tuple[int, int, bool]:
-    """(SM count, shared memory per block in bytes, has TMA) of `device` (small made-up numbers on the CPU
-    interpreter, which runs tensor descriptors too)."""
+def _device_limits(device: torch.device) -> tuple[int, int, bool, bool]:
+    """(SM count, shared memory per block in bytes, has TMA, is Hopper sm_90) of `device` (small made-up numbers on
+    the CPU interpreter, which runs tensor descriptors too)."""
     if device.type != "cuda":
-        return 4, 100 * 1024, True
+        return 4, 100 * 1024, True, False
     p = torch.cuda.get_device_properties(device)
-    return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 99 * 1024), p.major >= 9
+    smem = getattr(p, "shared_memory_per_block_optin", 99 * 1024)
+    return p.multi_processor_count, smem, p.major >= 9, (p.major, p.minor) == (9, 0)
 
 
 # Triton's interpreter (decided once, when Triton reads the variable at import) runs kernels on CPU tensors
@@ -191,7 +192,7 @@ def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dty
     too much, `_launch` lowers the stages at the first launch. Splits depend only on (T, H, M), never on the rows'
     actual lengths, so a CUDA-graph replay keeps its launch shape whatever the lengths are.
     """
-    sms, smem, has_tma = _device_limits(device)
+    sms, smem, has_tma, hopper = _device_limits(device)
     block_h = 16 if H <= 16 else (32 if H <= 32 else 64)
     head_blocks = triton.cdiv(H, block_h)
     splits = max(1, min(M, 64, sms // (T * head_blocks)))
@@ -211,9 +212,28 @@ def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dty
     while block_n > 16 and too_big():
         block_n //= 2
     # 64-head blocks on Hopper: the warp-specialised Gluon kernel (mla_decode_ws.py), where it builds
-    ws = H % 64 == 0 and L == 512 and R == 64 and torch.cuda.get_device_capability(device) == (9, 0)
+    ws = hopper and H % mla_decode_ws.BLOCK_H == 0 and L == 2 * mla_decode_ws.HALF and R == 64
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8, "num_stages": stages, "splits": splits, "tma": tma,
             "ws": ws}  # fmt: skip
+
+
+def _try_variant(key: tuple, run, message: str) -> bool:
+    """Run a kernel variant that may not build here (TMA loads, the Gluon kernel): True once it ran. Its first
+    failure on a device is remembered under `key` and a warning (`message`, with the reason) says so once; it is not
+    tried there again. After it has worked once, an error is a real one and propagates."""
+    verdict = _TMA_STATE.get(key)  # None: not tried yet; True: works; a reason: failed
+    if isinstance(verdict, str):
+        return False
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 - where this Triton or driver cannot build it: the next variant instead
+        if verdict:
+            raise
+        _TMA_STATE[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        warnings.warn("anyseek: " + message.format(reason=_TMA_STATE[key]), RuntimeWarning, stacklevel=3)
+        return False
+    _TMA_STATE[key] = True
+    return True
 
 
 def mla_decode(
@@ -251,7 +271,6 @@ def mla_decode(
     tma = bool(cfg.get("tma")) and cache_NPX.is_contiguous() and cache_NPX.data_ptr() % 16 == 0 and X % 16 == 0
     # one verdict per device and kernel variant (a later specialization could fail where the first one built)
     device_key = (q_THX.device.type, q_THX.device.index, q_THX.dtype, L, R, P, cfg["BLOCK_H"], block_n)
-    verdict = _TMA_STATE.get(device_key)  # None: not tried yet; True: works; a reason: failed
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]), S)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
@@ -265,39 +284,20 @@ def mla_decode(
             IEEE=q_THX.dtype == torch.float32, TMA=use_tma,
         )  # fmt: skip
 
-    ws_key = ("ws", *device_key)
-    if cfg.get("ws") and not isinstance(_TMA_STATE.get(ws_key), str) and mla_decode_ws.available(q_THX, cache_NPX, L)[0]:
+    done = False
+    if cfg.get("ws") and mla_decode_ws.available(q_THX, cache_NPX, L)[0]:
         _ensure_allocator()
-        try:
-            mla_decode_ws.split(q_THX, cache_NPX, table, kv_lens_T, o_part, lse_part, scale * LOG2E, S,
-                                triton.cdiv(M, S))  # fmt: skip
-            _TMA_STATE[ws_key] = True
-        except Exception as e:  # noqa: BLE001 - the first launch on this device failed: the Triton kernel from now on
-            if _TMA_STATE.get(ws_key):
-                raise
-            _TMA_STATE[ws_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            warnings.warn(f"anyseek: the warp-specialised MLA decode kernel failed on {q_THX.device} "
-                          f"({_TMA_STATE[ws_key]}); the Triton kernel runs instead", RuntimeWarning, stacklevel=2)
-            ws_key = None
-        else:
-            ws_key = "done"
-    if ws_key == "done":
-        pass
-    elif not tma or isinstance(verdict, str):
+        done = _try_variant(("ws", *device_key), lambda: mla_decode_ws.split(
+            q_THX, cache_NPX, table, kv_lens_T, o_part, lse_part, scale * LOG2E, S, triton.cdiv(M, S)),
+            f"the warp-specialised MLA decode kernel failed on {q_THX.device} ({{reason}}); the Triton kernel runs "
+            "instead")  # fmt: skip
+    if not done and tma:
+        _ensure_allocator()
+        done = _try_variant(device_key, lambda: split(True),
+                            f"the MLA decode kernel loads through pointers here ({q_THX.device}, latent {L}+{R}, "
+                            f"{q_THX.dtype}); its TMA variant failed ({{reason}})")  # fmt: skip
+    if not done:
         split(False)
-    else:
-        _ensure_allocator()
-        try:
-            split(True)
-            _TMA_STATE[device_key] = True
-        except Exception as e:  # noqa: BLE001 - the first TMA launch of this variant: where this Triton or driver
-            if verdict:  # cannot build it, pointers from now on; once it has worked, an error is a real one
-                raise
-            _TMA_STATE[device_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            warnings.warn(f"anyseek: the MLA decode kernel loads through pointers here ({q_THX.device}, latent "
-                          f"{L}+{R}, {q_THX.dtype}); its TMA variant failed ({_TMA_STATE[device_key]})",
-                          RuntimeWarning, stacklevel=2)  # fmt: skip
-            split(False)
     if S == 1:
         return out
     _decode_reduce_kernel[(T, H)](
@@ -315,4 +315,6 @@ def available(example: torch.Tensor) -> tuple[bool, str]:
         return ok, reason
     if example.dtype == torch.bfloat16 and example.device.type == "cpu":
         return False, "bf16 is not supported by Triton's interpreter"
-    return True, reason.replace("kernel", "decode kernel")
+    reason = reason.replace("kernel", "decode kernel")
+    ws, why = mla_decode_ws.device_available(example.device)
+    return True, reason + ("; heads in blocks of 64: " + why if ws else "")

@@ -26,6 +26,8 @@ where it or Hopper's instructions are missing, `available` says so and the Trito
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # Gluon's Hopper instructions: Triton >= 3.5 (the interpreter does not run Gluon)
@@ -47,7 +49,9 @@ BLOCK_H = 64  # heads per program: one wgmma M
 BLOCK_N = 32  # tokens per tile
 STAGES = 4  # tiles in flight: 4 x 36 KB + the query 72 KB + p 8 KB fits Hopper's 227 KB
 HALF = 256  # latent columns per warpgroup (and per TMA box)
-LOADER_REGS, CONSUMER_REGS, MAXNREG = 40, 208, 168  # the default warpgroup takes 256: 128 x (256 + 208 + 40) = 64,512 registers
+# registers per thread: Triton gives the default partition (warpgroup 0) 256, so 128 x (256 + 208 + 40) = 64,512 of
+# the 65,536; ptxas on sm_90a: 8 bytes spilled (Triton 3.6)
+LOADER_REGS, CONSUMER_REGS, MAXNREG = 40, 208, 168
 
 
 if _GLUON_ERROR is None:
@@ -286,20 +290,34 @@ if _GLUON_ERROR is None:
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def available(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> tuple[bool, str]:
-    """(ok, reason) for this kernel on q [T, H, L+R] and a paged cache [blocks, page, L+R]."""
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def device_available(device: torch.device) -> tuple[bool, str]:
+    """(ok, reason) for this kernel on `device` (the shapes aside)."""
     if _GLUON_ERROR is not None:
         return False, f"this Triton has no Gluon for Hopper ({_GLUON_ERROR})"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False, "Hopper (sm_90) only: warpgroup MMA"
+    if device.type != "cuda" or torch.version.hip is not None or _capability(device.index) != (9, 0):
+        return False, "it runs on Hopper (sm_90) only: warpgroup MMA"
+    return True, "Gluon warp-specialised kernel on sm_90"
+
+
+def available(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> tuple[bool, str]:
+    """(ok, reason) for this kernel on q [T, H, L+R] and a paged cache [blocks, page, L+R]."""
+    ok, reason = device_available(q.device)
+    if not ok:
+        return ok, reason
     H, X = q.shape[1], q.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or cache.dtype != q.dtype:
         return False, f"16-bit q and cache only, got {q.dtype} / {cache.dtype}"
     if H % BLOCK_H or kv_lora_rank != 2 * HALF or X - kv_lora_rank != 64 or cache.shape[1] % BLOCK_N:
-        return False, f"64k heads, latent 512 + 64, pages of 32k tokens (got H={H}, X={X}, page={cache.shape[1]})"
+        return False, (f"heads in blocks of {BLOCK_H}, latent {2 * HALF} + 64, pages of a multiple of {BLOCK_N} "
+                       f"tokens (got H={H}, latent {kv_lora_rank} + {X - kv_lora_rank}, page {cache.shape[1]})")
     if not (q.is_contiguous() and cache.is_contiguous()) or q.data_ptr() % 16 or cache.data_ptr() % 16:
         return False, "contiguous, 16-byte aligned q and cache"
-    return True, "Gluon warp-specialised kernel"
+    return True, reason
 
 
 def split(q, cache, table, lens, o_part, lse_part, scale_log2: float, splits: int, pages_per_split: int) -> None:
