@@ -208,30 +208,62 @@ def test_eos_and_single_prompt_and_errors():
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
+def _record_routing(model: DeepSeekV3, into: list) -> list:
+    """Forward hooks on every router of `model` that append (layer order) the experts it chose, sorted per token."""
+    from anyseek.model.moe import Router
+
+    return [m.register_forward_hook(lambda mod, inp, out: into.append(out[1].sort(-1).values))
+            for m in model.modules() if isinstance(m, Router)]  # fmt: skip
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gpu_bf16_decode_within_2x_of_pytorch(case):
     """bf16 cached decode (Triton kernel, CUDA graphs) vs an fp32 full forward: error at most 2x that of the bf16
-    full forward (the training path in PyTorch's low precision), over 16 steps of 3 sequences."""
+    full forward (the training path in PyTorch's low precision), over 16 steps of 3 sequences.
+
+    Routing is a discrete choice: where a token's expert scores nearly tie, bf16 rounding in the decode path (a
+    different but equally exact order of operations) can pick other experts than the fp32 forward, and the logits
+    then differ by more than rounding. The same steps also run eagerly with the routers recorded; a step whose
+    experts differ from the fp32 forward's is reported and left out of the 2x rule, and at most 3 of the 48 may."""
     ref = make_model(case).cuda()
     low = make_model(case).cuda().to(torch.bfloat16)
     eng = Engine(low, max_batch=3, max_len=160)
+    eager = Engine(low, max_batch=3, max_len=160, cuda_graphs=False)
     logits, _, _ = eng.prefill([0, 1, 2], PROMPTS)
+    eager.prefill([0, 1, 2], PROMPTS)
     seqs = [list(p) for p in PROMPTS]
-    err = err_pt = 0.0
-    for _ in range(16):
+    err = err_pt = graph_vs_eager = 0.0
+    flips = []
+    for step in range(16):
         nxt = logits.argmax(-1).tolist()
         for s, t in zip(seqs, nxt):
             s.append(t)
         logits = eng.decode([0, 1, 2], nxt).clone()
+        chosen: list = []
+        hooks = _record_routing(low, chosen)
+        logits_eager = eager.decode([0, 1, 2], nxt).float()
+        for h in hooks:
+            h.remove()
+        graph_vs_eager = max(graph_vs_eager, (logits.float() - logits_eager).abs().max().item())
         with torch.no_grad():
             for b, s in enumerate(seqs):
                 ids = torch.tensor(s, device="cuda")
+                chosen_ref: list = []
+                hooks = _record_routing(ref, chosen_ref)
                 r = ref(ids).logits[-1].float()
-                err = max(err, (logits[b] - r).abs().max().item())
+                for h in hooks:
+                    h.remove()
+                e = (logits[b].float() - r).abs().max().item()
                 err_pt = max(err_pt, (low(ids).logits[-1].float() - r).abs().max().item())
+                if any(not torch.equal(d[b], f[-1]) for d, f in zip(chosen, chosen_ref)):
+                    flips.append((step, b, e))
+                    continue
+                err = max(err, e)
     assert eng._graphs, "the decode step was not graph-captured"
-    assert err <= 2 * err_pt + 1e-3, (err, err_pt)
+    assert err <= 2 * err_pt + 1e-3, (err, err_pt, flips)
+    assert graph_vs_eager <= err_pt, (graph_vs_eager, err_pt)
+    assert len(flips) <= 3, flips
 
 
 @pytest.mark.cuda
