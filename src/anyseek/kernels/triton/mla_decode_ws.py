@@ -41,6 +41,10 @@ try:  # Gluon's Hopper instructions: Triton >= 3.5 (the interpreter does not run
         warpgroup_mma_wait,
     )
 
+    # names that moved: the partition-wide barrier (gl.thread_barrier in Triton 3.5-3.6, gl.barrier later) and the
+    # TMA copy into shared memory (tma.async_copy_global_to_shared, later tma.async_load)
+    _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _GLUON_ERROR = None
 except Exception as e:  # noqa: BLE001 - any Triton without it: this kernel is unavailable, the Triton one runs
     _GLUON_ERROR = f"{type(e).__name__}: {e}"
@@ -78,9 +82,9 @@ if _GLUON_ERROR is None:
         c_pe = tma.make_tensor_descriptor(C + L, [n_rows, R], [X, 1], [BLOCK_N, R], pe_layout)
         q_row = t * H + hb * BLOCK_H
         mbarrier.expect(q_bar, 2 * BLOCK_H * HALF * 2 + BLOCK_H * R * 2)
-        tma.async_copy_global_to_shared(q_lat, [q_row, 0], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_lat, [q_row, HALF], q_bar, q_smem.index(1))
-        tma.async_copy_global_to_shared(q_pe, [q_row, 0], q_bar, qp_smem.index(0))
+        _tma_load(q_lat, [q_row, 0], q_bar, q_smem.index(0))
+        _tma_load(q_lat, [q_row, HALF], q_bar, q_smem.index(1))
+        _tma_load(q_pe, [q_row, 0], q_bar, qp_smem.index(0))
         for j in range(n_tiles):
             s = j % STAGES
             mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1)
@@ -88,9 +92,9 @@ if _GLUON_ERROR is None:
             row = gl.load(BT + t * stride_bt + n0 // PAGE) * PAGE + n0 % PAGE
             bar = kv_ready.index(s)
             mbarrier.expect(bar, BLOCK_N * (2 * HALF + R) * 2)
-            tma.async_copy_global_to_shared(c_lat, [row, 0], bar, c_smem.index(2 * s))
-            tma.async_copy_global_to_shared(c_lat, [row, HALF], bar, c_smem.index(2 * s + 1))
-            tma.async_copy_global_to_shared(c_pe, [row, 0], bar, kp_smem.index(s))
+            _tma_load(c_lat, [row, 0], bar, c_smem.index(2 * s))
+            _tma_load(c_lat, [row, HALF], bar, c_smem.index(2 * s + 1))
+            _tma_load(c_pe, [row, 0], bar, kp_smem.index(s))
 
     @gluon.jit
     def _zero_rows_past(v_smem, valid, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
@@ -134,7 +138,7 @@ if _GLUON_ERROR is None:
         st_m.index(j % 2).store(m_i)
         st_l.index(j % 2).store(l_i)
         fence_async_shared()
-        gl.thread_barrier()
+        _partition_barrier()
         mbarrier.arrive(p_ready, count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         acc = warpgroup_mma(p_smem.index(j % 2), c_smem.index(2 * s + W), acc, is_async=True)
