@@ -8,7 +8,7 @@ with nothing else to hide it. Here a program has two consumer warpgroups and one
   a ring of shared-memory stages by TMA, the query once before that;
 - consumer warpgroup w (0 or 1) owns output columns [w * 256, w * 256 + 256) (a 64 x 256 fp32 accumulator) and the
   scores of every other tile (tiles w, w + 2, ...): for its tile it computes s = q.c (all 576 columns), the online
-  softmax, writes p (bf16) and the row statistics (rescale factor, maximum, sum) to shared memory, and signals the
+  softmax, writes p (in the cache's 16-bit type) and the row statistics (rescale factor, maximum, sum) to shared memory, and signals the
   other warpgroup; both then add p @ c[:, their columns].
 - A warpgroup issues the score product of its next tile before it waits for the other's p of the tile between, so
   one warpgroup's softmax runs while the other's products keep the tensor cores busy, and no product is computed
@@ -20,8 +20,9 @@ columns past the end are -inf, and each warpgroup zeroes the rows of its latent 
 product reads them (a cache slot past a row's length may hold anything, NaN included).
 
 Output as the split kernel's: the normalized partial output and base-2 log-sum-exp per split (fp32), or with one
-split the output itself. Gluon is Triton's explicit-layout dialect (`triton.experimental.gluon`, Triton >= 3.5);
-where it or Hopper's instructions are missing, `available` says so and the Triton kernel runs.
+split the output itself. Gluon is Triton's explicit-layout dialect (`triton.experimental.gluon`; this kernel runs with
+Triton 3.6 and compiles with 3.9). Where Gluon or Hopper is missing, `available` says so and the Triton kernel runs;
+where the kernel fails to build, its first launch warns once and the Triton kernel runs (`mla_decode._try_variant`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import functools
 
 import torch
 
-try:  # Gluon's Hopper instructions: Triton >= 3.5 (the interpreter does not run Gluon)
+try:  # Gluon's Hopper instructions (the interpreter does not run Gluon)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
