@@ -261,16 +261,11 @@ def profile(out_rows: list, kernel_only: bool = False) -> None:
     dev = torch.device("cuda")
     for H, B, S in ((16, 1, 512), (16, 1, 4096), (16, 32, 512), (16, 64, 4096), (16, 128, 4096), (128, 64, 4096)):
         q, cache, table, lens = _case(B, S, H, dev)
-        mla_decode(q, cache, table, lens, 512)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(20):
-                mla_decode(q, cache, table, lens, 512)
-        t = _bench(g.replay) / 20
+        t = _graph_time(lambda a=(q, cache, table, lens): mla_decode(*a, 512), launches=20)
         gbs, tfs = B * S * 576 * 2 / t / 1e9, 2 * B * H * S * 1088 / t / 1e12
         print(f"kernel in a graph H={H} B={B} S={S}: {t * 1e6:.1f} us, {gbs:.0f} GB/s, {tfs:.0f} TFLOP/s", flush=True)
         out_rows.append({"graph_kernel": f"H={H} B={B} S={S}", "us": t * 1e6, "GBps": gbs, "TFLOPs": tfs})
-        del q, cache, table, lens, g
+        del q, cache, table, lens
     if kernel_only:
         return
     torch.manual_seed(0)

@@ -212,7 +212,7 @@ def launch_config(T: int, H: int, M: int, device: torch.device, dtype: torch.dty
     while block_n > 16 and too_big():
         block_n //= 2
     # 64-head blocks on Hopper: the warp-specialised Gluon kernel (mla_decode_ws.py), where it builds
-    ws = hopper and H % mla_decode_ws.BLOCK_H == 0 and L == 2 * mla_decode_ws.HALF and R == 64
+    ws = hopper and mla_decode_ws.unsupported(H, L, R, dtype) is None
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8, "num_stages": stages, "splits": splits, "tma": tma,
             "ws": ws}  # fmt: skip
 

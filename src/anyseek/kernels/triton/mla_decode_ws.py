@@ -8,8 +8,8 @@ with nothing else to hide it. Here a program has two consumer warpgroups and one
   a ring of shared-memory stages by TMA, the query once before that;
 - consumer warpgroup w (0 or 1) owns output columns [w * 256, w * 256 + 256) (a 64 x 256 fp32 accumulator) and the
   scores of every other tile (tiles w, w + 2, ...): for its tile it computes s = q.c (all 576 columns), the online
-  softmax, writes p (in the cache's 16-bit type) and the row statistics (rescale factor, maximum, sum) to shared memory, and signals the
-  other warpgroup; both then add p @ c[:, their columns].
+  softmax, writes p (in the cache's 16-bit type) and the row statistics (rescale factor, maximum, sum) to shared
+  memory, and signals the other warpgroup; both then add p @ c[:, their columns].
 - A warpgroup issues the score product of its next tile before it waits for the other's p of the tile between, so
   one warpgroup's softmax runs while the other's products keep the tensor cores busy, and no product is computed
   twice.
@@ -72,15 +72,11 @@ if _GLUON_ERROR is None:
         R: gl.constexpr = kp_smem.type.shape[2]
         L: gl.constexpr = 2 * HALF
         X: gl.constexpr = L + R
-        dt: gl.constexpr = Q.dtype.element_ty
-        lat_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dt)
-        pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dt)
-        qlat_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], dt)
-        qpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dt)
-        q_lat = tma.make_tensor_descriptor(Q, [n_q_rows, L], [X, 1], [BLOCK_H, HALF], qlat_layout)
-        q_pe = tma.make_tensor_descriptor(Q + L, [n_q_rows, R], [X, 1], [BLOCK_H, R], qpe_layout)
-        c_lat = tma.make_tensor_descriptor(C, [n_rows, L], [X, 1], [BLOCK_N, HALF], lat_layout)
-        c_pe = tma.make_tensor_descriptor(C + L, [n_rows, R], [X, 1], [BLOCK_N, R], pe_layout)
+        # each descriptor's box and layout those of the buffer it fills
+        q_lat = tma.make_tensor_descriptor(Q, [n_q_rows, L], [X, 1], [BLOCK_H, HALF], q_smem.type.layout)
+        q_pe = tma.make_tensor_descriptor(Q + L, [n_q_rows, R], [X, 1], [BLOCK_H, R], qp_smem.type.layout)
+        c_lat = tma.make_tensor_descriptor(C, [n_rows, L], [X, 1], [BLOCK_N, HALF], c_smem.type.layout)
+        c_pe = tma.make_tensor_descriptor(C + L, [n_rows, R], [X, 1], [BLOCK_N, R], kp_smem.type.layout)
         q_row = t * H + hb * BLOCK_H
         mbarrier.expect(q_bar, 2 * BLOCK_H * HALF * 2 + BLOCK_H * R * 2)
         _tma_load(q_lat, [q_row, 0], q_bar, q_smem.index(0))
@@ -148,6 +144,30 @@ if _GLUON_ERROR is None:
         return acc
 
     @gluon.jit
+    def _add_other_tile(W: gl.constexpr, jp, acc, start, end, c_smem, p_smem, st_alpha, st_m, st_l, kv_ready, p_ready,
+                        row_s: gl.constexpr, row_o: gl.constexpr, LAST: gl.constexpr):  # fmt: skip
+        """The other warpgroup's tile jp: wait for it and for its p and statistics, zero this half's rows past the
+        end (LAST: the range's last tile, which may be partial; only there, to keep the loop's registers), and issue
+        acc * alpha + p @ c[:, this half] (asynchronous). -> (the pending product, the running maximum and sum after
+        tile jp, the tile's stage)."""
+        BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+        HALF: gl.constexpr = c_smem.type.shape[2]
+        STAGES: gl.constexpr = kv_ready.type.shape[0]
+        sq = jp % STAGES
+        mbarrier.wait(kv_ready.index(sq), (jp // STAGES) & 1)
+        if LAST:
+            valid = end - (start + jp * BLOCK_N)
+            if valid < BLOCK_N:
+                _zero_rows_past(c_smem.index(2 * sq + W), valid, BLOCK_N, HALF)
+        mbarrier.wait(p_ready, jp & 1)
+        alpha_o = st_alpha.index(jp % 2).load(row_o)
+        m_i = st_m.index(jp % 2).load(row_s)
+        l_i = st_l.index(jp % 2).load(row_s)
+        pending = warpgroup_mma(p_smem.index(jp % 2), c_smem.index(2 * sq + W), acc * gl.expand_dims(alpha_o, 1),
+                                is_async=True)  # fmt: skip
+        return pending, m_i, l_i, sq
+
+    @gluon.jit
     def _consumer(W: gl.constexpr, q_smem, c_smem, kp_smem, qp_smem, p_smem, st_alpha, st_m, st_l,
                   q_bar, kv_ready, kv_free, p_ready,
                   O, LSE, t, hb, sp, H, start, end, n_tiles, scale_log2,
@@ -189,16 +209,9 @@ if _GLUON_ERROR is None:
             if valid < BLOCK_N:
                 _zero_rows_past(c_smem.index(2 * s + W), valid, BLOCK_N, HALF)
             sc = _scores(q_smem, qp_smem, c_smem, kp_smem, s, s_layout)
-            # the other warpgroup's tile j - 1: its p and statistics, then this half's product, behind the scores
-            jp = j - 1
-            sq = jp % STAGES
-            mbarrier.wait(kv_ready.index(sq), (jp // STAGES) & 1)
-            mbarrier.wait(p_ready, jp & 1)
-            alpha_o = st_alpha.index(jp % 2).load(row_o)
-            m_i = st_m.index(jp % 2).load(row_s)
-            l_i = st_l.index(jp % 2).load(row_s)
-            pending = warpgroup_mma(p_smem.index(jp % 2), c_smem.index(2 * sq + W), acc * gl.expand_dims(alpha_o, 1),
-                                    is_async=True)  # fmt: skip
+            # the other warpgroup's tile j - 1 (not the last: never partial), its product behind the scores
+            pending, m_i, l_i, sq = _add_other_tile(W, j - 1, acc, start, end, c_smem, p_smem, st_alpha, st_m, st_l,
+                                                    kv_ready, p_ready, row_s, row_o, False)  # fmt: skip
             sc = warpgroup_mma_wait(1, deps=(sc,))
             p, alpha, m_i, l_i = _softmax(sc, m_i, l_i, n0, end, scale_log2, BLOCK_N, col_s)
             acc = warpgroup_mma_wait(0, deps=(pending,))
@@ -207,17 +220,8 @@ if _GLUON_ERROR is None:
                                    p_ready, kv_free, row_o)  # fmt: skip
         last = n_tiles - 1
         if n_tiles > 0 and last % 2 != W:  # the other warpgroup's last tile
-            sq = last % STAGES
-            mbarrier.wait(kv_ready.index(sq), (last // STAGES) & 1)
-            valid = end - (start + last * BLOCK_N)
-            if valid < BLOCK_N:
-                _zero_rows_past(c_smem.index(2 * sq + W), valid, BLOCK_N, HALF)
-            mbarrier.wait(p_ready, last & 1)
-            alpha_o = st_alpha.index(last % 2).load(row_o)
-            m_i = st_m.index(last % 2).load(row_s)
-            l_i = st_l.index(last % 2).load(row_s)
-            pending = warpgroup_mma(p_smem.index(last % 2), c_smem.index(2 * sq + W), acc * gl.expand_dims(alpha_o, 1),
-                                    is_async=True)  # fmt: skip
+            pending, m_i, l_i, sq = _add_other_tile(W, last, acc, start, end, c_smem, p_smem, st_alpha, st_m, st_l,
+                                                    kv_ready, p_ready, row_s, row_o, True)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(pending,))
             mbarrier.arrive(kv_free.index(sq), count=1)
         empty = l_i == 0.0
@@ -309,20 +313,29 @@ def device_available(device: torch.device) -> tuple[bool, str]:
     return True, "Gluon warp-specialised kernel on sm_90"
 
 
+def unsupported(H: int, L: int, R: int, dtype: torch.dtype) -> str | None:
+    """Why H heads over an L + R latent in `dtype` do not fit this kernel (None: they do)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"16-bit q and cache only, got {dtype}"
+    if H % BLOCK_H or L != 2 * HALF or R != 64:
+        return f"heads in blocks of {BLOCK_H} and a {2 * HALF} + 64 latent only (got H={H}, latent {L} + {R})"
+    return None
+
+
 def available(q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> tuple[bool, str]:
     """(ok, reason) for this kernel on q [T, H, L+R] and a paged cache [blocks, page, L+R]."""
     ok, reason = device_available(q.device)
     if not ok:
         return ok, reason
-    H, X = q.shape[1], q.shape[2]
-    if q.dtype not in (torch.bfloat16, torch.float16) or cache.dtype != q.dtype:
-        return False, f"16-bit q and cache only, got {q.dtype} / {cache.dtype}"
-    if H % BLOCK_H or kv_lora_rank != 2 * HALF or X - kv_lora_rank != 64 or cache.shape[1] % BLOCK_N:
-        return False, (f"heads in blocks of {BLOCK_H}, latent {2 * HALF} + 64, pages of a multiple of {BLOCK_N} "
-                       f"tokens (got H={H}, latent {kv_lora_rank} + {X - kv_lora_rank}, page {cache.shape[1]})")
-    if not (q.is_contiguous() and cache.is_contiguous()) or q.data_ptr() % 16 or cache.data_ptr() % 16:
-        return False, "contiguous, 16-byte aligned q and cache"
-    return True, reason
+    why = unsupported(q.shape[1], kv_lora_rank, q.shape[2] - kv_lora_rank, q.dtype)
+    if why is None and cache.dtype != q.dtype:
+        why = f"q {q.dtype} and cache {cache.dtype} differ"
+    if why is None and cache.shape[1] % BLOCK_N:
+        why = f"pages of a multiple of {BLOCK_N} tokens only (got {cache.shape[1]})"
+    aligned = q.is_contiguous() and cache.is_contiguous() and q.data_ptr() % 16 == 0 and cache.data_ptr() % 16 == 0
+    if why is None and not aligned:
+        why = "contiguous, 16-byte aligned q and cache only"
+    return why is None, why or reason
 
 
 def split(q, cache, table, lens, o_part, lse_part, scale_log2: float, splits: int, pages_per_split: int) -> None:
