@@ -184,15 +184,17 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
     """Forward + backward of one MoE layer's routed experts as fine-tuning runs them, CUDA-graph replay:
     full        the Triton experts, gradients for x, the routing weights and both weight stacks;
     lora        frozen base, per-expert adapters inside the Triton GEMMs (`lora_routed_experts`, the default);
-    lora split  the same with the rank-r weight gradients' rows in 1/2/8 chunks per expert (default 4);
+    in loop     the same with the gathered GEMMs' rank-r products formed in their loop over K (moe._L_GIVEN off);
+    old wgrad   the same with the rank-r weight gradients' settings before stop 33 (64-row steps, 4 warps, 4 row
+                chunks per expert);
     merged      the effective weights W + s B A formed each call (torch.baddbmm) and handed to the same Triton
                 experts (ANYSEEK_LORA=merged, and the path of every other backend): [E, F, D] gradients reduced to
                 the adapters'."""
     from anyseek.kernels.triton import moe
 
     lines = [f"LoRA routed experts, rank {rank}, fwd+bwd as one CUDA graph, {env_line()}", "",
-             "| shape | tokens | routing | full ms | lora ms | lora vs full | split 1 | split 2 | split 8 | merged ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| shape | tokens | routing | full ms | lora ms | lora vs full | in loop | old wgrad | merged ms |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for shape in shapes:
         E, I, K, D = SHAPES[shape]
         T = 8192
@@ -223,14 +225,15 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
                 return triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
 
             t = {k: run(k) for k in ("full", "lora", "merged")}
-            default = moe._RANK_SPLIT
-            for split in (1, 2, 8):
-                moe._RANK_SPLIT = split
-                t[f"split{split}"] = run("lora")
-            moe._RANK_SPLIT = default
+            moe._L_GIVEN = False
+            t["loop"] = run("lora")
+            moe._L_GIVEN = True
+            table = dict(moe._RANK_TABLE)
+            moe._RANK_TABLE.update({k: (64, 4, 4, 4) for k in table})
+            t["old"] = run("lora")
+            moe._RANK_TABLE.update(table)
             lines.append(f"| {shape} | {T} | {routing} | {t['full']:.3f} | {t['lora']:.3f} | "
-                         f"{t['full'] / t['lora']:.2f}x | {t['split1']:.3f} | {t['split2']:.3f} | {t['split8']:.3f} | "
-                         f"{t['merged']:.3f} |")  # fmt: skip
+                         f"{t['full'] / t['lora']:.2f}x | {t['loop']:.3f} | {t['old']:.3f} | {t['merged']:.3f} |")
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     emit(lines, out_dir, "lora.md")

@@ -112,6 +112,15 @@ def _worker() -> None:
     truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
     close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
     results["lora_rank20"] = {"pass": all(close32), "table": close32}
+    # the gathered GEMMs' rank-r products formed in their loop over K (moe._L_GIVEN off: the other way to the same sums)
+    moe._L_GIVEN = False
+    try:
+        lora_run = _lora_case(accuracy.moe_inputs(37, 32, 24, 6, 3, "skewed", 7), rank=4, scale=0.2, seed=3)
+        truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
+    finally:
+        moe._L_GIVEN = True
+    close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
+    results["lora_in_loop"] = {"pass": all(close32), "table": close32}
     # LoRA experts with an addend summed inside the combine: experts + add, add's gradient dy, the others unchanged
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(23, 32, 24, 5, 2, "skewed", 9)
     g = torch.Generator().manual_seed(5)
@@ -181,7 +190,8 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_addend",
+                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_in_loop",
+                            "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):

@@ -190,23 +190,49 @@ def build_plan_torch(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int) 
 
 
 def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=False, epi=EPI_PLAIN, h=None,
-          w=None, dw=None, save_h=False, up_cols=0, low_rank=None):  # fmt: skip
+          w=None, dw=None, save_h=False, up_cols=0, low_rank=None, l_token=None, l_rows=False):  # fmt: skip
     """C[r] = A[row(r)] @ B_e over the plan's row tiles (see `_grouped_gemm_kernel`). low_rank = (L [M, r], P [E, ...],
     P's strides as (expert, k, n), R [E, ...], R's strides): C[r] = A[row(r)] @ (B_e + P_e R_e), and L (row order)
-    receives A[row(r)] @ P_e."""
+    receives A[row(r)] @ P_e. Or, instead of forming that product in the loop (P then unread): l_token (gathered A
+    only), A @ P_e for every token and expert, [T, E*r] (`_per_token`); l_rows, L already holds it (`_narrow`)."""
     slot, tok, offs, tile_expert, tile_row = plan
     n_m = tile_expert.numel()
     h = c if h is None else h
     grid = (n_m * triton.cdiv(N, cfg["BLOCK_N"]),)
     l_, p_, strides_p, r_, strides_r = low_rank if low_rank is not None else (c, c, (0, 0, 0), c, (0, 0, 0))
     rank = l_.shape[1] if low_rank is not None else 0
+    l_mode = 2 if l_rows else 0
+    if l_token is not None:
+        assert gather and low_rank is not None and l_token.stride(1) == 1, "l_token: gathered rows, a rank-r term"
+        p_, strides_p, l_mode = l_token, (0, l_token.stride(0), 1), 1
     _launch(_grouped_gemm_kernel, grid, cfg)(
         a, tok, slot, b_e, c, h, c if w is None else w, c if dw is None else dw, offs, tile_expert, tile_row,
         n_m, N, K_red, a.stride(0), *strides_b, c.stride(0), h.stride(0), up_cols,
         l_, p_, r_, l_.stride(0), *strides_p, *strides_r, rank,
         GATHER_A=gather, SCATTER_C=scatter, EPI=epi, SAVE_H=save_h, EVEN_K=K_red % cfg["BLOCK_K"] == 0,
-        EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=low_rank is not None, RANK=_rank_block(rank), PREC=_prec(a.dtype),
+        EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=low_rank is not None, L_MODE=l_mode,
+        RANK=_rank_block(rank), PREC=_prec(a.dtype),
     )  # fmt: skip
+
+
+def _narrow(a, P, strides_p, plan, K_red: int, out_Mr: torch.Tensor) -> torch.Tensor:
+    """out [M, r] = A[row] @ P_e (row order, A not gathered): the grouped GEMM with N = r, one narrow pass over A,
+    so that the wide GEMM after it reads L in its epilogue (`_gemm(l_rows=True)`) instead of a second dot in its
+    loop over K (small, 8k, H200: that dot made the down GEMM 92 -> 120 us and dx 154 -> 200; this pass takes 9 and
+    21 us)."""
+    r = out_Mr.shape[1]
+    cfg = {**_config(a.device, "gemm"), "BLOCK_N": _rank_block(r), "num_warps": 4}
+    _gemm(a, P, strides_p, out_Mr, plan, r, K_red, cfg)
+    return out_Mr
+
+
+def _per_token(x_TD: torch.Tensor, P_EKR: torch.Tensor) -> torch.Tensor:
+    """x @ P_e for every token and every expert at once: [T, E*r], column e*r + j = sum_k x[t, k] P_e[k, j]. One
+    dense matmul reads x once; the routed rows' own products (K of the E per token) are then read from it by the
+    grouped GEMM's epilogue (`_gemm(l_token=)`) instead of a narrow second dot in its loop over K (which made the
+    LoRA experts' GEMMs ~35% slower on an H200). E/K times the needed FLOPs, 2 T D E r: 8.6 GFLOP at `small`, 8k."""
+    E, K_red, r = P_EKR.shape
+    return x_TD @ P_EKR.permute(1, 0, 2).reshape(K_red, E * r)
 
 
 def _rank_block(r: int) -> int:
@@ -273,10 +299,12 @@ def _nk(t):
     return t.stride(0), t.stride(2), t.stride(1)
 
 
-def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None, low_dn=None, add_TD=None):
+def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None, low_dn=None, add_TD=None,
+                l_token_gu=None, l_rows_dn=False):  # fmt: skip
     """-> y [T, D] (+ add_TD, a contiguous [T, D] addend, when given), h [M, F] (pre-activations, empty unless
     save), act [M, I] (weighted SwiGLU output). low_gu / low_dn: the two GEMMs' rank-r terms (see `_gemm`; LoRA,
-    `experts_fwd_lora`)."""
+    `experts_fwd_lora`); l_token_gu: the first one's products per token (`_gemm`'s l_token); l_rows_dn: the second
+    one's made by a narrow pass first (`_narrow`)."""
     T, D = x_TD.shape
     F = gate_up_EFD.shape[1]
     I = F // 2
@@ -286,16 +314,19 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None,
     if M == 0:
         return (x_TD.new_zeros(T, D) if add_TD is None else add_TD.clone()), h_MF, act_MI
     _gemm(x_TD, gate_up_EFD, _nk(gate_up_EFD), act_MI, plan, I, D, _config(x_TD.device, "swiglu"), gather=True,
-          epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=low_gu)  # fmt: skip
+          epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=low_gu,
+          l_token=l_token_gu)  # fmt: skip
     y_slot_MD = x_TD.new_empty(M, D)
+    if l_rows_dn:
+        _narrow(act_MI, low_dn[1], low_dn[2], plan, I, low_dn[0])
     _gemm(act_MI, down_EDI, _nk(down_EDI), y_slot_MD, plan, D, I, _config(x_TD.device, "gemm"), scatter=True,
-          low_rank=low_dn)  # fmt: skip
+          low_rank=low_dn, l_rows=l_rows_dn)  # fmt: skip
     return _sum_k(y_slot_MD, T, x_TD.dtype, add_TD), h_MF, act_MI
 
 
-def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None):
+def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None, l_token=None):
     """The backward's first pass: dh [M, F] (the gradient at the gate|up pre-activations, through the weighted
-    SwiGLU) and dw [M] (the routing weights' gradient, slot order, fp32). low_rank: see `_gemm` (LoRA)."""
+    SwiGLU) and dw [M] (the routing weights' gradient, slot order, fp32). low_rank, l_token: see `_gemm` (LoRA)."""
     M, F = plan[0].numel(), h_MF.shape[1]
     I = F // 2
     gemm = _config(dy_TD.device, "dswiglu")
@@ -304,22 +335,26 @@ def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None):
     dn = down_EDI
     if M:
         _gemm(dy_TD, dn, _kn(dn), dh_MF, plan, I, dy_TD.shape[1], gemm,
-              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I, low_rank=low_rank)  # fmt: skip
+              gather=True, epi=EPI_DSWIGLU, h=h_MF, w=w_M, dw=dw_parts, up_cols=I, low_rank=low_rank,
+              l_token=l_token)  # fmt: skip
     dw_M = torch.empty(M, device=dy_TD.device, dtype=torch.float32)
     dw_M[plan[0].long()] = dw_parts.sum(1)
     return dh_MF, dw_M
 
 
-def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None):
-    """dx [T, D] = the K slots' dh @ gate_up of their experts, summed per token."""
+def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None, l_rows=False):
+    """dx [T, D] = the K slots' dh @ gate_up of their experts, summed per token. low_rank, l_rows: see `_gemm`
+    (LoRA; l_rows: the rank-r product made by a narrow pass first)."""
     T, D = x_TD.shape
     M, F = dh_MF.shape
     if not M:
         return torch.zeros_like(x_TD)
     gu = gate_up_EFD
     dx_slot_MD = x_TD.new_empty(M, D)
+    if l_rows:
+        _narrow(dh_MF, low_rank[1], low_rank[2], plan, F, low_rank[0])
     _gemm(dh_MF, gu, _kn(gu), dx_slot_MD, plan, D, F, _config(x_TD.device, "gemm"), scatter=True,
-          low_rank=low_rank)  # fmt: skip
+          low_rank=low_rank, l_rows=l_rows)  # fmt: skip
     return _sum_k(dx_slot_MD, T, x_TD.dtype)
 
 
@@ -349,15 +384,32 @@ def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu
 #             act recomputed from h inside that product)
 
 
-def _rank_config(device: torch.device, kind: str, r: int) -> dict:
-    """Tiles for the rank-r weight gradients: "wgrad_n" (out [E, N1, r]), "wgrad_m" (out [E, r, N2])."""
+def _rank_config(device: torch.device, kind: str, r: int) -> tuple[dict, int]:
+    """Tiles and row chunks per expert (`_wgrad`'s split) for the rank-r weight gradients: "wgrad_n" (out
+    [E, N1, r]), "wgrad_m" (out [E, r, N2]), "wgrad_m_swiglu" (the same, B recomputed from h)."""
     rb = _rank_block(r)
     base = _config(device, "wgrad")
-    cfg = {**base, "num_warps": min(base["num_warps"], 4), "num_stages": min(base["num_stages"], 4)}  # as measured
-    return {**cfg, "BLOCK_M": rb} if kind == "wgrad_m" else {**cfg, "BLOCK_N": rb}
+    if family(device) == "hopper":  # (_RANK_TABLE)
+        bk, warps, stages, split = _RANK_TABLE[kind]
+        cfg = {**base, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "BLOCK_M": 128, "BLOCK_N": 128}
+    else:  # (not measured: the "wgrad" tiles with at most 4 warps and 4 stages, rows in 4 chunks)
+        cfg, split = {**base, "num_warps": min(base["num_warps"], 4), "num_stages": min(base["num_stages"], 4)}, 4
+    return ({**cfg, "BLOCK_M": rb} if kind != "wgrad_n" else {**cfg, "BLOCK_N": rb}), split
 
 
-_RANK_SPLIT = 4  # row chunks per expert for the rank-r weight gradients (benchmarks/moe.py --lora)
+# The rank-r weight gradients on Hopper: (BLOCK_K, warps, stages, row chunks per expert), the other tile side 128.
+# Swept alone at `small`, 8k tokens (20 settings x 1/2/4/8 chunks, CUDA-graph replays, H200), us for balanced /
+# skewed routing: one chunk is fastest when the experts' rows are even (no partial sums to add up) but leaves the
+# busiest expert's rows to one program when they are not (g^T act: 45 / 208 with one chunk), so the chunks stay.
+# g^T act (recomputed from h: more work per row) 40.2 / 80.1 with (64, 4, 4, 4) -> 33.8 / 56.9 with (32, 8, 4, 8);
+# for the other three (64, 4, 4, 4) was within ~1 us of the best setting at 4 chunks (dh^T u 28.9 / 31.5).
+_RANK_TABLE = {"wgrad_n": (64, 4, 4, 4), "wgrad_m": (64, 4, 4, 4), "wgrad_m_swiglu": (32, 8, 4, 8)}
+# The LoRA experts' rank-r products: made before each wide GEMM (the gathered two by `_per_token`, the others by
+# `_narrow`) and read in its epilogue. False: a second dot inside each wide GEMM's loop over K (the earlier way).
+# H200, small, 8k: one MoE layer's LoRA experts fwd+bwd (benchmarks/moe.py --lora) 0.889 -> 0.881 ms balanced,
+# 0.943 -> 0.933 skewed; in the training step the experts' grouped GEMMs with the narrow passes and the dense
+# per-token products 4.87 -> 4.57 + 0.22 ms (docs/benchmarks.md, stop 33).
+_L_GIVEN = True
 
 
 def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: bool, add_TD=None):
@@ -369,7 +421,9 @@ def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: boo
     u_gu, u_dn = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
     y_TD, h_MF, act_MI = experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save,
                                      low_gu=(u_gu, A_gu, _nk(A_gu), B_gu, _nk(B_gu)),
-                                     low_dn=(u_dn, A_dn, _nk(A_dn), B_dn, _nk(B_dn)), add_TD=add_TD)  # fmt: skip
+                                     low_dn=(u_dn, A_dn, _nk(A_dn), B_dn, _nk(B_dn)), add_TD=add_TD,
+                                     l_token_gu=_per_token(x_TD, A_gu.transpose(1, 2)) if _L_GIVEN and M else None,
+                                     l_rows_dn=_L_GIVEN)  # fmt: skip
     return y_TD, h_MF, act_MI, u_gu, u_dn
 
 
@@ -381,14 +435,16 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, 
     r, M = A_gu.shape[1], plan[0].numel()
     tok, offs = plan[1], plan[2]
     g_dn, g_gu = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
-    dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=(g_dn, B_dn, _kn(B_dn), A_dn, _kn(A_dn)))
-    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu, _kn(B_gu), A_gu, _kn(A_gu)))
-    wg_n, wg_m = _rank_config(x_TD.device, "wgrad_n", r), _rank_config(x_TD.device, "wgrad_m", r)
+    dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=(g_dn, B_dn, _kn(B_dn), A_dn, _kn(A_dn)),
+                      l_token=_per_token(dy_TD, B_dn) if _L_GIVEN and M else None)
+    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu, _kn(B_gu), A_gu, _kn(A_gu)), l_rows=_L_GIVEN)
+    dev = x_TD.device
     d_A_gu, d_B_gu, d_A_dn, d_B_dn = (torch.empty_like(t) for t in adapters)
-    _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, wg_n, _RANK_SPLIT)  # dh^T u_gu
-    _wgrad(g_gu, None, x_TD, tok, d_A_gu, offs, wg_m, _RANK_SPLIT)  # g_gu^T x
-    _wgrad(dy_TD, tok, u_dn, None, d_B_dn, offs, wg_n, _RANK_SPLIT)  # dy^T u_dn
-    _wgrad(g_dn, None, h_MF, None, d_A_dn, offs, wg_m, _RANK_SPLIT, swiglu=(w_M, plan[0]))  # g_dn^T act
+    _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, *_rank_config(dev, "wgrad_n", r))  # dh^T u_gu
+    _wgrad(g_gu, None, x_TD, tok, d_A_gu, offs, *_rank_config(dev, "wgrad_m", r))  # g_gu^T x
+    _wgrad(dy_TD, tok, u_dn, None, d_B_dn, offs, *_rank_config(dev, "wgrad_n", r))  # dy^T u_dn
+    _wgrad(g_dn, None, h_MF, None, d_A_dn, offs, *_rank_config(dev, "wgrad_m_swiglu", r),
+           swiglu=(w_M, plan[0]))  # g_dn^T act
     return dx, dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
 
 

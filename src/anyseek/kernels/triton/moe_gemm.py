@@ -19,7 +19,10 @@ B_e is read through strides, so nn.Linear weights serve as B or B^T without a co
 With LORA, a rank-r term joins the accumulator(s) before the epilogue: C[r] = A[row(r)] @ (B_e + P_e R_e), the
 effective weight of a LoRA expert (W_e + B_e A_e) without forming it (moe.py). The loop over K also accumulates
 L = A[row(r)] @ P_e [BM, r] (r/BN more MMA work: each column tile computes its own); the epilogue adds L @ R_e, and
-the first column tile stores L (row order) for the weight gradients.
+the first column tile stores L (row order) for the weight gradients. L_MODE 1 (gathered A rows: A is per token): the
+loop has no second dot; L is read in the epilogue from a [T, E*r] product of every token with every expert's P, made
+beforehand by one dense matmul (the rows' own r columns of their token's row). L_MODE 2: L is read in row order,
+made beforehand by this kernel with N = r (A @ P_e alone: one narrow pass over A).
 
 `_grouped_wgrad_kernel`: dW_e = A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
 bounds are read from offs on the device). Empty experts get zeros.
@@ -54,8 +57,8 @@ def _grouped_gemm_kernel(
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_hm, up_cols,
     l_ptr, p_ptr, r_ptr, stride_lm, stride_pe, stride_pk, stride_pn, stride_re, stride_rk, stride_rn, rank,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, EPI: tl.constexpr, SAVE_H: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LORA: tl.constexpr, RANK: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LORA: tl.constexpr, L_MODE: tl.constexpr, RANK: tl.constexpr,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_of(tl.program_id(0), n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_m)
@@ -83,7 +86,7 @@ def _grouped_gemm_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kr = tl.arange(0, RANK)
     acc_l = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-    if LORA:  # P_e [K_red, r]; columns past r wrap (duplicates, cancelled by R's zero rows past r below)
+    if LORA and L_MODE == 0:  # P_e [K_red, r]; columns past r wrap (duplicates, cancelled by R's zero rows past r)
         p_ptrs = p_ptr + e.to(tl.int64) * stride_pe + ks[:, None] * stride_pk + (kr % rank)[None, :] * stride_pn
     for k in range(tl.cdiv(K_red, BLOCK_K)):
         if EVEN_K:
@@ -94,7 +97,7 @@ def _grouped_gemm_kernel(
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
-        if LORA:
+        if LORA and L_MODE == 0:
             if EVEN_K:
                 pk = tl.load(p_ptrs)
             else:
@@ -111,10 +114,16 @@ def _grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     if LORA:  # + L @ R_e, L rounded to the inputs' dtype (as it is stored)
-        l_tile = acc_l.to(a_ptr.dtype.element_ty)
-        if pid_n == 0:
-            tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile,
-                     mask=rmask[:, None] & (kr < rank)[None, :])  # fmt: skip
+        lmask = rmask[:, None] & (kr < rank)[None, :]
+        if L_MODE == 1:  # L given per token for every expert: p_ptr [T, E * r] (row stride stride_pk), columns e*r..
+            l_tile = tl.load(p_ptr + a_rows[:, None] * stride_pk + (e * rank + kr)[None, :], mask=lmask,
+                             other=0.0).to(a_ptr.dtype.element_ty)  # fmt: skip
+        elif L_MODE == 2:  # L given in row order (l_ptr), made by a narrow launch of this kernel beforehand
+            l_tile = tl.load(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], mask=lmask, other=0.0)
+        else:
+            l_tile = acc_l.to(a_ptr.dtype.element_ty)
+        if pid_n == 0 and L_MODE != 2:
+            tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile, mask=lmask)
         r_ptrs = r_ptr + e.to(tl.int64) * stride_re + kr[:, None] * stride_rk + cols_c[None, :].to(tl.int64) * stride_rn
         acc = tl.dot(l_tile, tl.load(r_ptrs, mask=(kr < rank)[:, None], other=0.0), acc, input_precision=PREC)
         if EPI == 1:
