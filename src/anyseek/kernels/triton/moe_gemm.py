@@ -20,9 +20,9 @@ With LORA, a rank-r term joins the accumulator(s) before the epilogue: C[r] = A[
 effective weight of a LoRA expert (W_e + B_e A_e) without forming it (moe.py). The loop over K also accumulates
 L = A[row(r)] @ P_e [BM, r] (r/BN more MMA work: each column tile computes its own); the epilogue adds L @ R_e, and
 the first column tile stores L (row order) for the weight gradients. L_MODE 1 (gathered A rows: A is per token): the
-loop has no second dot; L is read in the epilogue from a [T, E*r] product of every token with every expert's P, made
-beforehand by one dense matmul (the rows' own r columns of their token's row). L_MODE 2: L is read in row order,
-made beforehand by this kernel with N = r (A @ P_e alone: one narrow pass over A).
+loop has no second dot; L is loaded (before the loop, added in the epilogue) from a [T, E*r] product of every token
+with every expert's P, made beforehand by one dense matmul (the rows' own r columns of their token's row).
+L_MODE 2: L is loaded in row order, made beforehand by this kernel with N = r (A @ P_e alone: one narrow pass).
 
 `_grouped_wgrad_kernel`: dW_e = A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
 bounds are read from offs on the device). Empty experts get zeros.
@@ -47,6 +47,12 @@ def _tile_of(pid, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _r_ptrs(r_ptr, e, kr, cols_c, stride_re, stride_rk, stride_rn):
+    """R_e's [RANK, BLOCK_N] tile of the LoRA term (rows past the rank masked by the caller)."""
+    return r_ptr + e.to(tl.int64) * stride_re + kr[:, None] * stride_rk + cols_c[None, :].to(tl.int64) * stride_rn
 
 
 @triton.jit
@@ -86,6 +92,17 @@ def _grouped_gemm_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kr = tl.arange(0, RANK)
     acc_l = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    lmask = rmask[:, None] & (kr < rank)[None, :]
+    if LORA and L_MODE != 0:  # L and R_e loaded before the loop, their latency hidden under it (these tiles run one
+        # program per SM or two: loaded in the epilogue, they stalled every tile; Triton keeps them in shared memory)
+        if L_MODE == 1:  # given per token for every expert: p_ptr [T, E * r] (row stride stride_pk), columns e*r..
+            l_early = tl.load(p_ptr + a_rows[:, None] * stride_pk + (e * rank + kr)[None, :], mask=lmask, other=0.0)
+        else:  # given in row order (l_ptr), made by a narrow launch of this kernel beforehand
+            l_early = tl.load(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], mask=lmask, other=0.0)
+        r_ptrs = _r_ptrs(r_ptr, e, kr, cols_c, stride_re, stride_rk, stride_rn)
+        r_early = tl.load(r_ptrs, mask=(kr < rank)[:, None], other=0.0)
+        if EPI == 1:
+            r_u_early = tl.load(r_ptrs + up_cols * stride_rn, mask=(kr < rank)[:, None], other=0.0)
     if LORA and L_MODE == 0:  # P_e [K_red, r]; columns past r wrap (duplicates, cancelled by R's zero rows past r)
         p_ptrs = p_ptr + e.to(tl.int64) * stride_pe + ks[:, None] * stride_pk + (kr % rank)[None, :] * stride_pn
     for k in range(tl.cdiv(K_red, BLOCK_K)):
@@ -114,21 +131,23 @@ def _grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     if LORA:  # + L @ R_e, L rounded to the inputs' dtype (as it is stored)
-        lmask = rmask[:, None] & (kr < rank)[None, :]
-        if L_MODE == 1:  # L given per token for every expert: p_ptr [T, E * r] (row stride stride_pk), columns e*r..
-            l_tile = tl.load(p_ptr + a_rows[:, None] * stride_pk + (e * rank + kr)[None, :], mask=lmask,
-                             other=0.0).to(a_ptr.dtype.element_ty)  # fmt: skip
-        elif L_MODE == 2:  # L given in row order (l_ptr), made by a narrow launch of this kernel beforehand
-            l_tile = tl.load(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], mask=lmask, other=0.0)
-        else:
+        if L_MODE == 0:
             l_tile = acc_l.to(a_ptr.dtype.element_ty)
-        if pid_n == 0 and L_MODE != 2:
-            tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile, mask=lmask)
-        r_ptrs = r_ptr + e.to(tl.int64) * stride_re + kr[:, None] * stride_rk + cols_c[None, :].to(tl.int64) * stride_rn
-        acc = tl.dot(l_tile, tl.load(r_ptrs, mask=(kr < rank)[:, None], other=0.0), acc, input_precision=PREC)
+            r_ptrs = _r_ptrs(r_ptr, e, kr, cols_c, stride_re, stride_rk, stride_rn)
+            r_tile = tl.load(r_ptrs, mask=(kr < rank)[:, None], other=0.0)
+            if EPI == 1:
+                r_u_tile = tl.load(r_ptrs + up_cols * stride_rn, mask=(kr < rank)[:, None], other=0.0)
+            if pid_n == 0:  # (stored for the weight gradients)
+                tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile, mask=lmask)
+        else:
+            l_tile, r_tile = l_early.to(a_ptr.dtype.element_ty), r_early
+            if EPI == 1:
+                r_u_tile = r_u_early
+            if pid_n == 0 and L_MODE == 1:
+                tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile, mask=lmask)
+        acc = tl.dot(l_tile, r_tile, acc, input_precision=PREC)
         if EPI == 1:
-            r_u = tl.load(r_ptrs + up_cols * stride_rn, mask=(kr < rank)[:, None], other=0.0)
-            acc_u = tl.dot(l_tile, r_u, acc_u, input_precision=PREC)
+            acc_u = tl.dot(l_tile, r_u_tile, acc_u, input_precision=PREC)
 
     mask = rmask[:, None] & cmask[None, :]
     if SCATTER_C or EPI != 0:
