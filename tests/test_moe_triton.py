@@ -121,6 +121,14 @@ def _worker() -> None:
         moe._L_GIVEN = True
     close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
     results["lora_in_loop"] = {"pass": all(close32), "table": close32}
+    # dx's product given by a narrow pass too (moe._DX_L_ROWS, off by default: on an H100 the pass costs more)
+    moe._DX_L_ROWS = True
+    try:
+        lora32 = lora_run(False, torch.float32)
+    finally:
+        moe._DX_L_ROWS = False
+    close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
+    results["lora_dx_rows"] = {"pass": all(close32), "table": close32}
     # LoRA experts with an addend summed inside the combine: experts + add, add's gradient dy, the others unchanged
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(23, 32, 24, 5, 2, "skewed", 9)
     g = torch.Generator().manual_seed(5)
@@ -191,7 +199,7 @@ def interp_results():
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
                          + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_in_loop",
-                            "lora_addend",
+                            "lora_dx_rows", "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):

@@ -404,12 +404,15 @@ def _rank_config(device: torch.device, kind: str, r: int) -> tuple[dict, int]:
 # g^T act (recomputed from h: more work per row) 40.2 / 80.1 with (64, 4, 4, 4) -> 33.8 / 56.9 with (32, 8, 4, 8);
 # for the other three (64, 4, 4, 4) was within ~1 us of the best setting at 4 chunks (dh^T u 28.9 / 31.5).
 _RANK_TABLE = {"wgrad_n": (64, 4, 4, 4), "wgrad_m": (64, 4, 4, 4), "wgrad_m_swiglu": (32, 8, 4, 8)}
-# The LoRA experts' rank-r products: made before each wide GEMM (the gathered two by `_per_token`, the others by
+# The LoRA experts' rank-r products: made before each wide GEMM (the gathered two by `_per_token`, down's by
 # `_narrow`) and read in its epilogue. False: a second dot inside each wide GEMM's loop over K (the earlier way).
 # H200, small, 8k: one MoE layer's LoRA experts fwd+bwd (benchmarks/moe.py --lora) 0.889 -> 0.881 ms balanced,
 # 0.943 -> 0.933 skewed; in the training step the experts' grouped GEMMs with the narrow passes and the dense
 # per-token products 4.87 -> 4.57 + 0.22 ms (docs/benchmarks.md, stop 33).
 _L_GIVEN = True
+# ... except dx's, still formed in its loop: H100, small, 8k, the dx GEMM with its product given 180-189 us plus 28 for
+# the narrow pass over dh, against 194-200 in the loop (the down GEMM: 96-98 + 10 against 118-124).
+_DX_L_ROWS = False
 
 
 def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: bool, add_TD=None):
@@ -437,7 +440,8 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, 
     g_dn, g_gu = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
     dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=(g_dn, B_dn, _kn(B_dn), A_dn, _kn(A_dn)),
                       l_token=_per_token(dy_TD, B_dn) if _L_GIVEN and M else None)
-    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu, _kn(B_gu), A_gu, _kn(A_gu)), l_rows=_L_GIVEN)
+    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu, _kn(B_gu), A_gu, _kn(A_gu)),
+             l_rows=_L_GIVEN and _DX_L_ROWS)  # fmt: skip
     dev = x_TD.device
     d_A_gu, d_B_gu, d_A_dn, d_B_dn = (torch.empty_like(t) for t in adapters)
     _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, *_rank_config(dev, "wgrad_n", r))  # dh^T u_gu
