@@ -16,9 +16,9 @@ columns; the pair shares one dropout mask on its common input).
 `LoRALinear.weight` still gives the merged W + s * B A for code that reads weights (decoding, export).
 
 Routed experts get per-expert adapters, stacked. Where the Triton routed experts run, `LoRAExperts` hands them the
-adapters (`kernels/triton/moe.py: lora_routed_experts`): each grouped GEMM reads the base weight and accumulates
-the rows' rank-r product (x A^T, or dh B in backward) beside its own in the loop over K, adding its product with
-the other adapter matrix in the epilogue; the adapters' gradients come from rank-r products per expert (dB = s
+adapters (`kernels/triton/moe.py: lora_routed_experts`): each grouped GEMM reads the base weight and adds the rows'
+rank-r product (x A^T, or dh B in backward; made before the GEMM or beside its own product in its loop over K) times
+the other adapter matrix in its epilogue; the adapters' gradients come from rank-r products per expert (dB = s
 dh^T (x A^T), dA = s (dh B)^T x). No [E, F, D] weight or gradient is formed, and the SwiGLU output is not kept
 for backward (recomputed from the saved pre-activations). On every other backend (reference, grouped_mm) the
 experts get the effective weights through the unchanged `anyseek.kernels.routed_experts` seam (one torch.baddbmm

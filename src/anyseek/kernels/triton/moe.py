@@ -219,7 +219,7 @@ def _narrow(a, P, strides_p, plan, K_red: int, out_Mr: torch.Tensor) -> torch.Te
     """out [M, r] = A[row] @ P_e (row order, A not gathered): the grouped GEMM with N = r, one narrow pass over A,
     so that the wide GEMM after it reads L in its epilogue (`_gemm(l_rows=True)`) instead of a second dot in its
     loop over K (small, 8k, H200: that dot made the down GEMM 92 -> 120 us and dx 154 -> 200; this pass takes 9 and
-    21 us)."""
+    21 us; dx does not use it by default: _DX_L_ROWS)."""
     r = out_Mr.shape[1]
     cfg = {**_config(a.device, "gemm"), "BLOCK_N": _rank_block(r), "num_warps": 4}
     _gemm(a, P, strides_p, out_Mr, plan, r, K_red, cfg)
@@ -373,9 +373,11 @@ def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu
 
 # ---------------------------------------------------------------- LoRA: frozen base, per-expert adapters
 #
-# Effective weights W_e + B_e A_e (the scale folded into B): each big GEMM takes the base weight, accumulates the
-# rows' rank-r product L = A[row] @ P_e beside its own in the loop over K, and adds L @ R_e in its epilogue
-# (`_gemm(low_rank=)`); L is kept for the adapters' gradients. Nothing [E, F, D]-sized is formed or kept.
+# Effective weights W_e + B_e A_e (the scale folded into B): each big GEMM takes the base weight and adds L @ R_e in
+# its epilogue (`_gemm(low_rank=)`), L = A[row] @ P_e being the rows' rank-r product: read from one dense per-token
+# matmul where A is gathered from token rows (u_gu, g_dn: `_per_token`), made by a narrow pass first for the down
+# GEMM (u_dn: `_narrow`), accumulated beside the GEMM's own product in its loop over K for dx (g_gu; see _L_GIVEN).
+# L is kept for the adapters' gradients. Nothing [E, F, D]-sized is formed or kept.
 #   forward   u_gu = x[tok] A_gu^T;  h = x[tok] W_gu^T + u_gu B_gu^T  -> SwiGLU -> act
 #             u_dn = act A_dn^T;     y_slot = act W_dn^T + u_dn B_dn^T
 #   backward  g_dn = dy[tok] B_dn;   d(act) = dy[tok] W_dn + g_dn A_dn -> dSwiGLU -> dh
