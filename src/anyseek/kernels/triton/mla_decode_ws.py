@@ -236,6 +236,8 @@ if _GLUON_ERROR is None:
             heads_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
             gl.store(LSE + t * stride_lt + heads_s * stride_lh + sp, lse)
 
+    # Two wrappers that differ only in the warpgroup index they pass: Triton 3.6 turns constexpr arguments handed to a
+    # partition through warp_specialize into runtime values, so the index is baked in by the function itself.
     @gluon.jit
     def _consumer1(q_smem, c_smem, kp_smem, qp_smem, p_smem, st_alpha, st_m, st_l, q_bar, kv_ready, kv_free,
                    p_ready, O, LSE, t, hb, sp, H, start, end, n_tiles, scale_log2,

@@ -393,7 +393,7 @@ def _rank_config(device: torch.device, kind: str, r: int) -> tuple[dict, int]:
     base = _config(device, "wgrad")
     if family(device) == "hopper":  # (_RANK_TABLE)
         bk, warps, stages, split = _RANK_TABLE[kind]
-        cfg = {**base, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "BLOCK_M": 128, "BLOCK_N": 128}
+        cfg = {**base, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}  # (base: 128 x 128 tiles)
     else:  # (not measured: the "wgrad" tiles with at most 4 warps and 4 stages, rows in 4 chunks)
         cfg, split = {**base, "num_warps": min(base["num_warps"], 4), "num_stages": min(base["num_stages"], 4)}, 4
     return ({**cfg, "BLOCK_M": rb} if kind != "wgrad_n" else {**cfg, "BLOCK_N": rb}), split

@@ -137,14 +137,12 @@ def _grouped_gemm_kernel(
             r_tile = tl.load(r_ptrs, mask=(kr < rank)[:, None], other=0.0)
             if EPI == 1:
                 r_u_tile = tl.load(r_ptrs + up_cols * stride_rn, mask=(kr < rank)[:, None], other=0.0)
-            if pid_n == 0:  # (stored for the weight gradients)
-                tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile, mask=lmask)
         else:
             l_tile, r_tile = l_early.to(a_ptr.dtype.element_ty), r_early
             if EPI == 1:
                 r_u_tile = r_u_early
-            if pid_n == 0 and L_MODE == 1:
-                tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile, mask=lmask)
+        if pid_n == 0 and L_MODE != 2:  # stored (row order) for the weight gradients; L_MODE 2 read it from there
+            tl.store(l_ptr + rows.to(tl.int64)[:, None] * stride_lm + kr[None, :], l_tile, mask=lmask)
         acc = tl.dot(l_tile, r_tile, acc, input_precision=PREC)
         if EPI == 1:
             acc_u = tl.dot(l_tile, r_u_tile, acc_u, input_precision=PREC)
