@@ -280,12 +280,15 @@ def router_errors(T, E, G, TG, K, top2, strided, device, seed=0):
     return [("ids", wrong, 0)]
 
 
-# (name, O, I, r, dtype, out: None | "slice" (rows of a bigger buffer))
+# (name, O, I, r, dtype, out: None | "slice" (rows of a bigger buffer) | "strip" (rows of [W + s B A | B]: the merge
+# in the first I columns of a wider buffer, B in columns 3 .. 3 + r of the strip after them, zeros elsewhere in it))
 MERGE_CASES = [
     ("fp32_odd", 37, 100, 3, "float32", None),
     ("fp16_r16", 64, 128, 16, "float16", None),
     ("fp16_r20_slice", 19, 150, 20, "float16", "slice"),
     ("fp32_one_row", 1, 7, 1, "float32", "slice"),
+    ("fp16_r5_strip", 70, 130, 5, "float16", "strip"),
+    ("fp32_r16_strip", 33, 64, 16, "float32", "strip"),
 ]
 
 
@@ -300,15 +303,24 @@ def merge_errors(O, I, r, dtype, out, device, seed=0):
     want = ref(W.double(), B.double(), A.double(), 0.75)
     low = [t.to(device=device, dtype=dtype) for t in (W, B, A)]
     torch_low = ref(*low, 0.75).double().cpu()
+    strip = []
     if out == "slice":
         buf = torch.full((O + 3, I), 7.0, dtype=dtype, device=device)
         got = fused(*low, 0.75, out=buf[1:O + 1])
         untouched = float(((buf[0] != 7).sum() + (buf[O + 1:] != 7).sum()).item())
+    elif out == "strip":  # rows 1..O of a [O + 2, I + RT] buffer, RT = r + 5, B at strip column 3
+        RT = r + 5
+        buf = torch.full((O + 2, I + RT), 7.0, dtype=dtype, device=device)
+        got = fused(*low, 0.75, out=buf[1:O + 1, :I], b_out=buf[1:O + 1, I:], b_at=3)
+        untouched = float(((buf[0] != 7).sum() + (buf[O + 1] != 7).sum()).item())
+        want_strip = torch.zeros(O, RT, dtype=torch.float64)
+        want_strip[:, 3:3 + r] = low[1].double().cpu()
+        strip = [("B strip", (buf[1:O + 1, I:].double().cpu() - want_strip).abs().max().item(), 0.0)]
     else:
         got, untouched = fused(*low, 0.75), 0.0
     assert got.dtype == dtype and got.shape == (O, I)
     return [("merged", (got.double().cpu() - want).abs().max().item(), (torch_low - want).abs().max().item()),
-            ("rows around out", untouched, 0.0)]
+            ("rows around out", untouched, 0.0)] + strip
 
 
 def passes(table, atol=1e-5):
@@ -508,7 +520,7 @@ if __name__ == "__main__":
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(3072, 512, 16), (832, 1024, 32), (1024, 2048, 16), (100, 37, 5)])
-@pytest.mark.parametrize("out", [None, "slice"])
+@pytest.mark.parametrize("out", [None, "slice", "strip"])
 def test_gpu_low_rank_merge(dtype, shape, out):
     table = merge_errors(*shape, dtype, out, "cuda")
     assert passes(table, atol=1e-6), table
@@ -526,3 +538,8 @@ def test_low_rank_merge_seam_checks_shapes():
         kernels.low_rank_merge(W, B.double(), A, 0.5)
     with pytest.raises(ValueError, match="out must be"):
         kernels.low_rank_merge(W, B, A, 0.5, out=torch.empty(3, 6))
+    strip = torch.full((4, 5), 7.0)  # B in columns 1..2 of a 5-wide strip, zeros in the others
+    kernels.low_rank_merge(W, B, A, 0.5, b_out=strip, b_at=1)
+    torch.testing.assert_close(strip, torch.cat([torch.zeros(4, 1), B, torch.zeros(4, 2)], dim=1))
+    with pytest.raises(ValueError, match=r"b_out must be \[4, >= 4 \+ 2\]"):
+        kernels.low_rank_merge(W, B, A, 0.5, b_out=strip, b_at=4)

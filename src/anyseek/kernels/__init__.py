@@ -215,11 +215,12 @@ def grad_destination(param: torch.Tensor) -> torch.Tensor | None:
     return buffer[start:start + param.numel()].view(param.shape)
 
 
-def low_rank_merge(W: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def low_rank_merge(W: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                   b_out: torch.Tensor | None = None, b_at: int = 0) -> torch.Tensor:  # fmt: skip
     """W + scale * B A -> [O, I] in W's dtype, from W [O, I], B [O, r], A [r, I] (one dtype), the products summed in
     fp32: a weight with a low-rank update folded in (LoRA's merged weight, `model.concat`). out: an [O, I] tensor
-    to write it to (not W), else a new one."""
+    to write it to (not W), else a new one. b_out: an [O, RT] tensor (RT >= b_at + r) that also receives B, in its
+    columns b_at .. b_at + r - 1, and zeros in the others (LoRA's backward: [W + s B A | B] as one matrix)."""
     if W.dim() != 2 or B.dim() != 2 or A.dim() != 2 or B.shape[0] != W.shape[0] or A.shape[1] != W.shape[1] \
             or B.shape[1] != A.shape[0]:
         raise ValueError(f"low_rank_merge: W [O, I], B [O, r], A [r, I] expected, got W {tuple(W.shape)}, "
@@ -228,7 +229,11 @@ def low_rank_merge(W: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: flo
         raise ValueError(f"low_rank_merge: W, B, A must share a dtype, got {W.dtype}, {B.dtype}, {A.dtype}")
     if out is not None and (out.shape != W.shape or out.dtype != W.dtype):
         raise ValueError(f"low_rank_merge: out must be {tuple(W.shape)} {W.dtype}, got {tuple(out.shape)} {out.dtype}")
-    return registry.get("low_rank_merge", W)(W, B, A, scale, out)
+    if b_out is not None and (b_out.dim() != 2 or b_out.shape[0] != W.shape[0] or b_out.dtype != W.dtype
+                              or not 0 <= b_at <= b_out.shape[1] - B.shape[1]):  # fmt: skip
+        raise ValueError(f"low_rank_merge: b_out must be [{W.shape[0]}, >= {b_at} + {B.shape[1]}] {W.dtype} (b_at "
+                         f"{b_at}), got {tuple(b_out.shape)} {b_out.dtype}")
+    return registry.get("low_rank_merge", W)(W, B, A, scale, out, b_out, b_at)
 
 
 def sq_norm(x: torch.Tensor) -> torch.Tensor:

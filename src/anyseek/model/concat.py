@@ -108,19 +108,27 @@ def merge_wanted(rows: int, W: torch.Tensor, separate_input: bool) -> bool:
     return not separate_input and rows > W.shape[1]
 
 
-def _merged_weight(W: torch.Tensor, A: torch.Tensor, starts, Bs, scale: float) -> torch.Tensor:
-    """W + s B A in W's dtype, each block B_i added into its own rows (reading A's rows in order), fp32 sums."""
-    if len(Bs) == 1 and starts[0] == 0 and Bs[0].shape[0] == W.shape[0]:
+def _merged_weight(W: torch.Tensor, A: torch.Tensor, starts, Bs, scale: float, with_b: bool = False) -> torch.Tensor:
+    """W + s B A in W's dtype, each block B_i added into its own rows (reading A's rows in order), fp32 sums.
+    with_b: [W + s B A | B] -> [out, in + r], B block-diagonal in the last r columns (each block in its rows and its
+    rank's columns, zeros elsewhere), so that one matmul gives both g (W + s B A) and g B."""
+    O, I = W.shape
+    R = A.shape[0] if with_b else 0
+    if len(Bs) == 1 and starts[0] == 0 and Bs[0].shape[0] == O and not R:
         return kernels.low_rank_merge(W, Bs[0], A, scale)
-    Wm, r0, row = torch.empty_like(W), 0, 0
+    Wm = W.new_empty(O, I + R)
+    r0, row = 0, 0
     for at, B in zip(starts, Bs):  # each block's rows written once by its merge; rows no block covers copied
         o, r = B.shape
         if at > row:
-            Wm[row:at].copy_(W[row:at])
-        kernels.low_rank_merge(W[at:at + o], B, A[r0:r0 + r], scale, out=Wm[at:at + o])
+            Wm[row:at, :I].copy_(W[row:at])
+            Wm[row:at, I:].zero_()
+        kernels.low_rank_merge(W[at:at + o], B, A[r0:r0 + r], scale, out=Wm[at:at + o, :I],
+                               b_out=Wm[at:at + o, I:] if R else None, b_at=r0)  # fmt: skip
         r0, row = r0 + r, at + o
-    if row < W.shape[0]:
-        Wm[row:].copy_(W[row:])
+    if row < O:
+        Wm[row:, :I].copy_(W[row:])
+        Wm[row:, I:].zero_()
     return Wm
 
 
@@ -130,8 +138,9 @@ class _LowRankLinear(torch.autograd.Function):
     `fused_linear`: block i reads the i-th rows of A); the scale s is the matmuls' alpha. Two ways to add the term:
 
     - merged (`merge_wanted`: many rows, no dropout): y = x (W + s B A)^T, the merged weight formed for this matmul
-      and again in backward (not kept: no weight-sized memory per layer), dx = g (W + s B A). The rank-r products
-      u and g B are still made, for the adapters' gradients;
+      and again in backward (not kept: no weight-sized memory per layer), there with B beside it: [dx | g B] =
+      g [W + s B A | B], one matmul (a narrow second one over g cost more than r more columns in the wide one:
+      docs/benchmarks.md, stop 34). u = x A^T is still made in the forward, for B's gradient;
     - added: the term added into the base matmul's output (addmm: no [N, out] temporary) and likewise into dx =
       g W + s (g B) A: a pass over the output and one over dx, which cost more than the merge once N > in.
 
@@ -163,18 +172,18 @@ class _LowRankLinear(torch.autograd.Function):
         s, starts = ctx.scale, ctx.starts
         need = ctx.needs_input_grad
         gs = [g[:, at:at + B.shape[0]] for at, B in zip(starts, Bs)]  # each block's output columns (views)
-        gB = None
-        if need[2] or (xd is not None and need[3]) or (need[0] and xd is None and not ctx.merged):
+        gB = dx = dW = dA = dxd = None
+        if need[0] and ctx.merged:  # [dx | g B] in one matmul (g B only where the adapters train)
+            with_b = need[2]
+            d = g @ _merged_weight(W, A, starts, Bs, s, with_b=with_b)
+            dx, gB = (d[:, :W.shape[1]], d[:, W.shape[1]:]) if with_b else (d, None)
+        if gB is None and (need[2] or (xd is not None and need[3]) or (need[0] and xd is None and not ctx.merged)):
             gBs = [gi @ B for gi, B in zip(gs, Bs)]
             gB = torch.cat(gBs, dim=1) if len(gBs) > 1 else gBs[0]
-        dx = dW = dA = dxd = None
-        if need[0]:
-            if ctx.merged:
-                dx = g @ _merged_weight(W, A, starts, Bs, s)
-            else:
-                dx = g @ W
-                if xd is None:
-                    dx.addmm_(gB, A, alpha=s)
+        if need[0] and not ctx.merged:
+            dx = g @ W
+            if xd is None:
+                dx.addmm_(gB, A, alpha=s)
         if xd is not None and need[3]:
             dxd = _scaled_mm(gB, A, s)
         if need[1]:
