@@ -96,19 +96,30 @@ def profile_steps(step, items, out_path: Path | None = None) -> tuple[list[int],
         for b in items:
             step(b)
         torch.cuda.synchronize()
-    kernels, host, cats = 0, 0, {}
+    kernels, host, cats, spans = 0, 0, {}, []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             if getattr(e, "is_user_annotation", False) or e.name.startswith(("Optimizer.", "ProfilerStep")):
                 continue
             kernels += 1
+            spans.append((e.time_range.start, e.time_range.end))
             cats[categorize(e.name)] = cats.get(categorize(e.name), 0.0) + e.device_time / 1e3 / len(items)
         elif e.name in LAUNCH_CALLS:
             host += 1
+    busy, end = 0.0, None  # the GPU's busy time: the union of the kernels' intervals (streams may overlap)
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    first, end = (min(a for a, _ in spans), end) if spans else (0.0, 0.0)
     averages = prof.key_averages()
-    table = averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    table = (f"GPU busy {busy / 1e3 / len(items):.2f} ms per step of {(end - first) / 1e3 / len(items):.2f} ms from "
+             f"its first kernel to its last (union of the kernels' intervals)\n")
+    table += averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
     if out_path is not None:  # every kernel, for comparing two cases' files
-        out_path.write_text(averages.table(sort_by="cuda_time_total", row_limit=-1, max_name_column_width=120))
+        out_path.write_text(table.splitlines()[0] + "\n"
+                            + averages.table(sort_by="cuda_time_total", row_limit=-1, max_name_column_width=120))
     return [host // len(items), kernels // len(items)], dict(sorted(cats.items(), key=lambda kv: -kv[1])), table
 
 

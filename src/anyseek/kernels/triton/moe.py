@@ -257,7 +257,7 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None
         EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, PREC=_prec(a.dtype),
     )  # fmt: skip
     if split > 1:
-        out_EN1N2.copy_(target.sum(0))
+        torch.sum(target, 0, out=out_EN1N2)
 
 
 @triton.jit
@@ -342,9 +342,9 @@ def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None, l_token=None):
     return dh_MF, dw_M
 
 
-def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None, l_rows=False):
+def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None, l_rows=False, cfg=None):
     """dx [T, D] = the K slots' dh @ gate_up of their experts, summed per token. low_rank, l_rows: see `_gemm`
-    (LoRA; l_rows: the rank-r product made by a narrow pass first)."""
+    (LoRA; l_rows: the rank-r product made by a narrow pass first). cfg: launch settings other than "gemm"'s."""
     T, D = x_TD.shape
     M, F = dh_MF.shape
     if not M:
@@ -353,7 +353,7 @@ def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None, l_rows=False):
     dx_slot_MD = x_TD.new_empty(M, D)
     if l_rows:
         _narrow(dh_MF, low_rank[1], low_rank[2], plan, F, low_rank[0])
-    _gemm(dh_MF, gu, _kn(gu), dx_slot_MD, plan, D, F, _config(x_TD.device, "gemm"), scatter=True,
+    _gemm(dh_MF, gu, _kn(gu), dx_slot_MD, plan, D, F, cfg or _config(x_TD.device, "gemm"), scatter=True,
           low_rank=low_rank, l_rows=l_rows)  # fmt: skip
     return _sum_k(dx_slot_MD, T, x_TD.dtype)
 
@@ -415,6 +415,16 @@ _L_GIVEN = True
 # ... except dx's, still formed in its loop: H100, small, 8k, the dx GEMM with its product given 180-189 us plus 28 for
 # the narrow pass over dh, against 194-200 in the loop (the down GEMM: 96-98 + 10 against 118-124).
 _DX_L_ROWS = False
+# dx's product in its loop reads B_gu k-major (a transposed copy [E, r, F], 2.8 us) with 8 warps: the second dot
+# then costs 25-33 us less (H200, small, 8k, skewed routing: 188-198 -> 155-173 us; plain dx 130-153 in the same
+# runs; 16 warps or B_gu as it lies, [E, F, r], gain nothing). Elsewhere "gemm" as it is (not measured).
+_DX_LOOP_WARPS = {"hopper": 8}
+
+
+def _lora_dx_config(device: torch.device) -> dict:
+    cfg = _config(device, "gemm")
+    warps = _DX_LOOP_WARPS.get(family(device))
+    return {**cfg, "num_warps": warps} if warps and not _DX_L_ROWS else cfg
 
 
 def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: bool, add_TD=None):
@@ -442,8 +452,9 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, 
     g_dn, g_gu = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
     dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=(g_dn, B_dn, _kn(B_dn), A_dn, _kn(A_dn)),
                       l_token=_per_token(dy_TD, B_dn) if _L_GIVEN and M else None)
-    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu, _kn(B_gu), A_gu, _kn(A_gu)),
-             l_rows=_L_GIVEN and _DX_L_ROWS)  # fmt: skip
+    B_gu_rf = B_gu.transpose(1, 2).contiguous()  # [E, r, F]: read k-major in dx's loop (_DX_LOOP_WARPS)
+    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu_rf, _nk(B_gu_rf), A_gu, _kn(A_gu)),
+             l_rows=_L_GIVEN and _DX_L_ROWS, cfg=_lora_dx_config(x_TD.device))  # fmt: skip
     dev = x_TD.device
     d_A_gu, d_B_gu, d_A_dn, d_B_dn = (torch.empty_like(t) for t in adapters)
     _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, *_rank_config(dev, "wgrad_n", r))  # dh^T u_gu
