@@ -191,15 +191,9 @@ class _LowRankLinear(torch.autograd.Function):
         if need[2]:
             dA = _scaled_mm(gB.t(), x if xd is None else xd, s)
         dBs, r0 = [], 0
-        # several blocks (a joined pair): one product over all of g and u, each block's gradient its diagonal block
-        # (the others are thrown away: one pass over g either way, and half the launches)
-        whole = _scaled_mm(g.t(), u, s) if len(Bs) > 1 and all(need[6:]) else None
-        for at, gi, B, n in zip(starts, gs, Bs, need[6:]):
+        for gi, B, n in zip(gs, Bs, need[6:]):
             r = B.shape[1]
-            if whole is not None:
-                dBs.append(whole[at:at + B.shape[0], r0:r0 + r])
-            else:
-                dBs.append(_scaled_mm(gi.t(), u[:, r0:r0 + r], s) if n else None)
+            dBs.append(_scaled_mm(gi.t(), u[:, r0:r0 + r], s) if n else None)
             r0 += r
         return dx, dW, dA, dxd, None, None, *dBs
 

@@ -257,7 +257,7 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None
         EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, PREC=_prec(a.dtype),
     )  # fmt: skip
     if split > 1:
-        torch.sum(target, 0, out=out_EN1N2)
+        out_EN1N2.copy_(target.sum(0))
 
 
 @triton.jit
