@@ -106,24 +106,23 @@ def profile_steps(step, items, out_path: Path | None = None) -> tuple[list[int],
             cats[categorize(e.name)] = cats.get(categorize(e.name), 0.0) + e.device_time / 1e3 / len(items)
         elif e.name in LAUNCH_CALLS:
             host += 1
-    busy, end, last, gaps = 0.0, None, "", []  # the GPU's busy time: the union of the kernels' intervals
-    for a, b, name in sorted(spans):
-        if end is not None and a > end:
+    spans.sort()  # the GPU's busy time: the union of the kernels' intervals (streams may overlap), and its gaps
+    first = end = spans[0][0] if spans else 0.0
+    busy, last, gaps = 0.0, "", []
+    for a, b, name in spans:
+        if a > end:
             gaps.append((a - end, last, name))
-        if end is None or a > end:
-            busy, end, last = busy + (b - a), b, name
-        elif b > end:
-            busy, end, last = busy + (b - end), b, name
-    first, end = (min(s[0] for s in spans), end) if spans else (0.0, 0.0)
+        busy += max(0.0, b - max(a, end))
+        if b > end:
+            end, last = b, name
     gaps.sort(reverse=True)
-    gap_lines = "".join(f"  idle {g / 1e3:.3f} ms between {x[:60]} and {y[:60]}\n" for g, x, y in gaps[:8])
+    head = (f"GPU busy {busy / 1e3 / len(items):.2f} ms per step of {(end - first) / 1e3 / len(items):.2f} ms from "
+            f"its first kernel to its last (union of the kernels' intervals); longest idle stretches:\n"
+            + "".join(f"  idle {g / 1e3:.3f} ms between {x[:60]} and {y[:60]}\n" for g, x, y in gaps[:8]))
     averages = prof.key_averages()
-    table = (f"GPU busy {busy / 1e3 / len(items):.2f} ms per step of {(end - first) / 1e3 / len(items):.2f} ms from "
-             f"its first kernel to its last (union of the kernels' intervals); longest idle stretches:\n{gap_lines}")
-    table += averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    table = head + averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
     if out_path is not None:  # every kernel, for comparing two cases' files
-        out_path.write_text("\n".join(table.splitlines()[:9]) + "\n"
-                            + averages.table(sort_by="cuda_time_total", row_limit=-1, max_name_column_width=120))
+        out_path.write_text(head + averages.table(sort_by="cuda_time_total", row_limit=-1, max_name_column_width=120))
     return [host // len(items), kernels // len(items)], dict(sorted(cats.items(), key=lambda kv: -kv[1])), table
 
 

@@ -241,20 +241,15 @@ def _rank_block(r: int) -> int:
 
 
 def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None, partials=None):
-    """out[e] = A[rows of e]^T @ B[rows of e], rows gathered through a_idx / b_idx where given. split > 1: each
-    expert's rows in `split` chunks, summed in fp32 into partials [split, E, N1, N2] then added up in a fixed order
-    (deterministic); for narrow outputs (LoRA's rank-r gradients), whose few tiles per expert would leave the GPU
-    idle while the busiest expert's rows run through one program. swiglu = (w [M] slot order, slot [M]): b is h
-    [M, 2N2] and B the weighted SwiGLU output recomputed from it (`_grouped_wgrad_kernel`'s B_SWIGLU). partials:
-    a flat fp32 tensor of split * E * N1 * N2 to leave the partial sums in (the caller adds them up: `_sum_splits`).
-    """
+    """out[e] = A[rows of e]^T @ B[rows of e], rows gathered through a_idx / b_idx where given. swiglu = (w [M] slot
+    order, slot [M]): b is h [M, 2N2] and B the weighted SwiGLU output recomputed from it (`_grouped_wgrad_kernel`'s
+    B_SWIGLU). partials (a flat fp32 tensor of split * E * N1 * N2): the sums go there instead, each expert's rows
+    in `split` chunks summed separately, for the caller to add up in chunk order (`_sum_splits`: deterministic);
+    for narrow outputs (LoRA's rank-r gradients), whose few tiles per expert would leave the GPU idle while the
+    busiest expert's rows run through one program."""
     E, N1, N2 = out_EN1N2.shape
-    if split == 1:
-        target = out_EN1N2
-    elif partials is not None:
-        target = partials.view(split, E, N1, N2)
-    else:
-        target = out_EN1N2.new_empty(split, E, N1, N2, dtype=torch.float32)
+    assert split == 1 or partials is not None, "_wgrad: row chunks need a partials buffer"
+    target = out_EN1N2 if partials is None else partials.view(split, E, N1, N2)
     grid = (triton.cdiv(N1, cfg["BLOCK_M"]) * triton.cdiv(N2, cfg["BLOCK_N"]), E, split)
     _launch(_grouped_wgrad_kernel, grid, cfg)(
         a, offs if a_idx is None else a_idx, b, offs if b_idx is None else b_idx, target, offs,
@@ -263,8 +258,6 @@ def _wgrad(a, a_idx, b, b_idx, out_EN1N2, offs, cfg, split: int = 1, swiglu=None
         GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, EVEN_N1=N1 % cfg["BLOCK_M"] == 0,
         EVEN_N2=N2 % cfg["BLOCK_N"] == 0, B_SWIGLU=swiglu is not None, PREC=_prec(a.dtype),
     )  # fmt: skip
-    if split > 1 and partials is None:
-        out_EN1N2.copy_(target.sum(0))
 
 
 @triton.jit
@@ -491,27 +484,22 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, 
     B_gu_rf = B_gu.transpose(1, 2).contiguous()  # [E, r, F]: read k-major in dx's loop (_DX_LOOP_WARPS)
     dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu_rf, _nk(B_gu_rf), A_gu, _kn(A_gu)),
              l_rows=_L_GIVEN and _DX_L_ROWS, cfg=_lora_dx_config(x_TD.device))  # fmt: skip
-    dev = x_TD.device
-    # the four gradients back to back in one buffer; in row chunks, their partial sums added up by one launch
-    sizes = [t.numel() for t in adapters]
+    # the four gradients (the adapters' order) back to back in one buffer; each product leaves its row chunks'
+    # partial sums in one fp32 buffer, added up by one launch
+    jobs = [(g_gu, None, x_TD, tok, "wgrad_m", None),  # dA_gu = g_gu^T x
+            (dh_MF, None, u_gu, None, "wgrad_n", None),  # dB_gu = dh^T u_gu
+            (g_dn, None, h_MF, None, "wgrad_m_swiglu", (w_M, plan[0])),  # dA_dn = g_dn^T act
+            (dy_TD, tok, u_dn, None, "wgrad_n", None)]  # dB_dn = dy^T u_dn
+    cfgs = [_rank_config(x_TD.device, job[4], r) for job in jobs]
+    sizes, splits = [t.numel() for t in adapters], [split for _, split in cfgs]
     flat = A_gu.new_empty(sum(sizes))
-    d_A_gu, d_B_gu, d_A_dn, d_B_dn = (v.view(t.shape) for v, t in zip(flat.split(sizes), adapters))
-    kinds = {"B_gu": "wgrad_n", "A_gu": "wgrad_m", "B_dn": "wgrad_n", "A_dn": "wgrad_m_swiglu"}
-    cfgs = {k: _rank_config(dev, kind, r) for k, kind in kinds.items()}
-    order = ["A_gu", "B_gu", "A_dn", "B_dn"]  # (the adapters' order)
-    splits = [cfgs[k][1] for k in order]
-    parts = {}
-    if min(splits) > 1:
-        buf = torch.empty(sum(s * n for s, n in zip(splits, sizes)), device=dev, dtype=torch.float32)
-        parts = dict(zip(order, buf.split([s * n for s, n in zip(splits, sizes)])))
-    _wgrad(dh_MF, None, u_gu, None, d_B_gu, offs, *cfgs["B_gu"], partials=parts.get("B_gu"))  # dh^T u_gu
-    _wgrad(g_gu, None, x_TD, tok, d_A_gu, offs, *cfgs["A_gu"], partials=parts.get("A_gu"))  # g_gu^T x
-    _wgrad(dy_TD, tok, u_dn, None, d_B_dn, offs, *cfgs["B_dn"], partials=parts.get("B_dn"))  # dy^T u_dn
-    _wgrad(g_dn, None, h_MF, None, d_A_dn, offs, *cfgs["A_dn"], swiglu=(w_M, plan[0]),
-           partials=parts.get("A_dn"))  # g_dn^T act
-    if parts:
-        _sum_splits(buf, flat, sizes, splits)
-    return dx, dw_M, d_A_gu, d_B_gu, d_A_dn, d_B_dn
+    grads = [v.view(t.shape) for v, t in zip(flat.split(sizes), adapters)]
+    parts = torch.empty(sum(s * n for s, n in zip(splits, sizes)), device=x_TD.device, dtype=torch.float32)
+    for (a, a_idx, b, b_idx, _, swiglu), grad, (cfg, split), part in zip(
+            jobs, grads, cfgs, parts.split([s * n for s, n in zip(splits, sizes)])):  # fmt: skip
+        _wgrad(a, a_idx, b, b_idx, grad, offs, cfg, split, swiglu=swiglu, partials=part)
+    _sum_splits(parts, flat, sizes, splits)
+    return dx, dw_M, *grads
 
 
 # ----------------------------------------------------------------------------------------------------------------
