@@ -20,11 +20,13 @@ NORM_CASES = [
     ("fp16_all", (19,), 33, "float16", "float16", False),
     ("fp16_strided_rows", (23,), 48, "float16", "float32", True),
     ("one_row", (1,), 7, "float32", "float32", False),
+    ("fp16_frozen_w", (21,), 40, "float16", "float32", False, True),
 ]
 
 
-def norm_errors(lead, D, x_dtype, w_dtype, strided, device, seed=0):
-    """[(what, err kernel, err torch)] for rms_norm's output, dx and dw against an fp32 (fp64 on GPU) reference."""
+def norm_errors(lead, D, x_dtype, w_dtype, strided, device, seed=0, frozen_w=False):
+    """[(what, err kernel, err torch)] for rms_norm's output, dx and dw against an fp32 (fp64 on GPU) reference.
+    frozen_w: the weight needs no gradient (LoRA): w.grad must stay None (the kernel skips the partials)."""
     from anyseek.kernels.reference.norm import rms_norm as ref
     from anyseek.kernels.triton.rmsnorm import rms_norm as fused
 
@@ -39,9 +41,12 @@ def norm_errors(lead, D, x_dtype, w_dtype, strided, device, seed=0):
 
     def run(fn, dt_x, dt_w):
         x = x0.detach().to(dt_x).requires_grad_()
-        w = w0.detach().to(dt_w).requires_grad_()
+        w = w0.detach().to(dt_w).requires_grad_(not frozen_w)
         y = fn(x, w, 1e-6)
         y.backward(dout.to(y.dtype))
+        if frozen_w:
+            assert w.grad is None
+            w.grad = torch.zeros_like(w)
         return [t.detach().to(exact) for t in (y, x.grad, w.grad)], y.dtype
 
     want, _ = run(ref, exact, exact)
@@ -52,11 +57,11 @@ def norm_errors(lead, D, x_dtype, w_dtype, strided, device, seed=0):
             for what, o, t, r in zip(("out", "dx", "dw"), ours, torch_low, want)]
 
 
-def add_norm_errors(lead, D, x_dtype, y_dtype, w_dtype, use_h, device, seed=0, uses=(True,)):
+def add_norm_errors(lead, D, x_dtype, y_dtype, w_dtype, use_h, device, seed=0, uses=(True,), frozen_w=False):
     """[(what, err kernel, err torch)] for add_rms_norm's h, out, dx, dy and dw against an fp32 (fp64 on GPU)
     reference. use_h: the residual h feeds the loss too (its gradient is added in the kernel), else only the norm.
     uses: the output asked for len(uses) times (`copies`), each copy with its own gradient where True and unused
-    where False (the kernel sums the copies' gradients)."""
+    where False (the kernel sums the copies' gradients). frozen_w: the weight needs no gradient, as `norm_errors`."""
     from anyseek.kernels.reference.norm import add_rms_norm as ref
     from anyseek.kernels.triton.rmsnorm import add_rms_norm as fused
 
@@ -71,14 +76,14 @@ def add_norm_errors(lead, D, x_dtype, y_dtype, w_dtype, use_h, device, seed=0, u
     def run(fn, dx_, dy_, dw_):
         x = x0.detach().to(dx_).requires_grad_()
         y = y0.detach().to(dy_).requires_grad_()
-        w = w0.detach().to(dw_).requires_grad_()
+        w = w0.detach().to(dw_).requires_grad_(not frozen_w)
         h, *outs = fn(x, y, w, 1e-6, len(uses))
         assert len(outs) == len(uses)
         out = outs[0]
         loss = sum((o * d.to(o.dtype)).sum() for o, d, u in zip(outs, douts, uses) if u)
         loss = loss + ((h * dh.to(h.dtype)).sum() if use_h else 0)
         loss.backward()
-        if not any(uses):
+        if not any(uses) or frozen_w:
             assert w.grad is None
             w.grad = torch.zeros_like(w)
         return [t.detach().to(exact) for t in (h, out, x.grad, y.grad, w.grad)], (h.dtype, out.dtype)
@@ -102,6 +107,7 @@ ADD_NORM_CASES = [
     ("fp32_three_copies_middle_unused", (9,), 40, "float32", "float32", "float32", False, (True, False, True)),
     ("fp16_two_copies_first_unused", (17,), 33, "float16", "float16", "float16", True, (False, True)),
     ("fp32_copies_all_unused", (5,), 24, "float32", "float32", "float32", True, (False, False, False)),
+    ("fp16_two_copies_frozen_w", (15,), 48, "float16", "float16", "float32", True, (True, True), True),
 ]
 
 
@@ -329,12 +335,12 @@ def passes(table, atol=1e-5):
 
 def _worker() -> None:
     results = {}
-    for name, lead, D, xd, wd, strided in NORM_CASES:
-        table = norm_errors(lead, D, getattr(torch, xd), getattr(torch, wd), strided, "cpu")
+    for name, lead, D, xd, wd, strided, *frozen in NORM_CASES:
+        table = norm_errors(lead, D, getattr(torch, xd), getattr(torch, wd), strided, "cpu", frozen_w=bool(frozen))
         results[f"rms_norm_{name}"] = {"pass": passes(table), "table": table}
-    for name, lead, D, xd, yd, wd, use_h, *uses in ADD_NORM_CASES:
+    for name, lead, D, xd, yd, wd, use_h, *more in ADD_NORM_CASES:
         table = add_norm_errors(lead, D, getattr(torch, xd), getattr(torch, yd), getattr(torch, wd), use_h, "cpu",
-                                uses=uses[0] if uses else (True,))  # fmt: skip
+                                uses=more[0] if more else (True,), frozen_w=len(more) > 1 and more[1])  # fmt: skip
         results[f"add_norm_{name}"] = {"pass": passes(table), "table": table}
     for name, N, I, dt, strided in SWIGLU_CASES:
         table = swiglu_errors(N, I, getattr(torch, dt), "cpu", strided)
@@ -432,6 +438,8 @@ def test_gpu_rms_norm(x_dtype, D, strided):
     for w_dtype in {torch.float32, x_dtype}:
         table = norm_errors((4099,), D, x_dtype, w_dtype, strided, "cuda")
         assert passes(table, atol=1e-5), table
+    table = norm_errors((4099,), D, x_dtype, torch.float32, strided, "cuda", frozen_w=True)  # LoRA's frozen norms
+    assert passes(table, atol=1e-5), table
 
 
 @pytest.mark.cuda
@@ -444,6 +452,8 @@ def test_gpu_add_rms_norm(x_dtype, D, use_h):
             continue
         table = add_norm_errors((4099,), D, x_dtype, y_dtype, w_dtype, use_h, "cuda")
         assert passes(table, atol=1e-5), (y_dtype, w_dtype, table)
+    table = add_norm_errors((4099,), D, x_dtype, x_dtype, torch.float32, use_h, "cuda", frozen_w=True)
+    assert passes(table, atol=1e-5), table
 
 
 @pytest.mark.cuda

@@ -481,12 +481,12 @@ class Trainer:
         depths = len(self.model.mtp)
         per_batch = [count_targets(b.targets, b.cu_seqlens, depths) for b in micro]
         step_counts = [sum(c[i] for c in per_batch) for i in range(depths + 1)]
-        num_targets = torch.tensor(step_counts, dtype=torch.float32).to(self.device, non_blocking=True)
+        num_targets = _to_device(torch.tensor(step_counts, dtype=torch.float32), self.device)
         num_targets = self.par.sum_(num_targets)  # the global batch's targets: every rank divides by the same count
         for batch in micro:
             done = self.graphs.run(batch, num_targets, mtp_weight) if self.graphs is not None else None
             if done is None:
-                dev = batch.to(self.device, non_blocking=True)
+                dev = _to_device(batch, self.device)
                 done = self._micro(dev.input_ids, dev.cu_seqlens, dev.targets, dev.max_seqlen, num_targets,
                                    mtp_weight)
             loss, parts, load = done
@@ -763,3 +763,12 @@ def _pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"train.device={name!r} but this PyTorch build sees no CUDA GPU (see `anyseek doctor`)")
     return device
+
+
+def _to_device(x, device: torch.device):
+    """A host tensor or `Batch` on `device`, queued without waiting: on CUDA through pinned memory (a copy from
+    pageable memory waits for the stream first, which left the GPU idle while the host prepared the next step; torch's
+    pinned-memory cache keeps a block until the copies queued from it have run)."""
+    if device.type == "cuda":
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
