@@ -58,6 +58,8 @@ CASES = {
     "trainer-bf16m": ("same step, AdamW moments in bf16 (train.moments_dtype=bf16)", "packed varlen"),
     "trainer-sync": ("`anyseek train` step, one at a time (train.overlap_steps=false)", "packed varlen"),
     "trainer-lora-sync": ("LoRA step, one at a time (train.overlap_steps=false)", "packed varlen"),
+    "trainer-lora-overlap": ("LoRA step with train.overlap_steps=true (fused AdamW in one process: off by default)",
+                             "packed varlen"),
 }
 
 # kernel name -> category for --profile (first match wins; lower-case substrings)
@@ -416,6 +418,9 @@ def main() -> None:
         cases.append("trainer")
     if args.cases:
         cases = [c for c in args.cases.split(",") if c]
+        unknown = [c for c in cases if c not in CASES]
+        if unknown:  # before any case runs (a name missing here used to fail only when its row was printed)
+            raise SystemExit(f"--cases: unknown {', '.join(unknown)}; known: {', '.join(CASES)}")
     extra = {}  # case -> (mfu, launches per step, {category: ms})
     with tempfile.TemporaryDirectory() as tmp:
         base = DeepSeekV3(cfg_nomtp)
