@@ -46,6 +46,8 @@ CASES = {
     "trainer-autocast": ("same step, bf16 autocast over the fp32 weights (train.working_copy=false)", "packed varlen"),
     "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params), graphed, overlapped",
                      "packed varlen"),
+    "trainer-fsdp-torchadamw": ("the torchrun step with torch's fused AdamW (as before stop 35) instead of "
+                               "TensorAdamW", "packed varlen"),
     "trainer-fsdp-eager": ("the torchrun step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
     "trainer-fsdp-keep": ("the torchrun step keeping the gathered weights from forward to backward "
                           "(parallel.reshard_after_forward=false: one gather per step, not two)", "packed varlen"),
@@ -148,6 +150,11 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
         case = case.removesuffix("-overlap")
     if case == "trainer-fsdp-eager":
         overrides.append("--train.cuda_graphs=false")
+        case = "trainer-fsdp"
+    if case == "trainer-fsdp-torchadamw":  # build_optimizer takes TensorAdamW only where the Triton kernel is chosen
+        from anyseek.kernels import registry
+
+        registry.set_backend("adamw_tensors", "reference")
         case = "trainer-fsdp"
     if case == "trainer-fsdp-keep":
         overrides.append("--parallel.reshard_after_forward=false")

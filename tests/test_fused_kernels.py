@@ -231,6 +231,47 @@ def adamw_errors(n, grad_dtype, low_dtype, device, seed=0, moments_dtype=torch.f
     return table
 
 
+# (name, shapes, grad dtype): `kernels.adamw_tensors` over tensors of these shapes
+ADAMW_TENSORS_CASES = [
+    ("fp32_odd_shapes", [(7,), (2049,), (3, 5), (0,), (1,), (2, 2100)], "float32"),
+    ("fp16_grads", [(4100,), (33, 17)], "float16"),
+]
+
+
+def adamw_tensors_errors(shapes, grad_dtype, device, seed=0):
+    """[(what, max |kernel - reference|, allowed)] after 3 steps of `adamw_tensors` over tensors whose step counts
+    differ (the first starts at 5), one step let through by a zero skip flag and a skipped one (nothing may change:
+    compared exactly)."""
+    from anyseek.kernels.reference import adamw as ref
+    from anyseek.kernels.triton import adamw as fused
+
+    g = torch.Generator().manual_seed(seed)
+    p0 = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g).to(grad_dtype) for s in shapes] for _ in range(3)]
+    out = {}
+    for name, mod in (("ref", ref), ("fused", fused)):
+        dev = "cpu" if name == "ref" else device
+        ps = [t.clone().to(dev) for t in p0]
+        ms, vs = [torch.zeros(s, device=dev) for s in shapes], [torch.zeros(s, device=dev) for s in shapes]
+        steps = [torch.tensor(4.0 if i == 0 else 0.0, device=dev) for i in range(len(shapes))]
+        for k, gs in enumerate(grads):
+            for st in steps:
+                st += 1
+            skip = torch.tensor(0.0, device=dev) if k == 1 else None
+            mod.adamw_tensors(ps, [x.to(dev) for x in gs], ms, vs, steps, torch.tensor(1.5, device=dev), 1e-2, 0.9,
+                              0.95, 1e-8, 0.1, skip=skip)  # fmt: skip
+        before = [t.clone() for t in ps + ms + vs]
+        nan = [torch.full(s, float("nan"), device=dev).to(grad_dtype) for s in shapes]
+        mod.adamw_tensors(ps, nan, ms, vs, steps, torch.tensor(float("nan"), device=dev), 1e-2, 0.9, 0.95, 1e-8, 0.1,
+                          skip=torch.tensor(1.0, device=dev))  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(before, ps + ms + vs)), name
+        out[name] = [torch.cat([t.cpu().reshape(-1) for t in ts]) for ts in (ps, ms, vs)]
+    table = []
+    for what, a, b in zip(("p", "m", "v"), out["fused"], out["ref"]):
+        table.append((what, (a - b).abs().max().item(), 1e-5 * max(1.0, b.abs().max().item())))
+    return table
+
+
 # (name, T, H or 0 for [T, R], R, dtype, interleaved_in, interleaved_out, conj, in place, strided rows)
 ROPE_CASES = [
     ("fp32_q_inplace", 37, 3, 16, "float32", True, True, False, True, True),
@@ -355,6 +396,9 @@ def _worker() -> None:
         table = adamw_errors(n, getattr(torch, gd), getattr(torch, ld) if ld else None, "cpu",
                              moments_dtype=getattr(torch, md[0]) if md else torch.float32)
         results[f"adamw_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
+    for name, shapes, gd in ADAMW_TENSORS_CASES:
+        table = adamw_tensors_errors([tuple(x) for x in shapes], getattr(torch, gd), "cpu")
+        results[f"adamw_tensors_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
     for name, O, I, r, dt, out in MERGE_CASES:
         table = merge_errors(O, I, r, getattr(torch, dt), out, "cpu")
         results[f"merge_{name}"] = {"pass": passes(table), "table": table}
@@ -381,7 +425,8 @@ def interp_results():
                          + [f"adamw_{c[0]}" for c in ADAMW_CASES] + [f"rope_{c[0]}" for c in ROPE_CASES]
                          + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES] + [f"swiglu_{c[0]}" for c in SWIGLU_CASES]
                          + [f"router_{c[0]}" for c in ROUTER_CASES] + ["router_nan_rows_stay_valid"]
-                         + [f"merge_{c[0]}" for c in MERGE_CASES])
+                         + [f"merge_{c[0]}" for c in MERGE_CASES]
+                         + [f"adamw_tensors_{c[0]}" for c in ADAMW_TENSORS_CASES])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (what, err, err_torch) = {r['table']}"
@@ -397,6 +442,45 @@ def test_seam_uses_reference_on_cpu():
     x, w = torch.randn(6, 16), torch.rand(16) + 0.5
     assert registry.choose("rms_norm", x)[1] == "reference"
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), w * F.rms_norm(x, (16,), eps=1e-6))
+
+
+def test_tensor_adamw_is_torch_adamw():
+    """`train.optim.TensorAdamW` (here through the seam's PyTorch twin) takes torch's AdamW steps: the same weights
+    and state after 3 steps with a folded clip factor, state dicts that load into each other, and a step that
+    `found_inf` halts changes nothing, its step counts included."""
+    from anyseek.train.optim import TensorAdamW
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (7,), (1,)]
+    p0 = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+
+    def run(cls, **kw):
+        ps = [torch.nn.Parameter(t.clone()) for t in p0]
+        opt = cls([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}], lr=1e-2,
+                  betas=(0.9, 0.95), eps=1e-8, **kw)  # fmt: skip
+        opt.grad_scale = torch.tensor(1.5)
+        for gs in grads:
+            for p, gr in zip(ps, gs):
+                p.grad = gr.clone()
+            opt.step()
+        return ps, opt
+
+    ps, opt = run(TensorAdamW)
+    want, torch_opt = run(torch.optim.AdamW, fused=True)
+    for a, b in zip(ps, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(opt.state.values(), torch_opt.state.values()):
+        assert a.keys() == b.keys() and float(a["step"]) == float(b["step"]) == 3.0
+        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+    opt.load_state_dict(torch_opt.state_dict())
+    before = [p.detach().clone() for p in ps] + [st["step"].clone() for st in opt.state.values()]
+    opt.found_inf = torch.tensor(1.0)
+    for p in ps:
+        p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    after = [p.detach() for p in ps] + [st["step"] for st in opt.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 def test_router_reference_is_the_models_old_routing():
@@ -501,6 +585,39 @@ def test_gpu_rope_rotate(case, dtype):
 def test_gpu_adamw_flat(grad_dtype, n, moments):
     table = adamw_errors(n, grad_dtype, torch.bfloat16, "cuda", moments_dtype=moments)
     assert all(err <= tol for _, err, tol in table), table
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_adamw_tensors(grad_dtype):
+    shapes = [(1,), (2047,), (1024, 3000), (0,), (5, 7), (3 * 2**20 + 5,)]
+    table = adamw_tensors_errors(shapes, grad_dtype, "cuda")
+    assert all(err <= tol for _, err, tol in table), table
+
+
+@pytest.mark.cuda
+def test_gpu_tensor_adamw_matches_fused_adamw():
+    """TensorAdamW against torch's fused AdamW on CUDA tensors (clip factor, two groups), and a halted step."""
+    from anyseek.train.optim import TensorAdamW
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(512, 300), (4099,), (64,)]
+    p0 = [torch.randn(s, generator=g).cuda() for s in shapes]
+    grads = [[torch.randn(s, generator=g).cuda() for s in shapes] for _ in range(3)]
+    res = []
+    for cls in (TensorAdamW, lambda *a, **k: torch.optim.AdamW(*a, fused=True, **k)):
+        ps = [torch.nn.Parameter(t.clone()) for t in p0]
+        opt = cls([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}], lr=1e-2,
+                  betas=(0.9, 0.95), eps=1e-8)  # fmt: skip
+        opt.grad_scale, opt.found_inf = torch.tensor(1.5, device="cuda"), torch.zeros((), device="cuda")
+        for k, gs in enumerate(grads + [grads[0]]):
+            opt.found_inf.fill_(float(k == 3))  # the last step halted on the device
+            for p, gr in zip(ps, gs):
+                p.grad = gr.clone()
+            opt.step()
+        res.append(ps + [st["step"] for st in opt.state.values()])
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.cuda

@@ -6,7 +6,8 @@
 (d) fused elementwise chains: `rms_norm`, `add_rms_norm` (a residual add and the norm after it),
     `cross_entropy_rows` (the output head's loss between its matmuls), `rope_rotate` (MLA's rope dims), `swiglu`,
     `low_rank_merge` (a weight plus its low-rank update, LoRA's merged weight);
-(e) the trainer's optimizer step over flat buffers: `adamw_flat`, `sq_norm` (train/precision.py; not the model's).
+(e) the trainer's optimizer step over flat buffers: `adamw_flat`, `sq_norm` (train/precision.py; not the model's), and
+    over lists of tensors: `adamw_tensors` (train/optim.py: FSDP2's shards, LoRA's adapters).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -176,6 +177,36 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
     fn(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_decay, skip=skip, seed=seed)
 
 
+def adamw_tensors(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                  exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], scale: torch.Tensor, lr: float,
+                  beta1: float, beta2: float, eps: float, weight_decay: float, skip: torch.Tensor | None = None
+                  ) -> None:  # fmt: skip
+    """One AdamW step (torch.optim.AdamW's maths) in place over lists of tensors, each of any shape: contiguous fp32
+    weights and moments, gradients (contiguous, one float dtype for all) divided by the device scalar `scale`, and
+    each tensor's step number as a 0-dim fp32 tensor on the device, counted by the caller before the update (torch's
+    AdamW state). skip (a device scalar or None): nonzero leaves every tensor unchanged. For optimizers whose
+    weights are not one flat buffer: FSDP2's shards, LoRA's adapters (`train.optim.TensorAdamW`)."""
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError(f"adamw_tensors: lists of one length expected, got {[len(x) for x in lists]}")
+    f32, gdt = torch.float32, grads[0].dtype if grads else None
+    for i, (p, g, m, v, s) in enumerate(zip(*lists)):  # (one pass, messages made only on failure: ~200 tensors a step)
+        if not (p.shape == g.shape == m.shape == v.shape and s.numel() == 1):
+            raise ValueError(f"adamw_tensors: tensor {i}: p {tuple(p.shape)}, grad {tuple(g.shape)}, m "
+                             f"{tuple(m.shape)}, v {tuple(v.shape)} must match and step be a scalar")
+        if not (p.dtype == m.dtype == v.dtype == s.dtype == f32 and g.dtype == gdt):
+            raise ValueError(f"adamw_tensors: tensor {i}: p, m, v and step must be fp32 and every grad one float "
+                             f"dtype; got p {p.dtype}, m {m.dtype}, v {v.dtype}, step {s.dtype}, grad {g.dtype}")
+        if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+            raise ValueError(f"adamw_tensors: tensor {i} (shape {tuple(p.shape)}) is not contiguous")
+    if gdt not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"adamw_tensors: gradients must be fp32, bf16 or fp16, got {gdt}")
+    if not params:
+        return
+    fn = registry.get("adamw_tensors", params[0])
+    fn(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1, beta2, eps, weight_decay, skip=skip)
+
+
 def route_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                top2_groups: bool) -> torch.Tensor:  # fmt: skip
     """The router's choice (no gradient): for each token the top_k experts by scores + bias (scores fp32 [T, E], bias
@@ -241,6 +272,6 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
     return registry.get("sq_norm", x)(x)
 
 
-__all__ = ["adamw_flat", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination", "low_rank_merge",
-           "mla_attention", "mla_decode", "registry", "rms_norm", "rope_rotate", "route_topk", "routed_experts",
-           "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]
+__all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination",
+           "low_rank_merge", "mla_attention", "mla_decode", "registry", "rms_norm", "rope_rotate", "route_topk",
+           "routed_experts", "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]

@@ -7,7 +7,7 @@ an availability check `available(example) -> (ok, reason)` and the device types 
   for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
   `ANYSEEK_NORM=name` for rms_norm and add_rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_SWIGLU=name`
   for swiglu, `ANYSEEK_XENT=name` for
-  cross_entropy_rows, `ANYSEEK_ADAMW=name` for the working copy's optimizer step (adamw_flat, sq_norm),
+  cross_entropy_rows, `ANYSEEK_ADAMW=name` for the optimizer steps (adamw_flat, sq_norm, adamw_tensors),
   `ANYSEEK_ROUTER=name` for route_topk, `ANYSEEK_LOWRANK=name` for low_rank_merge.
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
@@ -41,6 +41,7 @@ ENV_VARS = {
     "rope_rotate": "ANYSEEK_ROPE",
     "adamw_flat": "ANYSEEK_ADAMW",
     "sq_norm": "ANYSEEK_ADAMW",
+    "adamw_tensors": "ANYSEEK_ADAMW",
     "route_topk": "ANYSEEK_ROUTER",
     "low_rank_merge": "ANYSEEK_LOWRANK",
 }
@@ -48,7 +49,7 @@ ENV_VARS = {
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",),
              "norm": ("rms_norm", "add_rms_norm"), "rope": ("rope_rotate",), "swiglu": ("swiglu",),
              "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
-             "adamw": ("adamw_flat", "sq_norm"), "router": ("route_topk",),
+             "adamw": ("adamw_flat", "sq_norm", "adamw_tensors"), "router": ("route_topk",),
              "lowrank": ("low_rank_merge",)}
 
 
@@ -187,7 +188,7 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
     shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024),
              "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "add_rms_norm": (1, 1024), "swiglu": (1, 4096),
              "cross_entropy_rows": (1, 129280),
-             "adamw_flat": (1024,), "sq_norm": (1024,),
+             "adamw_flat": (1024,), "sq_norm": (1024,), "adamw_tensors": (1024,),
              "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "low_rank_merge": (1536, 7168)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
@@ -236,6 +237,7 @@ def _register_defaults() -> None:
              "rope_rotate": ("rope", "rope", "complex multiply in fp32"),
              "adamw_flat": ("adamw", "adamw", "foreach-free flat ops"),
              "sq_norm": ("adamw", "adamw", "foreach-free flat ops"),
+             "adamw_tensors": ("adamw", "adamw", "the flat twin, tensor by tensor"),
              "route_topk": ("router", "router", "three topk calls"),
              "low_rank_merge": ("lowrank", "lowrank", "addmm")}
     for op, (mod, ref, what) in fused.items():

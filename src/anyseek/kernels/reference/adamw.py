@@ -1,4 +1,5 @@
-"""Pure-PyTorch twin of the fused AdamW kernel (`kernels.adamw_flat`) and of the squared gradient norm.
+"""Pure-PyTorch twins of the fused AdamW kernels (`kernels.adamw_flat`, `kernels.adamw_tensors`) and of the squared
+gradient norm.
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments), on flat buffers:
     g = grad / scale;  p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
@@ -73,6 +74,17 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
         v.copy_(round_bf16_stochastic(v32, r_v))
     if low is not None:
         low.copy_(p)
+
+
+@torch.no_grad()
+def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1, beta2, eps, weight_decay,
+                  skip=None) -> None:
+    """`adamw_flat` (fp32 moments, no working copy) on each tensor of the lists in turn: contiguous fp32 weights and
+    moments, gradients of one float dtype, and each tensor's step number in its own 0-dim fp32 tensor (the caller
+    counts it before the update, as torch's AdamW)."""
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        adamw_flat(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), None, scale, int(step.item()), lr, beta1,
+                   beta2, eps, weight_decay, skip=skip)
 
 
 def sq_norm(x: torch.Tensor) -> torch.Tensor:

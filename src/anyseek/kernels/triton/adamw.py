@@ -89,6 +89,43 @@ def _adamw_kernel(P, G, M, V, LOW, SCALE, SKIP, n, lr, beta1, beta2, eps, decay,
 
 
 @triton.jit
+def _adamw_tensors_kernel(PTRS, CHUNK_T, CHUNK_START, NUMEL, NT, SCALE, SKIP, lr, beta1, beta2, eps, decay,
+                          log2_beta1, log2_beta2, HAS_SKIP: tl.constexpr, G_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """Program c: BLOCK elements of tensor CHUNK_T[c] from CHUNK_START[c]. PTRS [5, NT] int64: the addresses of each
+    tensor's weights (fp32), gradient (G_KIND 0 fp32, 1 bf16, 2 fp16), exp_avg, exp_avg_sq (fp32) and step (fp32
+    scalar, already counted for this update)."""
+    c = tl.program_id(0)
+    t = tl.load(CHUNK_T + c)
+    offs = tl.load(CHUNK_START + c) + tl.arange(0, BLOCK)
+    n = tl.load(NUMEL + t)
+    if HAS_SKIP:  # a step skipped on the device: nothing read, nothing written
+        n = tl.where(tl.load(SKIP) == 0, n, 0)
+    mask = offs < n
+    P = tl.load(PTRS + t).to(tl.pointer_type(tl.float32))
+    if G_KIND == 1:
+        G = tl.load(PTRS + NT + t).to(tl.pointer_type(tl.bfloat16))
+    elif G_KIND == 2:
+        G = tl.load(PTRS + NT + t).to(tl.pointer_type(tl.float16))
+    else:
+        G = tl.load(PTRS + NT + t).to(tl.pointer_type(tl.float32))
+    M = tl.load(PTRS + 2 * NT + t).to(tl.pointer_type(tl.float32))
+    V = tl.load(PTRS + 3 * NT + t).to(tl.pointer_type(tl.float32))
+    step = tl.load(tl.load(PTRS + 4 * NT + t).to(tl.pointer_type(tl.float32)))
+    step_size = lr / (1.0 - tl.exp2(step * log2_beta1))
+    bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
+    p = tl.load(P + offs, mask=mask, other=0.0)
+    m = tl.load(M + offs, mask=mask, other=0.0)
+    v = tl.load(V + offs, mask=mask, other=0.0)
+    p = p * (1.0 - decay)
+    m = m + (1.0 - beta1) * (g - m)
+    v = beta2 * v + (1.0 - beta2) * g * g
+    tl.store(M + offs, m, mask=mask)
+    tl.store(V + offs, v, mask=mask)
+    tl.store(P + offs, p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps)), mask=mask)
+
+
+@triton.jit
 def _sq_norm_kernel(X, OUT, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
@@ -107,6 +144,50 @@ def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_de
         p, grad, mm, vv, low if low is not None else p, scale, skip if skip is not None else scale, n, lr, beta1,
         beta2, eps, lr * weight_decay, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), seed & 0x7FFFFFFF,
         HAS_LOW=low is not None, HAS_SKIP=skip is not None, BF16_MOMENTS=bf16, BLOCK=BLOCK, num_warps=8,
+    )  # fmt: skip
+
+
+_G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the last few launches' tables, by their tensors' addresses
+
+
+def _tables(lists, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(PTRS [5, NT], chunk tensor ids, chunk starts, numels, chunks) on `device` for the five lists; kept while the
+    addresses stay the same (the weights, moments and steps always do; gradients do when the step is graphed or
+    their buffers are reused)."""
+    ptrs = [t.data_ptr() for ts in lists for t in ts]
+    key = (device, *ptrs)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
+    numel = [t.numel() for t in lists[0]]
+    chunks = [triton.cdiv(k, BLOCK) for k in numel]
+    ids = torch.repeat_interleave(torch.arange(len(numel), dtype=torch.int32), torch.tensor(chunks))
+    first = torch.tensor([0] + chunks[:-1]).cumsum(0)
+    starts = (torch.arange(ids.numel(), dtype=torch.int64) - first[ids.long()]) * BLOCK
+    host = (torch.tensor(ptrs, dtype=torch.int64), ids, starts, torch.tensor(numel, dtype=torch.int64))
+    pin = device.type == "cuda"
+    out = tuple((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in host) + (ids.numel(),)
+    if len(_TABLES) >= 4:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = out
+    return out
+
+
+@torch.no_grad()
+def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1, beta2, eps, weight_decay,
+                  skip=None) -> None:
+    """As `kernels.reference.adamw.adamw_tensors`: one launch for every tensor of the lists."""
+    if not params:
+        return
+    kind = _G_KINDS[grads[0].dtype]
+    ptrs, ids, starts, numel, n_chunks = _tables((params, grads, exp_avgs, exp_avg_sqs, steps), params[0].device)
+    if n_chunks == 0:
+        return
+    _adamw_tensors_kernel[(n_chunks,)](
+        ptrs, ids, starts, numel, len(params), scale, skip if skip is not None else scale, lr, beta1, beta2, eps,
+        lr * weight_decay, math.log2(beta1), math.log2(beta2), HAS_SKIP=skip is not None, G_KIND=kind, BLOCK=BLOCK,
+        num_warps=8,
     )  # fmt: skip
 
 
