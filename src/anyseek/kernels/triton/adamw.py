@@ -148,6 +148,7 @@ def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_de
 
 
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+TENSORS_BLOCK, TENSORS_WARPS = BLOCK, 8  # elements per program, warps
 _TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the last few launches' tables, by their tensors' addresses
 
 
@@ -156,15 +157,15 @@ def _tables(lists, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     addresses stay the same (the weights, moments and steps always do; gradients do when the step is graphed or
     their buffers are reused)."""
     ptrs = [t.data_ptr() for ts in lists for t in ts]
-    key = (device, *ptrs)
+    key = (device, TENSORS_BLOCK, *ptrs)
     hit = _TABLES.get(key)
     if hit is not None:
         return hit
     numel = [t.numel() for t in lists[0]]
-    chunks = [triton.cdiv(k, BLOCK) for k in numel]
+    chunks = [triton.cdiv(k, TENSORS_BLOCK) for k in numel]
     ids = torch.repeat_interleave(torch.arange(len(numel), dtype=torch.int32), torch.tensor(chunks))
     first = torch.tensor([0] + chunks[:-1]).cumsum(0)
-    starts = (torch.arange(ids.numel(), dtype=torch.int64) - first[ids.long()]) * BLOCK
+    starts = (torch.arange(ids.numel(), dtype=torch.int64) - first[ids.long()]) * TENSORS_BLOCK
     host = (torch.tensor(ptrs, dtype=torch.int64), ids, starts, torch.tensor(numel, dtype=torch.int64))
     pin = device.type == "cuda"
     out = tuple((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in host) + (ids.numel(),)
@@ -186,8 +187,8 @@ def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1,
         return
     _adamw_tensors_kernel[(n_chunks,)](
         ptrs, ids, starts, numel, len(params), scale, skip if skip is not None else scale, lr, beta1, beta2, eps,
-        lr * weight_decay, math.log2(beta1), math.log2(beta2), HAS_SKIP=skip is not None, G_KIND=kind, BLOCK=BLOCK,
-        num_warps=8,
+        lr * weight_decay, math.log2(beta1), math.log2(beta2), HAS_SKIP=skip is not None, G_KIND=kind,
+        BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
     )  # fmt: skip
 
 
