@@ -1,4 +1,5 @@
-"""AdamW over flat buffers in one Triton kernel, and the squared norm of a flat gradient.
+"""AdamW over flat buffers in one Triton kernel, AdamW over lists of tensors in one launch, and the squared norm of a
+flat gradient.
 
 `train.working_copy` keeps the trained weights in one flat fp32 buffer (the master weights), their bf16 working copy,
 their gradients and both moments in flat buffers of their own (train/precision.py). torch's fused AdamW needs
@@ -6,6 +7,12 @@ gradients in the parameters' dtype and writes no working copy, so the step aroun
 to fp32, the multi-tensor AdamW kernel, cast the weights back to bf16 (40 bytes moved per weight, in ~2 x 150 casts
 of which the dtype-converting ones run at half the bandwidth). Here one pass reads the gradient (2 bytes), weight
 and moments (12) and writes them (12) and the working copy (2): 28 bytes per weight.
+
+`adamw_tensors` is the same update (fp32 moments, no working copy) for weights that are not one buffer: FSDP2's
+DTensor shards, LoRA's adapters (`train.optim.TensorAdamW`). Each program takes BLOCK elements of one tensor; it
+finds the tensor's weights, gradient, moments and step count through a table of their addresses (int64, cast to
+pointers in the kernel) and its chunk through a table made once per set of sizes. torch's fused AdamW over the same
+fp32 tensors runs its multi-tensor launches at about two thirds of the bandwidth (docs/benchmarks.md).
 
 The maths is `kernels.reference.adamw`'s (torch.optim.AdamW's update). Offsets are int64 (flat buffers of large
 models pass 2**31 elements).
@@ -149,30 +156,40 @@ def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_de
 
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 TENSORS_BLOCK, TENSORS_WARPS = BLOCK, 16  # elements per program, warps: the best of 2048-8192 x 4-16 on an H100
-_TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the last few launches' tables, by their tensors' addresses
+_CHUNKS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by (device, block, numels)
+_POINTERS: dict[tuple, torch.Tensor] = {}  # the last few launches' address tables, by the addresses
 
 
-def _tables(lists, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(PTRS [5, NT], chunk tensor ids, chunk starts, numels, chunks) on `device` for the five lists; kept while the
-    addresses stay the same (the weights, moments and steps always do; gradients do when the step is graphed or
-    their buffers are reused)."""
-    ptrs = [t.data_ptr() for ts in lists for t in ts]
-    key = (device, TENSORS_BLOCK, *ptrs)
-    hit = _TABLES.get(key)
-    if hit is not None:
-        return hit
-    numel = [t.numel() for t in lists[0]]
-    chunks = [triton.cdiv(k, TENSORS_BLOCK) for k in numel]
-    ids = torch.repeat_interleave(torch.arange(len(numel), dtype=torch.int32), torch.tensor(chunks))
-    first = torch.tensor([0] + chunks[:-1]).cumsum(0)
-    starts = (torch.arange(ids.numel(), dtype=torch.int64) - first[ids.long()]) * TENSORS_BLOCK
-    host = (torch.tensor(ptrs, dtype=torch.int64), ids, starts, torch.tensor(numel, dtype=torch.int64))
-    pin = device.type == "cuda"
-    out = tuple((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in host) + (ids.numel(),)
-    if len(_TABLES) >= 4:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = out
-    return out
+def _to(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
+def _chunk_tables(numel: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tensor id per chunk int32, chunk start int64, numel per tensor int64) on `device`: made once per set of
+    sizes (a model's 2.8 MB of them for `small`'s 486M weights)."""
+    key = (device, TENSORS_BLOCK, numel)
+    hit = _CHUNKS.get(key)
+    if hit is None:
+        if len(_CHUNKS) >= 8:  # (a process that builds many models: tests)
+            _CHUNKS.pop(next(iter(_CHUNKS)))
+        chunks = [triton.cdiv(k, TENSORS_BLOCK) for k in numel]
+        ids = torch.repeat_interleave(torch.arange(len(numel), dtype=torch.int32), torch.tensor(chunks))
+        first = torch.tensor([0] + chunks[:-1]).cumsum(0)
+        starts = (torch.arange(ids.numel(), dtype=torch.int64) - first[ids.long()]) * TENSORS_BLOCK
+        hit = _CHUNKS[key] = (_to(device, ids), _to(device, starts), _to(device, torch.tensor(numel)))
+    return hit
+
+
+def _pointer_table(lists, device) -> torch.Tensor:
+    """PTRS [5, NT] int64 on `device`: the five lists' addresses, kept while they stay the same (the weights, moments
+    and steps always do; gradients do when the step is graphed or their buffers are reused)."""
+    ptrs = tuple(t.data_ptr() for ts in lists for t in ts)
+    hit = _POINTERS.get((device, ptrs))
+    if hit is None:
+        if len(_POINTERS) >= 4:
+            _POINTERS.pop(next(iter(_POINTERS)))
+        hit = _POINTERS[(device, ptrs)] = _to(device, torch.tensor(ptrs, dtype=torch.int64))
+    return hit
 
 
 @torch.no_grad()
@@ -181,14 +198,15 @@ def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1,
     """As `kernels.reference.adamw.adamw_tensors`: one launch for every tensor of the lists."""
     if not params:
         return
-    kind = _G_KINDS[grads[0].dtype]
-    ptrs, ids, starts, numel, n_chunks = _tables((params, grads, exp_avgs, exp_avg_sqs, steps), params[0].device)
-    if n_chunks == 0:
+    device = params[0].device
+    ids, starts, numel = _chunk_tables(tuple(p.numel() for p in params), device)
+    if ids.numel() == 0:
         return
-    _adamw_tensors_kernel[(n_chunks,)](
+    ptrs = _pointer_table((params, grads, exp_avgs, exp_avg_sqs, steps), device)
+    _adamw_tensors_kernel[(ids.numel(),)](
         ptrs, ids, starts, numel, len(params), scale, skip if skip is not None else scale, lr, beta1, beta2, eps,
-        lr * weight_decay, math.log2(beta1), math.log2(beta2), HAS_SKIP=skip is not None, G_KIND=kind,
-        BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
+        lr * weight_decay, math.log2(beta1), math.log2(beta2), HAS_SKIP=skip is not None,
+        G_KIND=_G_KINDS[grads[0].dtype], BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
     )  # fmt: skip
 
 
