@@ -190,18 +190,18 @@ class _Graph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.grads: list[torch.Tensor] = []
         self.outputs = None
+        # two pinned sets for `load` (ids, targets, cu_seqlens, and the event after the copies queued from them)
+        self.staging = [(torch.empty(T, dtype=torch.int64, pin_memory=True),
+                         torch.empty(T, dtype=torch.int64, pin_memory=True),
+                         torch.empty(slots, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+                        for _ in range(2)]  # fmt: skip
+        self.turn = 0
 
     def load(self, batch, num_targets: torch.Tensor, mtp_weight: float) -> None:
         """Copy a host batch in, through one of two pinned staging sets: a copy from pinned memory is queued without
         waiting, where a pageable one waits for the stream (the GPU then idled while the host copied and launched the
         next replay: 0.3-0.5 ms a step of `small` at 8k tokens on an H100). A staging set is rewritten only once the
         copies queued from it two loads ago have run (its event)."""
-        if not hasattr(self, "staging"):
-            self.staging = [(torch.empty(self.T, dtype=torch.int64, pin_memory=True),
-                             torch.empty(self.T, dtype=torch.int64, pin_memory=True),
-                             torch.empty(self.slots, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
-                            for _ in range(2)]  # fmt: skip
-            self.turn = 0
         ids, targets, cu, done = self.staging[self.turn]
         self.turn ^= 1
         done.synchronize()  # (an event never recorded counts as done)
