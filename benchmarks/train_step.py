@@ -44,10 +44,12 @@ CASES = {
                 "packed varlen"),
     "trainer-eager": ("same step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
     "trainer-autocast": ("same step, bf16 autocast over the fp32 weights (train.working_copy=false)", "packed varlen"),
-    "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard, bf16 params), graphed, overlapped",
-                     "packed varlen"),
-    "trainer-fsdp-torchadamw": ("the torchrun step with torch's fused AdamW (as before stop 35) instead of "
-                               "TensorAdamW", "packed varlen"),
+    "trainer-fsdp": ("same step under torchrun, 1 rank: FSDP2 (fully_shard; bf16 shards, fp32 masters beside them), "
+                     "graphed, overlapped", "packed varlen"),
+    "trainer-fsdp-fp32shards": ("the torchrun step with fp32 shards cast to bf16 at each gather "
+                                "(parallel.shard_dtype=fp32, as before stop 36)", "packed varlen"),
+    "trainer-fsdp-torchadamw": ("the torchrun step with fp32 shards and torch's fused AdamW (as before stop 35) "
+                                "instead of TensorAdamW", "packed varlen"),
     "trainer-fsdp-eager": ("the torchrun step without CUDA graphs (train.cuda_graphs=false)", "packed varlen"),
     "trainer-fsdp-keep": ("the torchrun step keeping the gathered weights from forward to backward "
                           "(parallel.reshard_after_forward=false: one gather per step, not two)", "packed varlen"),
@@ -155,6 +157,10 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
         from anyseek.kernels import registry
 
         registry.set_backend("adamw_tensors", "reference")
+        overrides.append("--parallel.shard_dtype=fp32")
+        case = "trainer-fsdp"
+    if case == "trainer-fsdp-fp32shards":
+        overrides.append("--parallel.shard_dtype=fp32")
         case = "trainer-fsdp"
     if case == "trainer-fsdp-keep":
         overrides.append("--parallel.reshard_after_forward=false")

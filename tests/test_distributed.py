@@ -111,7 +111,8 @@ def _train(data: str, out: str, overrides: list[str], resume: bool) -> None:
         (Path(out) / "biases.json").write_text(json.dumps(biases))
         replays = trainer.graphs.replays if trainer.graphs is not None else 0
         (Path(out) / "graphs.json").write_text(json.dumps({"note": trainer.graphs_note, "replays": replays,
-                                                           "overlap": trainer.overlap}))
+                                                           "overlap": trainer.overlap,
+                                                           "weights": trainer.working_note}))
     trainer.close()  # as `anyseek train` does: the graphs before the process group (`_entry` destroys it)
 
 
@@ -272,30 +273,42 @@ def _train_overlapped(data: str, out: str, overrides: list[str], poisoned: list[
 
 
 def _one_rank_reduce(result: str) -> None:
-    """One rank with bf16 compute copies: the gradient "reduced" in bf16 (what one rank gets) is the fp32-reduced
-    one bit for bit; several ranks keep the configured fp32 reduction."""
+    """One rank with bf16 compute copies: the reduction runs in the shards' dtype (fp32 or bf16) whatever
+    parallel.reduce_dtype says, several ranks keep the configured one; the one-rank reduction's output is its input
+    (`OneRankReduce`), and the gradients are those of a reduction that copies (fp32 shards: a bf16 reduction cast
+    after it, as before), bit for bit."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from anyseek.distributed.fsdp import apply_fsdp, mixed_precision
+    from anyseek.distributed.fsdp import OneRankReduce, apply_fsdp, mixed_precision
     from anyseek.distributed.parallel import Parallel
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
     from anyseek.train.config import ParallelConfig
 
+    class Copies(OneRankReduce):  # FSDP2's own behaviour: an output buffer of its own, copied into
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
     Parallel.from_torchrun(ParallelConfig(timeout_s=30), "cpu")
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     ids, cu = torch.arange(64) % 64, torch.tensor([0, 40, 64], dtype=torch.int32)
-    picked = [mixed_precision("bf16", "fp32", None, w).reduce_dtype for w in (1, 2)]
-    grads = []
-    for policy in (mixed_precision("bf16", "fp32", None, 1), mixed_precision("bf16", "fp32", None, 2)):
+    picked = [str(mixed_precision("bf16", "bf16", None, w, s).reduce_dtype) for w, s in
+              ((1, torch.float32), (1, torch.bfloat16), (2, torch.float32), (2, torch.bfloat16))]
+    grads, aliased = [], []
+    for policy, comm in ((mixed_precision("bf16", "bf16", None, 1), None), (mixed_precision("bf16", "bf16", None, 2),
+                                                                             Copies())):
         torch.manual_seed(0)
         model = apply_fsdp(DeepSeekV3(ModelConfig.from_name("tiny", num_hidden_layers=2, vocab_size=64)), mesh, policy)
+        if comm is not None:
+            model.set_custom_reduce_scatter(comm)
         model(ids, cu_seqlens=cu, max_seqlen=40).logits.float().square().mean().backward()
         grads.append({n: p.grad.to_local() for n, p in model.named_parameters() if p.grad is not None})
-    same = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+        aliased.append(model._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm.aliased)
+    same = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k].float())
+                                                      for k in grads[0])  # fmt: skip
     fp32 = all(g.dtype == torch.float32 for g in grads[0].values())
-    Path(result).write_text(json.dumps({"picked": [str(d) for d in picked], "same": same, "fp32": fp32,
-                                        "n": len(grads[0])}))
+    Path(result).write_text(json.dumps({"picked": picked, "same": same, "fp32": fp32, "n": len(grads[0]),
+                                        "aliased": aliased}))
 
 
 # ---------------------------------------------------------------------------------------------- tests
@@ -475,11 +488,40 @@ def test_two_ranks_overlapped_equal_the_loop_with_a_bad_step_on_one_rank(data_di
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_one_rank_reduces_in_the_compute_dtype_with_the_same_gradients(tmp_path):
+def test_one_rank_reduces_in_the_shard_dtype_without_a_copy(tmp_path):
     result = tmp_path / "reduce.json"
     assert spawn(_one_rank_reduce, str(result), world=1, timeout=120) == [0]
     r = json.loads(result.read_text())
-    assert r["picked"] == ["torch.bfloat16", "torch.float32"] and r["same"] and r["fp32"] and r["n"] > 20, r
+    assert r["picked"] == ["torch.float32", "torch.bfloat16", "torch.bfloat16", "torch.bfloat16"], r
+    assert r["same"] and r["fp32"] and r["n"] > 20 and r["aliased"] == [1, 0], r
+
+
+def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_dir, tmp_path):  # noqa: F811
+    """bf16 compute under torchrun (one gloo rank): FSDP2's shards are bf16 with their fp32 masters beside them (the
+    default, parallel.shard_dtype=auto), and the run is the one-process working-copy run bit for bit: every loss,
+    and the fp32 weights its sharded checkpoint holds (the masters, not the bf16 shards). Resumed from a sharded
+    checkpoint, and from the working copy's one-process checkpoint, it continues the same losses exactly. (Without
+    clipping: the two sum the gradient norm in different orders.)"""
+    from anyseek.distributed.checkpoint import load_consolidated
+    from anyseek.hf import load_pretrained
+
+    over = [*STEPS, "--train.dtype=bf16", "--train.grad_clip=0"]
+    assert spawn(_train, str(data_dir), str(tmp_path / "fsdp"), over, False, world=1, timeout=300) == [0]
+    assert "bf16, their fp32 master" in json.loads((tmp_path / "fsdp" / "graphs.json").read_text())["weights"]
+    Trainer(tiny_cfg(data_dir, *over, "--train.working_copy=true"), tmp_path / "plain", log=lambda s: None).run()
+    a, b = train_losses(tmp_path / "fsdp"), train_losses(tmp_path / "plain")
+    assert list(a) == list(range(1, N + 1)) and a == b
+    saved, plain = load_consolidated(tmp_path / "fsdp" / LAST).state_dict(), load_pretrained(tmp_path / "plain" / LAST)
+    for k, v in plain.state_dict().items():
+        assert saved[k].dtype == v.dtype and torch.equal(saved[k], v), k
+    for source in ("fsdp", "plain"):  # a sharded checkpoint, and a one-process one, into bf16 shards
+        out = tmp_path / f"from-{source}"
+        shutil.copytree(tmp_path / source, out, ignore=shutil.ignore_patterns(LAST))
+        (out / "metrics.jsonl").unlink()
+        cfg = [*over, "--train.working_copy=true"] if source == "plain" else over  # (its run's own settings)
+        assert spawn(_train, str(data_dir), str(out), cfg, True, world=1, timeout=300) == [0]
+        c = train_losses(out)
+        assert list(c) == list(range(N - EVERY + 1, N + 1)) and all(c[s] == a[s] for s in c), source
 
 
 def test_ep_benchmark_runs_on_two_cpu_ranks():
@@ -559,6 +601,30 @@ def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs
     d = train_losses(tmp_path / "bf16")
     for step in d:
         assert d[step] == pytest.approx(a[step], rel=3e-2), step
+
+
+@pytest.mark.cuda
+def test_one_gpu_bf16_shards_follow_the_working_copy_and_resume(data_dir, tmp_path):  # noqa: F811
+    """torchrun with one rank on a GPU in bf16 (the defaults: bf16 shards with fp32 masters, graphed, overlapped)
+    follows the plain run's working copy step by step (the two optimizer kernels round their bias corrections
+    differently, so not bit for bit), and resumes from its sharded checkpoint on the same losses."""
+    over = [*STEPS, "--train.device=cuda", "--train.dtype=bf16", "--train.grad_clip=0"]
+    assert spawn(_train, str(data_dir), str(tmp_path / "fsdp"), over, False, world=1, timeout=300) == [0]
+    used = json.loads((tmp_path / "fsdp" / "graphs.json").read_text())
+    assert used["replays"] > 0 and used["overlap"] and "bf16, their fp32 master" in used["weights"], used
+    Trainer(tiny_cfg(data_dir, *over), tmp_path / "plain", log=lambda s: None).run()
+    a, b = train_losses(tmp_path / "fsdp"), train_losses(tmp_path / "plain")
+    assert list(a) == list(b) == list(range(1, N + 1))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-2), step
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp", resumed, ignore=shutil.ignore_patterns(LAST))
+    (resumed / "metrics.jsonl").unlink()
+    assert spawn(_train, str(data_dir), str(resumed), over, True, world=1, timeout=300) == [0]
+    c = train_losses(resumed)
+    assert list(c) == list(range(N - EVERY + 1, N + 1))
+    for step in c:
+        assert c[step] == pytest.approx(a[step], rel=1e-3), step
 
 
 @pytest.mark.cuda

@@ -231,17 +231,19 @@ def adamw_errors(n, grad_dtype, low_dtype, device, seed=0, moments_dtype=torch.f
     return table
 
 
-# (name, shapes, grad dtype): `kernels.adamw_tensors` over tensors of these shapes
+# (name, shapes, grad dtype[, low copies' dtype]): `kernels.adamw_tensors` over tensors of these shapes
 ADAMW_TENSORS_CASES = [
     ("fp32_odd_shapes", [(7,), (2049,), (3, 5), (0,), (1,), (2, 2100)], "float32"),
     ("fp16_grads", [(4100,), (33, 17)], "float16"),
+    ("fp16_grads_fp16_lows", [(4100,), (0,), (33, 17), (1,)], "float16", "float16"),
 ]
 
 
-def adamw_tensors_errors(shapes, grad_dtype, device, seed=0):
+def adamw_tensors_errors(shapes, grad_dtype, device, seed=0, low_dtype=None):
     """[(what, max |kernel - reference|, allowed)] after 3 steps of `adamw_tensors` over tensors whose step counts
     differ (the first starts at 5), one step let through by a zero skip flag and a skipped one (nothing may change:
-    compared exactly)."""
+    compared exactly). low_dtype: each weight also has a low-precision copy written from the new weights (compared
+    with the reference's within one rounding of the weights' difference)."""
     from anyseek.kernels.reference import adamw as ref
     from anyseek.kernels.triton import adamw as fused
 
@@ -254,21 +256,27 @@ def adamw_tensors_errors(shapes, grad_dtype, device, seed=0):
         ps = [t.clone().to(dev) for t in p0]
         ms, vs = [torch.zeros(s, device=dev) for s in shapes], [torch.zeros(s, device=dev) for s in shapes]
         steps = [torch.tensor(4.0 if i == 0 else 0.0, device=dev) for i in range(len(shapes))]
+        lows = None if low_dtype is None else [torch.zeros(s, dtype=low_dtype, device=dev) for s in shapes]
         for k, gs in enumerate(grads):
             for st in steps:
                 st += 1
             skip = torch.tensor(0.0, device=dev) if k == 1 else None
             mod.adamw_tensors(ps, [x.to(dev) for x in gs], ms, vs, steps, torch.tensor(1.5, device=dev), 1e-2, 0.9,
-                              0.95, 1e-8, 0.1, skip=skip)  # fmt: skip
-        before = [t.clone() for t in ps + ms + vs]
+                              0.95, 1e-8, 0.1, skip=skip, lows=lows)  # fmt: skip
+        kept = ps + ms + vs + (lows or [])
+        before = [t.clone() for t in kept]
         nan = [torch.full(s, float("nan"), device=dev).to(grad_dtype) for s in shapes]
         mod.adamw_tensors(ps, nan, ms, vs, steps, torch.tensor(float("nan"), device=dev), 1e-2, 0.9, 0.95, 1e-8, 0.1,
-                          skip=torch.tensor(1.0, device=dev))  # fmt: skip
-        assert all(torch.equal(a, b) for a, b in zip(before, ps + ms + vs)), name
+                          skip=torch.tensor(1.0, device=dev), lows=lows)  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(before, kept)), name
         out[name] = [torch.cat([t.cpu().reshape(-1) for t in ts]) for ts in (ps, ms, vs)]
+        if lows is not None:  # the copy is the new weights rounded
+            assert all(torch.equal(low.cpu(), p.cpu().to(low_dtype)) for low, p in zip(lows, ps)), name
+            out[name].append(torch.cat([t.cpu().float().reshape(-1) for t in lows]))
     table = []
-    for what, a, b in zip(("p", "m", "v"), out["fused"], out["ref"]):
-        table.append((what, (a - b).abs().max().item(), 1e-5 * max(1.0, b.abs().max().item())))
+    for what, a, b in zip(("p", "m", "v", "low"), out["fused"], out["ref"]):
+        ulp = 0.0 if what != "low" else b.abs().max().item() * torch.finfo(low_dtype).eps
+        table.append((what, (a - b).abs().max().item(), 1e-5 * max(1.0, b.abs().max().item()) + ulp))
     return table
 
 
@@ -396,8 +404,9 @@ def _worker() -> None:
         table = adamw_errors(n, getattr(torch, gd), getattr(torch, ld) if ld else None, "cpu",
                              moments_dtype=getattr(torch, md[0]) if md else torch.float32)
         results[f"adamw_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
-    for name, shapes, gd in ADAMW_TENSORS_CASES:
-        table = adamw_tensors_errors([tuple(x) for x in shapes], getattr(torch, gd), "cpu")
+    for name, shapes, gd, *ld in ADAMW_TENSORS_CASES:
+        table = adamw_tensors_errors([tuple(x) for x in shapes], getattr(torch, gd), "cpu",
+                                     low_dtype=getattr(torch, ld[0]) if ld else None)
         results[f"adamw_tensors_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
     for name, O, I, r, dt, out in MERGE_CASES:
         table = merge_errors(O, I, r, getattr(torch, dt), out, "cpu")
@@ -588,10 +597,11 @@ def test_gpu_adamw_flat(grad_dtype, n, moments):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-def test_gpu_adamw_tensors(grad_dtype):
+@pytest.mark.parametrize("grad_dtype,low_dtype", [(torch.bfloat16, None), (torch.float32, None),
+                                                 (torch.bfloat16, torch.bfloat16)])
+def test_gpu_adamw_tensors(grad_dtype, low_dtype):
     shapes = [(1,), (2047,), (1024, 3000), (0,), (5, 7), (3 * 2**20 + 5,)]
-    table = adamw_tensors_errors(shapes, grad_dtype, "cuda")
+    table = adamw_tensors_errors(shapes, grad_dtype, "cuda", low_dtype=low_dtype)
     assert all(err <= tol for _, err, tol in table), table
 
 

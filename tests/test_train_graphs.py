@@ -111,7 +111,7 @@ def test_clip_folded_into_fused_adamw_matches_clip_then_step(data_dir, tmp_path,
 
     real = trainer_mod.build_optimizer
 
-    def fused(model, cfg, device):
+    def fused(model, cfg, device, masters=None):
         groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")}
                   for g in real(model, cfg, device).param_groups]
         return torch.optim.AdamW(groups, fused=True)

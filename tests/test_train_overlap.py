@@ -150,8 +150,9 @@ def test_overlap_off_without_a_working_copy(data_dir, tmp_path):  # noqa: F811
                 log=lambda s: None)  # fmt: skip
 
 
-def fused_adamw(model, cfg, device):
+def fused_adamw(model, cfg, device, masters=None):
     """build_optimizer's groups, fused (the CUDA optimizer; torch has a fused CPU kernel too)."""
+    assert masters is None, "fused AdamW updates the weights themselves (fp32 shards)"
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

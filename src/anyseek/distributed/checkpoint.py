@@ -59,8 +59,10 @@ def save_sharded(
     tokenizer_files: list[Path],
     keep_last: int,
     env: DistEnv,
+    masters=None,
 ) -> Path:
     """Collective: every rank calls it. `train_state["loader"]` is this rank's loader state; all are kept.
+    masters (`ShardMasters`, with bf16 shards): their fp32 weights are saved under the weights' names.
     A failure on any rank (full disk, read-only folder) raises on every rank, an OSError with the failing rank's
     errno (the trainer's periodic-save logic then takes the same decision everywhere); the staging folder is gone."""
     from anyseek.hf import write_config_json
@@ -69,7 +71,9 @@ def save_sharded(
     final = Path(out_dir) / f"step-{step}"
     loaders = all_gather_json(train_state["loader"], env)
     rngs = all_gather_json(rng_state(), env)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+    model_sd = get_model_state_dict(model)
+    state = {"model": masters.state_dict(model_sd) if masters is not None else model_sd,
+             "optim": get_optimizer_state_dict(model, optimizer)["state"]}
     with contextlib.ExitStack() as staging:  # rank 0's atomic_folder: left with an exception, it removes the staging
         error = None
         if env.is_main:
@@ -151,13 +155,17 @@ def verify_agreed(ckpt: Path, env: DistEnv) -> None:
         raise CheckpointDamaged(found[0])
 
 
-def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv) -> dict:
+def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv,
+                 masters=None) -> dict:  # fmt: skip
     """Load model (and optimizer) state into the live, possibly sharded, objects from a checkpoint of any world
     size; returns train_state.json with `loader` set to this rank's state (or None when the world size changed).
+    masters (`ShardMasters`): the saved weights go into the fp32 masters, then into the bf16 shards.
     The caller has verified the files (`verify_agreed`)."""
     ckpt = Path(ckpt)
     try:
         model_sd = get_model_state_dict(model)
+        if masters is not None:
+            model_sd = masters.state_dict(model_sd)
         state: dict[str, Any] = {"model": model_sd}
         if optimizer is not None:
             optim_sd = get_optimizer_state_dict(model, optimizer)  # creates the AdamW state to load into
@@ -165,7 +173,12 @@ def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         with warnings.catch_warnings():  # one process without a process group is a supported reader
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=HuggingFaceStorageReader(str(ckpt / DCP_DIR)))
-        set_model_state_dict(model, state["model"])
+        if masters is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            masters.refresh()
+            rest = {k: v for k, v in state["model"].items() if k not in masters.masters}  # buffers
+            set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, {"state": state["optim"],
                                                         "param_groups": optim_sd["param_groups"]})
@@ -202,22 +215,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict:
+def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv, masters=None) -> dict:
     """A one-process checkpoint (a Hugging Face folder plus optimizer.safetensors) into a sharded model: every rank
-    reads the full tensors on the CPU and keeps its shards. The caller has verified the files (`verify_agreed`)."""
+    reads the full tensors on the CPU and keeps its shards (with bf16 shards: the fp32 weights into their masters).
+    The caller has verified the files (`verify_agreed`)."""
     from anyseek.hf import load_pretrained
     from anyseek.train.optim import load_optimizer
 
     ckpt = Path(ckpt)
     try:
         full = load_pretrained(ckpt, device="cpu")
-        plain_optim = torch.optim.AdamW([{"params": g["params"]} for g in _groups_by_name(full, model, optimizer)])
+        plain_optim = torch.optim.AdamW(_saved_groups(ckpt, full, model, optimizer))
         load_optimizer(plain_optim, full, ckpt)
         names = {id(p): n for n, p in full.named_parameters()}
         optim_sd = {"state": {names[id(p)]: s for p, s in plain_optim.state.items()},
                     "param_groups": get_optimizer_state_dict(model, optimizer)["param_groups"]}
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, full.state_dict(), options=opts)
+        if masters is not None:
+            masters.load_full(full.state_dict())
         set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
         train_state = json.loads((ckpt / "train_state.json").read_text())
         del full, plain_optim
@@ -229,11 +245,18 @@ def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, en
     return train_state
 
 
-def _groups_by_name(full: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
-    """`optimizer`'s parameter groups, with the same-named parameters of the unsharded `full` model."""
+def _saved_groups(ckpt: Path, full: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The parameter groups of the checkpoint's optimizer.json, in its order (the working copy's optimizer orders
+    its parameters as its flat buffer does, not as the model lists them), with the same-named parameters of the
+    unsharded `full` model; they must hold the live optimizer's parameters, group by group."""
     names = {id(p): n for n, p in model.named_parameters()}
+    saved = [g["params"] for g in json.loads((ckpt / "optimizer.json").read_text())["param_groups"]]
+    live = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if [sorted(g) for g in saved] != [sorted(g) for g in live]:
+        raise ValueError(f"{ckpt / 'optimizer.json'}: its parameter groups hold other parameters than this run's "
+                         f"optimizer ({[len(g) for g in saved]} against {[len(g) for g in live]} parameters)")
     params = dict(full.named_parameters())
-    return [{"params": [params[names[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
+    return [{"params": [params[n] for n in g]} for g in saved]
 
 
 def load_consolidated(ckpt: Path) -> nn.Module:

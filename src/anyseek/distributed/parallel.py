@@ -33,6 +33,8 @@ class Parallel:
     def __init__(self, cfg, env: DistEnv, device: torch.device):
         self.cfg, self.env, self.device = cfg, env, device
         self.mesh = self.ep_mesh = None
+        self.masters = None  # ShardMasters where FSDP2's shards are bf16 (parallel.shard_dtype)
+        self.shard_dtype = torch.float32
         self._host_group = None  # `sum_host`'s gloo group, made at its first use
         self.expert_params: list[nn.Parameter] = []
         if cfg.ep > 1 and not env.active:
@@ -65,9 +67,17 @@ class Parallel:
         """The packed loader's share: every rank a disjoint, deterministic stride of each epoch's documents."""
         return {"rank": self.env.rank, "world_size": self.env.world_size}
 
-    def parallelize(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
-        """Activation checkpointing, expert parallelism, then FSDP2 over every rank. Inactive: only checkpointing."""
-        from anyseek.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, mixed_precision
+    def parallelize(self, model: nn.Module, autocast_dtype: torch.dtype | None, grad_accum: int = 1) -> nn.Module:
+        """Activation checkpointing, expert parallelism, then FSDP2 over every rank (with bf16 shards: their fp32
+        masters, `self.masters`). Inactive: only checkpointing."""
+        from anyseek.distributed.fsdp import (
+            ShardMasters,
+            apply_activation_checkpointing,
+            apply_fsdp,
+            compute_dtype,
+            mixed_precision,
+            pick_shard_dtype,
+        )
 
         if self.cfg.activation_checkpointing != "none":
             apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
@@ -77,8 +87,14 @@ class Parallel:
             from anyseek.distributed.expert_parallel import apply_ep
 
             self.expert_params = apply_ep(model, self.ep_mesh)
-        mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype, self.env.world_size)
-        return apply_fsdp(model, self.mesh, mp, self.cfg.reshard_after_forward, set(self.expert_params))
+        compute = compute_dtype(self.cfg.param_dtype, autocast_dtype)
+        self.shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)
+        mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype, self.env.world_size,
+                             self.shard_dtype)
+        model = apply_fsdp(model, self.mesh, mp, self.cfg.reshard_after_forward, set(self.expert_params))
+        if self.shard_dtype != torch.float32:
+            self.masters = ShardMasters(model, self.shard_dtype)
+        return model
 
     def release(self, model: nn.Module) -> None:
         """After forwards outside the training step (evaluation, the sample): free the weights FSDP2 gathered for
@@ -137,7 +153,7 @@ class Parallel:
             by_replicas.setdefault(_replicas(p.grad, self.env.world_size), []).append(g)
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for replicas, group in by_replicas.items():  # a few multi-tensor kernels, not three launches per parameter
-            norms = torch._foreach_norm(group, 2.0)
+            norms = torch._foreach_norm(group, 2.0, dtype=torch.float32)  # (bf16 shards: bf16 gradients)
             sq += torch.stack(norms).float().pow(2).sum() / replicas
         norm = self.sum_(sq).sqrt()
         if scale and math.isfinite(max_norm):
@@ -252,7 +268,7 @@ class Parallel:
         from anyseek.distributed.checkpoint import is_sharded, load_full, load_sharded
 
         load = load_sharded if is_sharded(ckpt) else load_full
-        state = load(ckpt, model, optimizer, self.env)
+        state = load(ckpt, model, optimizer, self.env, self.masters)
         if state["loader"] is None:
             state["loader"] = _remap_loader(state["saved_loaders"], loader.state_dict(), self.env.world_size)
         return state
@@ -261,7 +277,7 @@ class Parallel:
         from anyseek.distributed.checkpoint import save_sharded
 
         return save_sharded(out_dir, step, model, optimizer, train_state, run_config, tokenizer_files, keep_last,
-                            self.env)
+                            self.env, self.masters)
 
 
 def _remap_loader(saved: list[dict], fresh: dict, world_size: int) -> dict:

@@ -179,13 +179,15 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
 
 def adamw_tensors(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                   exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], scale: torch.Tensor, lr: float,
-                  beta1: float, beta2: float, eps: float, weight_decay: float, skip: torch.Tensor | None = None
-                  ) -> None:  # fmt: skip
+                  beta1: float, beta2: float, eps: float, weight_decay: float, skip: torch.Tensor | None = None,
+                  lows: list[torch.Tensor] | None = None) -> None:  # fmt: skip
     """One AdamW step (torch.optim.AdamW's maths) in place over lists of tensors, each of any shape: contiguous fp32
     weights and moments, gradients (contiguous, one float dtype for all) divided by the device scalar `scale`, and
     each tensor's step number as a 0-dim fp32 tensor on the device, counted by the caller before the update (torch's
-    AdamW state). skip (a device scalar or None): nonzero leaves every tensor unchanged. For optimizers whose
-    weights are not one flat buffer: FSDP2's shards, LoRA's adapters (`train.optim.TensorAdamW`)."""
+    AdamW state). skip (a device scalar or None): nonzero leaves every tensor unchanged. lows (or None): a contiguous
+    bf16 or fp16 copy of each weight (one dtype for all), rewritten from the new weights (FSDP2's bf16 shards beside
+    their fp32 masters). For optimizers whose weights are not one flat buffer: FSDP2's shards, LoRA's adapters
+    (`train.optim.TensorAdamW`)."""
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
     if len({len(x) for x in lists}) != 1:
         raise ValueError(f"adamw_tensors: lists of one length expected, got {[len(x) for x in lists]}")
@@ -201,10 +203,19 @@ def adamw_tensors(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
             raise ValueError(f"adamw_tensors: tensor {i} (shape {tuple(p.shape)}) is not contiguous")
     if gdt not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"adamw_tensors: gradients must be fp32, bf16 or fp16, got {gdt}")
+    if lows is not None:
+        if len(lows) != len(params):
+            raise ValueError(f"adamw_tensors: {len(lows)} low copies for {len(params)} weights")
+        ldt = lows[0].dtype if lows else None
+        for i, (p, low) in enumerate(zip(params, lows)):
+            if low.shape != p.shape or low.dtype != ldt or ldt not in (torch.bfloat16, torch.float16) \
+                    or not low.is_contiguous():
+                raise ValueError(f"adamw_tensors: low copy {i}: {tuple(low.shape)} {low.dtype} must be a contiguous "
+                                 f"bf16 or fp16 tensor (one dtype for all) of its weight's shape {tuple(p.shape)}")
     if not params:
         return
     fn = registry.get("adamw_tensors", params[0])
-    fn(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1, beta2, eps, weight_decay, skip=skip)
+    fn(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1, beta2, eps, weight_decay, skip=skip, lows=lows)
 
 
 def route_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int,

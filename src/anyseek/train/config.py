@@ -156,6 +156,9 @@ class ParallelConfig:
     backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
     param_dtype: str = "auto"  # FSDP2 compute copy of the weights: auto (bf16 when autocast is bf16), bf16, fp32
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 or bf16
+    # the dtype of FSDP2's shards: auto (bf16 where the run computes in bf16 with one micro-batch per step and no
+    # expert parallelism, their fp32 master weights beside them; else fp32, the shards themselves the masters)
+    shard_dtype: str = "auto"
     reshard_after_forward: bool = True  # ZeRO-3 (True) or keep gathered weights until backward (ZeRO-2-like)
     activation_checkpointing: str = "none"  # none, selective (every other decoder layer), full (every layer)
     timeout_s: int = 600  # a collective waiting longer than this (e.g. a rank died) fails with an error
@@ -164,7 +167,8 @@ class ParallelConfig:
         if self.ep < 1:
             raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
         for name, allowed in (("backend", ("auto", "nccl", "gloo")), ("param_dtype", ("auto", "bf16", "fp32")),
-                              ("reduce_dtype", ("bf16", "fp32")), ("activation_checkpointing", ("none", "selective", "full"))):
+                              ("reduce_dtype", ("bf16", "fp32")), ("shard_dtype", ("auto", "bf16", "fp32")),
+                              ("activation_checkpointing", ("none", "selective", "full"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"parallel.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.timeout_s <= 0:

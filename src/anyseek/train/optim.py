@@ -17,10 +17,12 @@ from anyseek import kernels
 from anyseek.train.config import TrainConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                    masters: dict | None = None) -> torch.optim.AdamW:  # fmt: skip
     """AdamW; weight decay on every matrix (attention, MLPs, experts, embedding, head, router), none on vectors
     (norm weights). On CUDA `TensorAdamW` where the Triton kernel can run (torch's fused AdamW otherwise); foreach
-    elsewhere."""
+    elsewhere. masters (FSDP2's bf16 shards: each parameter's fp32 master, `ShardMasters.by_param`): `TensorAdamW`
+    on any device (its kernel's reference twin off CUDA)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
@@ -30,6 +32,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         {"params": no_decay, "weight_decay": 0.0},
     ]
     kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if masters is not None:
+        return TensorAdamW(groups, masters=masters, **kw)
     if device.type != "cuda":
         return torch.optim.AdamW(groups, foreach=True, **kw)
     if kernels.registry.choose("adamw_tensors", torch.empty(1, device=device))[1] == "triton":
@@ -45,10 +49,29 @@ class TensorAdamW(torch.optim.AdamW):
     Over `small`'s 486M fp32 weights and gradients (28 bytes per weight): 4.65 ms on an H100 and 3.38 on an H200,
     against 6.01 and 4.60 for torch's fused AdamW; the one-process step's flat kernel takes 4.56 and 3.32 for the
     same bytes (docs/distributed.md). Steps count as torch's do: each parameter's step tensor goes up by one before the update and down
-    again where `found_inf` is set (the kernel then writes nothing)."""
+    again where `found_inf` is set (the kernel then writes nothing).
 
-    def __init__(self, params, **kw):
+    masters (FSDP2's bf16 shards, `distributed.fsdp.ShardMasters`): each bf16 parameter's fp32 master weights. The
+    kernel then updates the master from the bf16 gradient and writes the parameter as the master rounded to bf16
+    (28 bytes per weight, as the one-process working copy's `FlatAdamW`); the moments are fp32."""
+
+    def __init__(self, params, masters: dict | None = None, **kw):
         super().__init__(params, fused=True, **kw)
+        self.masters = masters
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that with masters the moments stay fp32 (torch casts every floating state to its
+        parameter's dtype, here bf16): they are taken again from `state_dict` as given."""
+        super().load_state_dict(state_dict)
+        if self.masters is None:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(ids, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                    value = value.to(dtype=torch.float32)
+                    self.state[p][key] = value if value.device == p.device else value.to(p.device)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -62,22 +85,26 @@ class TensorAdamW(torch.optim.AdamW):
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
                 continue
+            masters = None if self.masters is None else [self.masters[p] for p in ps]
             for p in ps:
                 state = self.state[p]
-                if not state:  # as torch's fused AdamW lays it out
+                if not state:  # as torch's fused AdamW lays it out (fp32 moments beside bf16 shards)
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
+                                                           memory_format=torch.preserve_format)
             states = [self.state[p] for p in ps]
             steps = [st["step"] for st in states]
             torch._foreach_add_(steps, 1.0)
             if scale is None:
                 scale = torch.ones((), dtype=torch.float32, device=ps[0].device)
             beta1, beta2 = group["betas"]
+            weights = [_local(p) for p in ps] if masters is None else [_local(m) for m in masters]
             kernels.adamw_tensors(
-                [_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(st["exp_avg"]) for st in states],
+                weights, [_local(p.grad) for p in ps], [_local(st["exp_avg"]) for st in states],
                 [_local(st["exp_avg_sq"]) for st in states], steps, scale, float(group["lr"]), beta1, beta2,
                 group["eps"], group["weight_decay"], skip=found_inf,
+                lows=None if masters is None else [_local(p) for p in ps],
             )  # fmt: skip
             if found_inf is not None:
                 torch._foreach_sub_(steps, [found_inf] * len(steps))

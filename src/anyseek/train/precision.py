@@ -51,7 +51,7 @@ def unavailable(device: torch.device, distributed: bool, low: torch.dtype | None
     if low is None:
         return "the run computes in fp32 (train.dtype)"
     if distributed:
-        return "under torchrun FSDP2 casts the weights once per step itself (parallel.param_dtype)"
+        return "under torchrun FSDP2 holds the weights (parallel.shard_dtype, parallel.param_dtype)"
     if device.type != "cuda" and not asked:
         return f"off by default on {device.type} (train.working_copy=true turns it on)"
     return None

@@ -167,7 +167,8 @@ class Trainer:
             self.start.report_memory(self.model_cfg)
         self.model = self.start.build_model() or DeepSeekV3(self.model_cfg).to(self.device)
         self.model_cfg = self.start.adapt(self.model)  # LoRA: wraps targets, freezes the base
-        self.model = self.par.parallelize(self.model, self.autocast_dtype)  # EP, FSDP2, checkpointing: from outside
+        # EP, FSDP2, checkpointing: from outside
+        self.model = self.par.parallelize(self.model, self.autocast_dtype, t.grad_accum)
         self.model.train()
         self.working, self.working_note = self._working_copy()  # before the optimizer and graphs: its buffers
         if self.working is not None:
@@ -178,7 +179,8 @@ class Trainer:
             if t.moments_dtype != "fp32":
                 raise ConfigError(f"train.moments_dtype={t.moments_dtype} needs the working copy's optimizer, and "
                                   f"this run has none; weights: {self.working_note}")
-            self.optimizer = build_optimizer(self.model, t, self.device)
+            masters = self.par.masters.by_param() if self.par.masters is not None else None
+            self.optimizer = build_optimizer(self.model, t, self.device, masters)
         self.forward = torch.compile(self.model) if t.compile else self.model
         self.graphs, self.graphs_note = self._step_graphs()
         # fused AdamW (one process or sharded: it takes DTensors and a plain grad_scale alike) and the working copy's:
@@ -509,7 +511,9 @@ class Trainer:
 
     def _micro_inner(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed):
         alpha = self.model_cfg.aux_loss_alpha
-        with self._autocast(cache=not graphed) if self.working is None else contextlib.nullcontext():
+        # no autocast where the weights are in the low precision already (a working copy, FSDP2's bf16 shards)
+        low_weights = self.working is not None or self.par.masters is not None
+        with self._autocast(cache=not graphed) if not low_weights else contextlib.nullcontext():
             out = self.forward(input_ids, cu_seqlens=cu_seqlens, targets=targets, max_seqlen=max_seqlen,
                                return_logits=False, num_targets=num_targets)
         parts = {"lm_loss": out.lm_loss}
@@ -552,6 +556,10 @@ class Trainer:
         """(WorkingCopy or None, a line saying which and why) from train.working_copy."""
         mode = self.cfg.train.working_copy
         low = self.autocast_dtype
+        if self.par.masters is not None:  # (train.working_copy=true too: these are its equivalent under torchrun)
+            shards = str(self.par.shard_dtype).replace("torch.bfloat16", "bf16")
+            return None, (f"FSDP2's shards in {shards}, their fp32 master weights beside them, written by the "
+                          "optimizer kernel (parallel.shard_dtype)")
         if mode == "false":
             return None, f"fp32, autocast to {low} at each use (train.working_copy=false)" if low else "fp32"
         why = precision.unavailable(self.device, self.par.active, low, asked=mode == "true")

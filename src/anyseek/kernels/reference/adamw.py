@@ -78,13 +78,15 @@ def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
 
 @torch.no_grad()
 def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1, beta2, eps, weight_decay,
-                  skip=None) -> None:
-    """`adamw_flat` (fp32 moments, no working copy) on each tensor of the lists in turn: contiguous fp32 weights and
-    moments, gradients of one float dtype, and each tensor's step number in its own 0-dim fp32 tensor (the caller
-    counts it before the update, as torch's AdamW)."""
-    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-        adamw_flat(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), None, scale, int(step.item()), lr, beta1,
-                   beta2, eps, weight_decay, skip=skip)
+                  skip=None, lows=None) -> None:
+    """`adamw_flat` (fp32 moments) on each tensor of the lists in turn: contiguous fp32 weights and moments,
+    gradients of one float dtype, each tensor's step number in its own 0-dim fp32 tensor (the caller counts it
+    before the update, as torch's AdamW), and (lows, or None) each weight's low-precision copy, written from the new
+    weights."""
+    lows = [None] * len(params) if lows is None else lows
+    for p, g, m, v, step, low in zip(params, grads, exp_avgs, exp_avg_sqs, steps, lows, strict=True):
+        adamw_flat(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), None if low is None else low.view(-1), scale,
+                   int(step.item()), lr, beta1, beta2, eps, weight_decay, skip=skip)
 
 
 def sq_norm(x: torch.Tensor) -> torch.Tensor:

@@ -97,10 +97,12 @@ def _adamw_kernel(P, G, M, V, LOW, SCALE, SKIP, n, lr, beta1, beta2, eps, decay,
 
 @triton.jit
 def _adamw_tensors_kernel(PTRS, CHUNK_T, CHUNK_START, NUMEL, NT, SCALE, SKIP, lr, beta1, beta2, eps, decay,
-                          log2_beta1, log2_beta2, HAS_SKIP: tl.constexpr, G_KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """Program c: BLOCK elements of tensor CHUNK_T[c] from CHUNK_START[c]. PTRS [5, NT] int64: the addresses of each
-    tensor's weights (fp32), gradient (G_KIND 0 fp32, 1 bf16, 2 fp16), exp_avg, exp_avg_sq (fp32) and step (fp32
-    scalar, already counted for this update)."""
+                          log2_beta1, log2_beta2, HAS_SKIP: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Program c: BLOCK elements of tensor CHUNK_T[c] from CHUNK_START[c]. PTRS [5 or 6, NT] int64: the addresses of
+    each tensor's weights (fp32), gradient (G_KIND 0 fp32, 1 bf16, 2 fp16), exp_avg, exp_avg_sq (fp32), step (fp32
+    scalar, already counted for this update) and, where LOW_KIND is not 0, its low-precision copy written from the
+    new weights (LOW_KIND 1 bf16, 2 fp16)."""
     c = tl.program_id(0)
     t = tl.load(CHUNK_T + c)
     offs = tl.load(CHUNK_START + c) + tl.arange(0, BLOCK)
@@ -129,7 +131,14 @@ def _adamw_tensors_kernel(PTRS, CHUNK_T, CHUNK_START, NUMEL, NT, SCALE, SKIP, lr
     v = beta2 * v + (1.0 - beta2) * g * g
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)
-    tl.store(P + offs, p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps)), mask=mask)
+    p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    tl.store(P + offs, p, mask=mask)
+    if LOW_KIND == 1:
+        LOW = tl.load(PTRS + 5 * NT + t).to(tl.pointer_type(tl.bfloat16))
+        tl.store(LOW + offs, p.to(tl.bfloat16), mask=mask)
+    elif LOW_KIND == 2:
+        LOW = tl.load(PTRS + 5 * NT + t).to(tl.pointer_type(tl.float16))
+        tl.store(LOW + offs, p.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -181,8 +190,8 @@ def _chunk_tables(numel: tuple[int, ...], device) -> tuple[torch.Tensor, torch.T
 
 
 def _pointer_table(lists, device) -> torch.Tensor:
-    """PTRS [5, NT] int64 on `device`: the five lists' addresses, kept while they stay the same (the weights, moments
-    and steps always do; gradients do when the step is graphed or their buffers are reused)."""
+    """PTRS [len(lists), NT] int64 on `device`: the lists' addresses, kept while they stay the same (the weights,
+    moments, steps and low copies always do; gradients do when the step is graphed or their buffers are reused)."""
     ptrs = tuple(t.data_ptr() for ts in lists for t in ts)
     hit = _POINTERS.get((device, ptrs))
     if hit is None:
@@ -194,7 +203,7 @@ def _pointer_table(lists, device) -> torch.Tensor:
 
 @torch.no_grad()
 def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1, beta2, eps, weight_decay,
-                  skip=None) -> None:
+                  skip=None, lows=None) -> None:
     """As `kernels.reference.adamw.adamw_tensors`: one launch for every tensor of the lists."""
     if not params:
         return
@@ -202,11 +211,13 @@ def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1,
     ids, starts, numel = _chunk_tables(tuple(p.numel() for p in params), device)
     if ids.numel() == 0:
         return
-    ptrs = _pointer_table((params, grads, exp_avgs, exp_avg_sqs, steps), device)
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps) + (() if lows is None else (lows,))
+    ptrs = _pointer_table(lists, device)
     _adamw_tensors_kernel[(ids.numel(),)](
         ptrs, ids, starts, numel, len(params), scale, skip if skip is not None else scale, lr, beta1, beta2, eps,
         lr * weight_decay, math.log2(beta1), math.log2(beta2), HAS_SKIP=skip is not None,
-        G_KIND=_G_KINDS[grads[0].dtype], BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
+        G_KIND=_G_KINDS[grads[0].dtype], LOW_KIND=0 if lows is None else _G_KINDS[lows[0].dtype],
+        BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
     )  # fmt: skip
 
 
