@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from anyseek import kernels
 from anyseek.distributed.env import DistEnv, all_reduce_sum, init_from_torchrun
 
 
@@ -153,8 +154,12 @@ class Parallel:
             by_replicas.setdefault(_replicas(p.grad, self.env.world_size), []).append(g)
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for replicas, group in by_replicas.items():  # a few multi-tensor kernels, not three launches per parameter
-            norms = torch._foreach_norm(group, 2.0, dtype=torch.float32)  # (bf16 shards: bf16 gradients)
-            sq += torch.stack(norms).float().pow(2).sum() / replicas
+            flat, rest = _tiled_storages(group)
+            for buffer in flat:  # gradients that are all of one buffer (FSDP2's reduction output): one pass over it
+                sq += kernels.sq_norm(buffer) / replicas
+            if rest:
+                norms = torch._foreach_norm(rest, 2.0, dtype=torch.float32)  # (bf16 shards: bf16 gradients)
+                sq += torch.stack(norms).float().pow(2).sum() / replicas
         norm = self.sum_(sq).sqrt()
         if scale and math.isfinite(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -287,6 +292,29 @@ def _remap_loader(saved: list[dict], fresh: dict, world_size: int) -> dict:
     epoch = min(s["epoch"] for s in saved)
     read = sum(s["position"] for s in saved if s["epoch"] == epoch)
     return {**fresh, "epoch": epoch, "position": read // world_size}
+
+
+def _tiled_storages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(1-D views of whole storages, the other tensors): a storage whose every element belongs to exactly one of
+    `tensors` (contiguous views of one dtype, side by side, none overlapping) is returned as one flat tensor in their
+    place. FSDP2's sharded gradients are views of its reduction's output buffer (a unit's whole buffer where no
+    shard is padded, as on one rank): a norm over that buffer is one read of it, where `_foreach_norm` over ~100
+    bf16 views took 0.7 ms a step of `small` on an H200 against 0.2 for the one-process step's flat norm."""
+    by_storage: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_storage.setdefault((t.untyped_storage().data_ptr(), t.dtype, t.device), []).append(t)
+    flat, rest = [], []
+    for views in by_storage.values():
+        storage = views[0].untyped_storage()
+        n = storage.nbytes() // views[0].element_size()
+        spans = sorted((v.storage_offset(), v.numel()) for v in views)
+        tiled = all(v.is_contiguous() for v in views) and sum(k for _, k in spans) == n and all(
+            a + k == b for (a, k), (b, _) in zip(spans, spans[1:])) and spans[0][0] == 0
+        if tiled and len(views) > 1:
+            flat.append(views[0].new_empty(0).set_(storage, 0, (n,)))
+        else:
+            rest += views
+    return flat, rest
 
 
 def _replicas(t: torch.Tensor, world_size: int) -> int:
