@@ -98,17 +98,24 @@ def _adamw_kernel(P, G, M, V, LOW, SCALE, SKIP, n, lr, beta1, beta2, eps, decay,
 @triton.jit
 def _adamw_tensors_kernel(PTRS, CHUNK_T, CHUNK_START, NUMEL, NT, SCALE, SKIP, lr, beta1, beta2, eps, decay,
                           log2_beta1, log2_beta2, HAS_SKIP: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """Program c: BLOCK elements of tensor CHUNK_T[c] from CHUNK_START[c]. PTRS [5 or 6, NT] int64: the addresses of
     each tensor's weights (fp32), gradient (G_KIND 0 fp32, 1 bf16, 2 fp16), exp_avg, exp_avg_sq (fp32), step (fp32
     scalar, already counted for this update) and, where LOW_KIND is not 0, its low-precision copy written from the
-    new weights (LOW_KIND 1 bf16, 2 fp16)."""
+    new weights (LOW_KIND 1 bf16, 2 fp16). ALIGNED: every address is a multiple of 16 bytes and every size of 16
+    elements (the host checked), so the loads and stores can be vectorized (addresses and sizes read from a table
+    carry no alignment the compiler can see; without it each element was its own load)."""
     c = tl.program_id(0)
     t = tl.load(CHUNK_T + c)
-    offs = tl.load(CHUNK_START + c) + tl.arange(0, BLOCK)
+    start = tl.load(CHUNK_START + c)
+    if ALIGNED:
+        start = tl.multiple_of(start, BLOCK)
+    offs = start + tl.arange(0, BLOCK)
     n = tl.load(NUMEL + t)
     if HAS_SKIP:  # a step skipped on the device: nothing read, nothing written
         n = tl.where(tl.load(SKIP) == 0, n, 0)
+    if ALIGNED:
+        n = tl.multiple_of(n, 16)
     mask = offs < n
     P = tl.load(PTRS + t).to(tl.pointer_type(tl.float32))
     if G_KIND == 1:
@@ -119,6 +126,8 @@ def _adamw_tensors_kernel(PTRS, CHUNK_T, CHUNK_START, NUMEL, NT, SCALE, SKIP, lr
         G = tl.load(PTRS + NT + t).to(tl.pointer_type(tl.float32))
     M = tl.load(PTRS + 2 * NT + t).to(tl.pointer_type(tl.float32))
     V = tl.load(PTRS + 3 * NT + t).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        P, G, M, V = tl.multiple_of(P, 16), tl.multiple_of(G, 16), tl.multiple_of(M, 16), tl.multiple_of(V, 16)
     step = tl.load(tl.load(PTRS + 4 * NT + t).to(tl.pointer_type(tl.float32)))
     step_size = lr / (1.0 - tl.exp2(step * log2_beta1))
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
@@ -135,9 +144,13 @@ def _adamw_tensors_kernel(PTRS, CHUNK_T, CHUNK_START, NUMEL, NT, SCALE, SKIP, lr
     tl.store(P + offs, p, mask=mask)
     if LOW_KIND == 1:
         LOW = tl.load(PTRS + 5 * NT + t).to(tl.pointer_type(tl.bfloat16))
+        if ALIGNED:
+            LOW = tl.multiple_of(LOW, 16)
         tl.store(LOW + offs, p.to(tl.bfloat16), mask=mask)
     elif LOW_KIND == 2:
         LOW = tl.load(PTRS + 5 * NT + t).to(tl.pointer_type(tl.float16))
+        if ALIGNED:
+            LOW = tl.multiple_of(LOW, 16)
         tl.store(LOW + offs, p.to(tl.float16), mask=mask)
 
 
@@ -165,6 +178,7 @@ def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_de
 
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 TENSORS_BLOCK, TENSORS_WARPS = BLOCK, 16  # elements per program, warps: the best of 2048-8192 x 4-16 on an H100
+ALIGN_HINTS = True  # (benchmarks turn it off to measure what it gives)
 _CHUNKS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by (device, block, numels)
 _POINTERS: dict[tuple, torch.Tensor] = {}  # the last few launches' address tables, by the addresses
 
@@ -189,15 +203,19 @@ def _chunk_tables(numel: tuple[int, ...], device) -> tuple[torch.Tensor, torch.T
     return hit
 
 
-def _pointer_table(lists, device) -> torch.Tensor:
-    """PTRS [len(lists), NT] int64 on `device`: the lists' addresses, kept while they stay the same (the weights,
-    moments, steps and low copies always do; gradients do when the step is graphed or their buffers are reused)."""
+def _pointer_table(lists, device) -> tuple[torch.Tensor, bool]:
+    """(PTRS [len(lists), NT] int64 on `device`, whether every address but the steps' is a multiple of 16 bytes and
+    every size a multiple of 16 elements):
+    the lists' addresses, kept while they stay the same (the weights, moments, steps and low copies always do;
+    gradients do when the step is graphed or their buffers are reused)."""
     ptrs = tuple(t.data_ptr() for ts in lists for t in ts)
     hit = _POINTERS.get((device, ptrs))
     if hit is None:
         if len(_POINTERS) >= 4:
             _POINTERS.pop(next(iter(_POINTERS)))
-        hit = _POINTERS[(device, ptrs)] = _to(device, torch.tensor(ptrs, dtype=torch.int64))
+        aligned = all(t.data_ptr() % 16 == 0 for i, ts in enumerate(lists) if i != 4 for t in ts) and all(
+            t.numel() % 16 == 0 for t in lists[0])
+        hit = _POINTERS[(device, ptrs)] = (_to(device, torch.tensor(ptrs, dtype=torch.int64)), aligned)
     return hit
 
 
@@ -212,12 +230,12 @@ def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1,
     if ids.numel() == 0:
         return
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps) + (() if lows is None else (lows,))
-    ptrs = _pointer_table(lists, device)
+    ptrs, aligned = _pointer_table(lists, device)
     _adamw_tensors_kernel[(ids.numel(),)](
         ptrs, ids, starts, numel, len(params), scale, skip if skip is not None else scale, lr, beta1, beta2, eps,
         lr * weight_decay, math.log2(beta1), math.log2(beta2), HAS_SKIP=skip is not None,
         G_KIND=_G_KINDS[grads[0].dtype], LOW_KIND=0 if lows is None else _G_KINDS[lows[0].dtype],
-        BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
+        ALIGNED=aligned and ALIGN_HINTS, BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
     )  # fmt: skip
 
 
