@@ -3,7 +3,8 @@ memory per GPU and communication per step for each expert-parallel degree, on pa
 
 What anyseek does, counted as it does it (docs/distributed.md):
   dense weights (everything but the routed experts): FSDP2 over all N GPUs, fp32 master + fp32 grads + AdamW's two
-  fp32 moments = 16 bytes/parameter / N;
+  fp32 moments = 16 bytes/parameter / N (bf16 shards: bf16 weights + fp32 masters + bf16 grads, the same 16; the
+  weights column counts 4 bytes and the gradients 4 either way);
   routed experts: split over EP ranks, replicated over N/EP groups (not FSDP-sharded), 16 bytes/parameter / EP;
   activations: bf16, the tensors each layer keeps for backward (an estimate, within ~30%); with full activation
   checkpointing only each layer's input plus one layer's working set.
