@@ -524,6 +524,26 @@ def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_d
         assert list(c) == list(range(N - EVERY + 1, N + 1)) and all(c[s] == a[s] for s in c), source
 
 
+def test_two_ranks_with_bf16_shards_train_save_masters_and_resume_exactly(data_dir, tmp_path):  # noqa: F811
+    """2 gloo ranks in bf16 (bf16 shards gathered as they are, gradients reduce-scattered in fp32, each rank's fp32
+    masters): the loss falls, the checkpoint holds fp32 weights, and a resume on 2 ranks gives the same losses."""
+    from anyseek.distributed.checkpoint import load_consolidated
+
+    over = [*STEPS, "--train.dtype=bf16"]
+    assert spawn(_train, str(data_dir), str(tmp_path / "run"), over, False) == [0, 0]
+    assert "bf16, their fp32 master" in json.loads((tmp_path / "run" / "graphs.json").read_text())["weights"]
+    a = train_losses(tmp_path / "run")
+    assert list(a) == list(range(1, N + 1)) and a[N] < a[1] - 1.0
+    saved = load_consolidated(tmp_path / "run" / LAST).state_dict()
+    assert all(v.dtype == torch.float32 for k, v in saved.items() if "bias" not in k)
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", out, ignore=shutil.ignore_patterns(LAST))
+    (out / "metrics.jsonl").unlink()
+    assert spawn(_train, str(data_dir), str(out), over, True) == [0, 0]
+    c = train_losses(out)
+    assert list(c) == list(range(N - EVERY + 1, N + 1)) and all(c[s] == a[s] for s in c)
+
+
 def test_ep_benchmark_runs_on_two_cpu_ranks():
     """benchmarks/ep.py (issue 12's dispatch benchmark, for multi-GPU machines) runs end to end on 2 gloo ranks: the
     dispatch with passthrough experts returns every token's weighted sum, and the table is printed."""
