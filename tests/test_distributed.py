@@ -671,6 +671,28 @@ def test_two_gpus_graphed_equal_eager_and_exit(data_dir, tmp_path):  # noqa: F81
         assert va[step] == pytest.approx(vb[step], rel=1e-4), step
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")
+def test_two_gpus_bf16_shards_train_and_resume(data_dir, tmp_path):  # noqa: F811
+    """torchrun with 2 ranks on 2 GPUs in bf16, the defaults (bf16 shards gathered over NCCL, gradients
+    reduce-scattered in fp32, fp32 masters; graphed, overlapped): the loss falls and a resume on 2 ranks continues
+    the same losses."""
+    over = [*STEPS, "--train.device=cuda", "--train.dtype=bf16"]
+    assert spawn(_train, str(data_dir), str(tmp_path / "run"), over, False, world=2, timeout=300) == [0, 0]
+    used = json.loads((tmp_path / "run" / "graphs.json").read_text())
+    assert used["replays"] > 0 and "bf16, their fp32 master" in used["weights"], used
+    a = train_losses(tmp_path / "run")
+    assert list(a) == list(range(1, N + 1)) and a[N] < a[1] - 1.0
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", out, ignore=shutil.ignore_patterns(LAST))
+    (out / "metrics.jsonl").unlink()
+    assert spawn(_train, str(data_dir), str(out), over, True, world=2, timeout=300) == [0, 0]
+    c = train_losses(out)
+    assert list(c) == list(range(N - EVERY + 1, N + 1))
+    for step in c:
+        assert c[step] == pytest.approx(a[step], rel=1e-3), step
+
+
 def test_shutdown_gives_up_on_a_teardown_that_hangs(monkeypatch):
     """NCCL's teardown can hang (CUDA graphs holding its communicators: pytorch/pytorch#115388): the shutdown gives up
     after its timeout instead of waiting forever; a teardown that returns gives True, one that fails raises its
