@@ -231,9 +231,10 @@ def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, en
         optim_sd = {"state": {names[id(p)]: s for p, s in plain_optim.state.items()},
                     "param_groups": get_optimizer_state_dict(model, optimizer)["param_groups"]}
         opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, full.state_dict(), options=opts)
+        full_sd = full.state_dict()
+        set_model_state_dict(model, full_sd, options=opts)
         if masters is not None:
-            masters.load_full(full.state_dict())
+            masters.load_full(full_sd)
         set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
         train_state = json.loads((ckpt / "train_state.json").read_text())
         del full, plain_optim

@@ -46,13 +46,17 @@ def pick_shard_dtype(mode: str, compute: torch.dtype, grad_accum: int, ep: int) 
     """`parallel.shard_dtype`: auto is bf16 where the run computes in bf16 with one micro-batch per step and no
     expert parallelism, else fp32 (several micro-batches add their gradients in the shards' dtype; expert-parallel
     weights are not FSDP2's)."""
-    if mode == "fp32" or (mode == "auto" and (compute != torch.bfloat16 or grad_accum > 1 or ep > 1)):
+    why = []
+    if compute != torch.bfloat16:
+        why.append("the run computes in fp32 (parallel.param_dtype / train.dtype)")
+    if grad_accum > 1:
+        why.append(f"train.grad_accum={grad_accum}: several micro-batches add their gradients in the shards' dtype")
+    if ep > 1:
+        why.append(f"parallel.ep={ep}: expert-parallel weights keep fp32")
+    if mode == "fp32" or (mode == "auto" and why):
         return torch.float32
-    why = ("the run computes in fp32 (parallel.param_dtype / train.dtype)" if compute != torch.bfloat16 else
-           f"train.grad_accum={grad_accum}: several micro-batches add their gradients in the shards' dtype"
-           if grad_accum > 1 else f"parallel.ep={ep}: expert-parallel weights keep fp32" if ep > 1 else None)
     if why:
-        raise ValueError(f"parallel.shard_dtype=bf16 is not available here: {why}; use fp32 or auto")
+        raise ValueError(f"parallel.shard_dtype=bf16 is not available here: {'; '.join(why)}; use fp32 or auto")
     return torch.bfloat16
 
 
@@ -145,6 +149,7 @@ class ShardMasters:
     (`refresh`)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+        self.dtype = dtype
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
         self.masters = {n: p.detach().clone() for n, p in trained}  # fp32 DTensors: this rank's shard, contiguous
         ids = {id(p) for _, p in trained}
@@ -153,9 +158,10 @@ class ShardMasters:
         self.params = {n: params[n] for n, _ in trained}
         for n, p in self.params.items():
             m = self.masters[n]
-            if p.dtype != dtype or _local(p).shape != _local(m).shape or not _local(p).is_contiguous():
+            local, master = p.to_local(), m.to_local()
+            if p.dtype != dtype or local.shape != master.shape or not local.is_contiguous():
                 raise RuntimeError(f"FSDP2 did not keep {n}'s shard as a contiguous {dtype} tensor of its master's "
-                                   f"shape ({p.dtype} {tuple(_local(p).shape)} against {tuple(_local(m).shape)})")
+                                   f"shape ({p.dtype} {tuple(local.shape)} against {tuple(master.shape)})")
 
     def by_param(self) -> dict[nn.Parameter, torch.Tensor]:
         """For the optimizer: each trained (bf16) parameter's fp32 master."""
@@ -172,19 +178,16 @@ class ShardMasters:
         from torch.distributed.tensor import distribute_tensor
 
         for n, m in self.masters.items():
-            t = full_sd[n].to(device=_local(m).device, dtype=m.dtype)
-            _local(m).copy_(distribute_tensor(t, m.device_mesh, m.placements, src_data_rank=None).to_local())
+            local = m.to_local()  # (a view: written in place)
+            t = full_sd[n].to(device=local.device, dtype=m.dtype)
+            local.copy_(distribute_tensor(t, m.device_mesh, m.placements, src_data_rank=None).to_local())
         self.refresh()
 
     @torch.no_grad()
     def refresh(self) -> None:
         """The bf16 shards from the masters (after a checkpoint load)."""
         for n, p in self.params.items():
-            _local(p).copy_(_local(self.masters[n]))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)
+            p.to_local().copy_(self.masters[n].to_local())
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> list[int]:

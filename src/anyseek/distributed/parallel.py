@@ -35,7 +35,6 @@ class Parallel:
         self.cfg, self.env, self.device = cfg, env, device
         self.mesh = self.ep_mesh = None
         self.masters = None  # ShardMasters where FSDP2's shards are bf16 (parallel.shard_dtype)
-        self.shard_dtype = torch.float32
         self._host_group = None  # `sum_host`'s gloo group, made at its first use
         self._norm_plan: tuple | None = None  # clip_grad_norm_'s grouping, for gradients at the same addresses
         self.expert_params: list[nn.Parameter] = []
@@ -90,12 +89,12 @@ class Parallel:
 
             self.expert_params = apply_ep(model, self.ep_mesh)
         compute = compute_dtype(self.cfg.param_dtype, autocast_dtype)
-        self.shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)
+        shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)
         mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype, self.env.world_size,
-                             self.shard_dtype)
+                             shard_dtype)
         model = apply_fsdp(model, self.mesh, mp, self.cfg.reshard_after_forward, set(self.expert_params))
-        if self.shard_dtype != torch.float32:
-            self.masters = ShardMasters(model, self.shard_dtype)
+        if shard_dtype != torch.float32:
+            self.masters = ShardMasters(model, shard_dtype)
         return model
 
     def release(self, model: nn.Module) -> None:

@@ -557,7 +557,7 @@ class Trainer:
         mode = self.cfg.train.working_copy
         low = self.autocast_dtype
         if self.par.masters is not None:  # (train.working_copy=true too: these are its equivalent under torchrun)
-            shards = str(self.par.shard_dtype).replace("torch.bfloat16", "bf16")
+            shards = str(self.par.masters.dtype).replace("torch.bfloat16", "bf16")
             return None, (f"FSDP2's shards in {shards}, their fp32 master weights beside them, written by the "
                           "optimizer kernel (parallel.shard_dtype)")
         if mode == "false":
