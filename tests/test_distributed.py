@@ -182,7 +182,7 @@ def _collectives(result: str) -> None:
     import errno
 
     from anyseek.distributed.env import agree
-    from anyseek.distributed.parallel import Parallel
+    from anyseek.train.parallel import Parallel
     from anyseek.train.config import ParallelConfig
     from anyseek.train.trainer import StepStats
 
@@ -222,7 +222,7 @@ def _release_after_forward(result: str) -> None:
     `Parallel.release` frees it: the parameters are DTensor shards again, and the next forward gathers afresh."""
     from torch.distributed.tensor import DTensor
 
-    from anyseek.distributed.parallel import Parallel
+    from anyseek.train.parallel import Parallel
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
     from anyseek.train.config import ParallelConfig
@@ -280,7 +280,7 @@ def _one_rank_reduce(result: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from anyseek.distributed.fsdp import OneRankReduce, apply_fsdp, mixed_precision
-    from anyseek.distributed.parallel import Parallel
+    from anyseek.train.parallel import Parallel
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
     from anyseek.train.config import ParallelConfig
@@ -430,7 +430,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path): 
 
 def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
     import anyseek
-    from anyseek.distributed.cli_export import export_sharded
+    from anyseek.checkpoint.hf_folder import export_sharded
 
     folder = export_sharded(runs / "dp" / LAST, tmp_path / "hf")
     model = anyseek.load_pretrained(folder)
@@ -502,7 +502,7 @@ def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_d
     and the fp32 weights its sharded checkpoint holds (the masters, not the bf16 shards). Resumed from a sharded
     checkpoint, and from the working copy's one-process checkpoint, it continues the same losses exactly. (Without
     clipping: the two sum the gradient norm in different orders.)"""
-    from anyseek.distributed.checkpoint import load_consolidated
+    from anyseek.checkpoint.sharded import load_consolidated
     from anyseek.hf import load_pretrained
 
     over = [*STEPS, "--train.dtype=bf16", "--train.grad_clip=0"]
@@ -527,7 +527,7 @@ def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_d
 def test_two_ranks_with_bf16_shards_train_save_masters_and_resume_exactly(data_dir, tmp_path):  # noqa: F811
     """2 gloo ranks in bf16 (bf16 shards gathered as they are, gradients reduce-scattered in fp32, each rank's fp32
     masters): the loss falls, the checkpoint holds fp32 weights, and a resume on 2 ranks gives the same losses."""
-    from anyseek.distributed.checkpoint import load_consolidated
+    from anyseek.checkpoint.sharded import load_consolidated
 
     over = [*STEPS, "--train.dtype=bf16"]
     assert spawn(_train, str(data_dir), str(tmp_path / "run"), over, False) == [0, 0]
@@ -556,7 +556,7 @@ def test_ep_benchmark_runs_on_two_cpu_ranks():
 
 def test_a_step_whose_gradients_never_reached_the_parameters_is_an_error():
     """The FSDP2 root-unit bug (gradients dropped, AdamW skipping every parameter) must not pass silently again."""
-    from anyseek.distributed.parallel import Parallel
+    from anyseek.train.parallel import Parallel
     from anyseek.train.config import ParallelConfig
 
     par = Parallel.from_torchrun(ParallelConfig(), "cpu")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import anyseek
-from anyseek.train import checkpoint as ckpt_lib
+from anyseek.checkpoint import folder as ckpt_lib
 from anyseek.train.config import load_run_config
 from anyseek.train.metrics import read_metrics
 from anyseek.train.trainer import SaveFailed, Trainer, TrainingDiverged
@@ -118,7 +118,7 @@ def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch, overlap):
 
 def test_failed_save_leaves_previous_checkpoint(data_dir, tmp_path, monkeypatch):
     cfg = tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2")
-    from anyseek.train import optim
+    from anyseek.checkpoint import optimizer as optim
 
     calls = {"n": 0}
     real = optim.save_optimizer

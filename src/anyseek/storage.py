@@ -5,7 +5,7 @@
     # here step-500 is complete: fsynced, renamed into place, the parent folder fsynced
 
 Used by both the Hugging Face writer (`anyseek.hf.save_pretrained`) and training checkpoints
-(`anyseek.train.checkpoint`); neither nests the other's staging.
+(`anyseek.checkpoint.folder`); neither nests the other's staging.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def resolve(path: str | Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     _refuse_lora(folder)
-    from anyseek.train.checkpoint import latest_checkpoint, list_checkpoints
+    from anyseek.checkpoint.folder import latest_checkpoint, list_checkpoints
 
     if list_checkpoints(folder):
         ckpt = latest_checkpoint(folder, log=lambda s: None)

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from anyseek.constants import IGNORE_INDEX
-from anyseek.distributed.parallel import Parallel, Silent
+from anyseek.train.parallel import Parallel, Silent
 from anyseek.model.mtp import count_targets
-from anyseek.train import checkpoint as ckpt_lib
+from anyseek.checkpoint import folder as ckpt_lib
 from anyseek.train import precision
 from anyseek.train.config import ConfigError, RunConfig, piecewise
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops

@@ -107,7 +107,7 @@ def save_checkpoint(
     write_model(model, folder) writes the model's files (default: the full Hugging Face model; LoRA runs write
     only their adapters, `anyseek.train.lora.write_adapters`)."""
     from anyseek.hf import write_model_files
-    from anyseek.train.optim import save_optimizer
+    from anyseek.checkpoint.optimizer import save_optimizer
 
     final = out_dir / f"step-{step}"
     with atomic_folder(final) as tmp:
@@ -146,7 +146,7 @@ def load_training_state(
     load_model(ckpt, model) loads the model part (default: the full weights; LoRA runs: their adapters).
     Raises CheckpointDamaged when its files fail verification, CheckpointError for any other failure."""
     from anyseek.hf import load_pretrained
-    from anyseek.train.optim import load_optimizer
+    from anyseek.checkpoint.optimizer import load_optimizer
 
     verify(ckpt)
     try:

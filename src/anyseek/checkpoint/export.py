@@ -5,7 +5,7 @@ RUN_OR_STEP is a step-N folder, or a run folder (its newest complete checkpoint)
 - a LoRA checkpoint (adapters.safetensors + lora.json): the base (from lora.json, or --base) with s * B A added to
   every adapted weight in fp32 (`--merge RUN_OR_STEP` says the same explicitly);
 - a sharded checkpoint of a distributed run (dcp/): gathered in one process on the CPU
-  (`anyseek.distributed.cli_export.export_sharded`);
+  (`anyseek.checkpoint.hf_folder.export_sharded`);
 - a one-process checkpoint: it already is a Hugging Face folder; its model is rewritten (e.g. in --dtype).
 The folder loads in `anyseek.load_pretrained` and transformers.
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 def find_checkpoint(run_or_step: str | Path) -> tuple[Path, bool]:
     """(the step-N folder, whether it was verified): `run_or_step` itself when it is a step-N folder, else the newest
     complete checkpoint in that run folder (verified on the way)."""
-    from anyseek.train.checkpoint import STEP_DIR, latest_checkpoint
+    from anyseek.checkpoint.folder import STEP_DIR, latest_checkpoint
 
     path = Path(run_or_step)
     if STEP_DIR.match(path.name) and path.is_dir():
@@ -81,8 +81,8 @@ def find_checkpoint(run_or_step: str | Path) -> tuple[Path, bool]:
 
 def export_checkpoint(run_or_step, out, dtype: torch.dtype | None = None, base=None) -> Path:
     """`anyseek export RUN_OR_STEP`: a LoRA checkpoint merged, a sharded one gathered, a one-process one rewritten."""
-    from anyseek.distributed.checkpoint import is_sharded
-    from anyseek.distributed.cli_export import export_sharded, write_hf_folder
+    from anyseek.checkpoint.sharded import is_sharded
+    from anyseek.checkpoint.hf_folder import export_sharded, write_hf_folder
     from anyseek.train.lora import LORA_JSON
 
     step, verified = find_checkpoint(run_or_step)
@@ -93,7 +93,7 @@ def export_checkpoint(run_or_step, out, dtype: torch.dtype | None = None, base=N
     if is_sharded(step):
         return export_sharded(step, out, dtype)  # verifies
     from anyseek.hf import load_pretrained
-    from anyseek.train.checkpoint import verify
+    from anyseek.checkpoint.folder import verify
 
     if not verified:
         verify(step)
@@ -102,7 +102,7 @@ def export_checkpoint(run_or_step, out, dtype: torch.dtype | None = None, base=N
 
 def find_lora_checkpoint(run_or_step: str | Path) -> Path:
     """A LoRA step-N folder (verified), itself or the newest complete checkpoint of a run folder."""
-    from anyseek.train.checkpoint import verify
+    from anyseek.checkpoint.folder import verify
     from anyseek.train.lora import LORA_JSON
 
     path, verified = find_checkpoint(run_or_step)
@@ -131,7 +131,7 @@ def load_lora_model(step: Path, base: str | Path | None = None, dtype: torch.dty
 def export_merged(run_or_step, out, base=None, dtype: torch.dtype | None = None) -> Path:
     """The base with the adapters merged, as a Hugging Face folder with the run's tokenizer, written atomically
     (`anyseek.storage.atomic_folder`: an existing `out` is replaced only once the new folder is complete)."""
-    from anyseek.distributed.cli_export import write_hf_folder
+    from anyseek.checkpoint.hf_folder import write_hf_folder
     from anyseek.hf.pretrained import _config_dtype
     from anyseek.train.lora import merge_lora, read_lora_json
 

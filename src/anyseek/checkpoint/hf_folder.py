@@ -1,5 +1,5 @@
 """A Hugging Face folder (consolidated safetensors, config, tokenizer) from a sharded (DCP) training checkpoint; the
-command is `anyseek export RUN_OR_STEP --out DIR` (`anyseek.train.export`), which comes here for sharded
+command is `anyseek export RUN_OR_STEP --out DIR` (`anyseek.checkpoint.export`), which comes here for sharded
 checkpoints.
 
 The work is `export_sharded(checkpoint_dir, out_dir)`: the checkpoint gathered in one process on the CPU and written
@@ -23,7 +23,7 @@ def export_sharded(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch
     """A sharded checkpoint folder (step-N with dcp/) -> the Hugging Face folder `out_dir` (replaced atomically).
     dtype: of the floating weights (default: as trained, fp32). Raises CheckpointError for a damaged or unloadable
     checkpoint, ValueError for a folder that is not a sharded checkpoint."""
-    from anyseek.distributed.checkpoint import is_sharded, load_consolidated
+    from anyseek.checkpoint.sharded import is_sharded, load_consolidated
 
     src = Path(checkpoint_dir)
     if not is_sharded(src):

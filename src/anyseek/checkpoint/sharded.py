@@ -66,7 +66,7 @@ def save_sharded(
     A failure on any rank (full disk, read-only folder) raises on every rank, an OSError with the failing rank's
     errno (the trainer's periodic-save logic then takes the same decision everywhere); the staging folder is gone."""
     from anyseek.hf import write_config_json
-    from anyseek.train.checkpoint import MARKER, _prune, file_sha256
+    from anyseek.checkpoint.folder import MARKER, _prune, file_sha256
 
     final = Path(out_dir) / f"step-{step}"
     loaders = all_gather_json(train_state["loader"], env)
@@ -141,9 +141,9 @@ def _run(fn) -> BaseException | None:
 
 
 def verify_agreed(ckpt: Path, env: DistEnv) -> None:
-    """`anyseek.train.checkpoint.verify` shared out: each rank hashes every world_size-th file, and all raise the same
+    """`anyseek.checkpoint.folder.verify` shared out: each rank hashes every world_size-th file, and all raise the same
     CheckpointDamaged when any file is damaged (the ranks must fall back to the same previous checkpoint)."""
-    from anyseek.train.checkpoint import CheckpointDamaged, verify
+    from anyseek.checkpoint.folder import CheckpointDamaged, verify
 
     try:
         verify(ckpt, part=(env.rank, env.world_size))
@@ -196,7 +196,7 @@ def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
 
 def rng_state() -> dict[str, Any]:
     """This process's random streams as JSON: torch CPU, this rank's GPU, Python's `random`."""
-    from anyseek.train.checkpoint import _python_rng_state
+    from anyseek.checkpoint.folder import _python_rng_state
 
     state: dict[str, Any] = {"cpu": torch.get_rng_state().tolist(), "python": _python_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -207,7 +207,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     import random
 
-    from anyseek.train.checkpoint import _python_rng_from_json
+    from anyseek.checkpoint.folder import _python_rng_from_json
 
     torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
     random.setstate(_python_rng_from_json(state["python"]))
@@ -220,7 +220,7 @@ def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, en
     reads the full tensors on the CPU and keeps its shards (with bf16 shards: the fp32 weights into their masters).
     The caller has verified the files (`verify_agreed`)."""
     from anyseek.hf import load_pretrained
-    from anyseek.train.optim import load_optimizer
+    from anyseek.checkpoint.optimizer import load_optimizer
 
     ckpt = Path(ckpt)
     try:
@@ -262,10 +262,10 @@ def _saved_groups(ckpt: Path, full: nn.Module, model: nn.Module, optimizer: torc
 
 def load_consolidated(ckpt: Path) -> nn.Module:
     """The whole model of a sharded checkpoint, in one process on the CPU (fp32 master weights, every expert), in
-    eval mode; `anyseek.distributed.cli_export.export_sharded` writes it as a Hugging Face folder."""
+    eval mode; `anyseek.checkpoint.hf_folder.export_sharded` writes it as a Hugging Face folder."""
     from anyseek.hf import read_config_json
     from anyseek.model.transformer import DeepSeekV3
-    from anyseek.train.checkpoint import verify
+    from anyseek.checkpoint.folder import verify
 
     ckpt = Path(ckpt)
     verify(ckpt)

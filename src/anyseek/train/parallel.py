@@ -254,27 +254,27 @@ class Parallel:
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def verify(self, ckpt: Path) -> None:
-        """`anyseek.train.checkpoint.verify`, with every rank reaching the same verdict (the ranks share the hashing).
+        """`anyseek.checkpoint.folder.verify`, with every rank reaching the same verdict (the ranks share the hashing).
         """
         if not self.active:
-            from anyseek.train.checkpoint import verify
+            from anyseek.checkpoint.folder import verify
 
             verify(ckpt)
             return
-        from anyseek.distributed.checkpoint import verify_agreed
+        from anyseek.checkpoint.sharded import verify_agreed
 
         verify_agreed(ckpt, self.env)
 
     def loads(self, ckpt: Path) -> bool:
         """Whether a checkpoint goes through `load_checkpoint` (sharded, or into a sharded model)."""
-        from anyseek.distributed.checkpoint import is_sharded
+        from anyseek.checkpoint.sharded import is_sharded
 
         return self.active or is_sharded(ckpt)
 
     def load_checkpoint(self, ckpt: Path, model: nn.Module, optimizer, loader) -> dict[str, Any]:
         """train_state of `ckpt` with its weights and optimizer state loaded (resharded as needed); `loader` is
         where this rank's loader state goes: exact for the same world size, else see `_remap_loader`."""
-        from anyseek.distributed.checkpoint import is_sharded, load_full, load_sharded
+        from anyseek.checkpoint.sharded import is_sharded, load_full, load_sharded
 
         load = load_sharded if is_sharded(ckpt) else load_full
         state = load(ckpt, model, optimizer, self.env, self.masters)
@@ -283,7 +283,7 @@ class Parallel:
         return state
 
     def save_checkpoint(self, out_dir, step, model, optimizer, train_state, run_config, tokenizer_files, keep_last):
-        from anyseek.distributed.checkpoint import save_sharded
+        from anyseek.checkpoint.sharded import save_sharded
 
         return save_sharded(out_dir, step, model, optimizer, train_state, run_config, tokenizer_files, keep_last,
                             self.env, self.masters)
