@@ -20,7 +20,7 @@ import torch
 from anyseek.model.config import ModelConfig
 from anyseek.model.mtp import count_targets
 from anyseek.model.transformer import DeepSeekV3
-from anyseek.train import lora as lora_lib
+from anyseek.transforms import lora as lora_lib
 from anyseek.train.config import load_run_config
 from anyseek.train.memory import estimate
 from anyseek.train.optim import build_optimizer

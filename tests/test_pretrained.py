@@ -18,7 +18,7 @@ from anyseek.constants import IGNORE_INDEX
 from anyseek.data.loader import PackedLoader
 from anyseek.model.config import ModelConfig
 from anyseek.model.transformer import DeepSeekV3
-from anyseek.train import lora as lora_lib
+from anyseek.transforms import lora as lora_lib
 from anyseek.train.config import ConfigError, load_run_config
 from anyseek.train.metrics import read_metrics
 from anyseek.train.trainer import Trainer

@@ -83,7 +83,7 @@ def export_checkpoint(run_or_step, out, dtype: torch.dtype | None = None, base=N
     """`anyseek export RUN_OR_STEP`: a LoRA checkpoint merged, a sharded one gathered, a one-process one rewritten."""
     from anyseek.checkpoint.sharded import is_sharded
     from anyseek.checkpoint.hf_folder import export_sharded, write_hf_folder
-    from anyseek.train.lora import LORA_JSON
+    from anyseek.transforms.lora import LORA_JSON
 
     step, verified = find_checkpoint(run_or_step)
     if (step / LORA_JSON).is_file():
@@ -103,7 +103,7 @@ def export_checkpoint(run_or_step, out, dtype: torch.dtype | None = None, base=N
 def find_lora_checkpoint(run_or_step: str | Path) -> Path:
     """A LoRA step-N folder (verified), itself or the newest complete checkpoint of a run folder."""
     from anyseek.checkpoint.folder import verify
-    from anyseek.train.lora import LORA_JSON
+    from anyseek.transforms.lora import LORA_JSON
 
     path, verified = find_checkpoint(run_or_step)
     if not (path / LORA_JSON).is_file():
@@ -118,7 +118,7 @@ def load_lora_model(step: Path, base: str | Path | None = None, dtype: torch.dty
     """The base (from lora.json, or `base`) with the checkpoint's adapters applied, on the CPU, in eval mode."""
     from anyseek.hf import load_pretrained
     from anyseek.train.init import InitSource
-    from anyseek.train.lora import apply_lora, read_adapters, read_lora_json
+    from anyseek.transforms.lora import apply_lora, read_adapters, read_lora_json
 
     spec, ref = read_lora_json(step)
     init = InitSource.open(base or ref["path"])
@@ -133,7 +133,7 @@ def export_merged(run_or_step, out, base=None, dtype: torch.dtype | None = None)
     (`anyseek.storage.atomic_folder`: an existing `out` is replaced only once the new folder is complete)."""
     from anyseek.checkpoint.hf_folder import write_hf_folder
     from anyseek.hf.pretrained import _config_dtype
-    from anyseek.train.lora import merge_lora, read_lora_json
+    from anyseek.transforms.lora import merge_lora, read_lora_json
 
     step = find_lora_checkpoint(run_or_step)
     _, ref = read_lora_json(step)
@@ -148,7 +148,7 @@ def export_peft(run_or_step, out) -> Path:
     from safetensors.torch import load_file, save_file
 
     from anyseek.storage import atomic_folder
-    from anyseek.train.lora import ADAPTERS, read_lora_json
+    from anyseek.transforms.lora import ADAPTERS, read_lora_json
 
     step = find_lora_checkpoint(run_or_step)
     spec, ref = read_lora_json(step)
@@ -175,7 +175,7 @@ def export_peft(run_or_step, out) -> Path:
 def peft_tensors(adapters: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Our adapter names -> PEFT's (`...q_b_proj.lora_A` -> `base_model.model....q_b_proj.lora_A.weight`), and the
     names left out (see the module docstring)."""
-    from anyseek.train.lora import ATTENTION
+    from anyseek.transforms.lora import ATTENTION
 
     out, left = {}, []
     for name, t in sorted(adapters.items()):

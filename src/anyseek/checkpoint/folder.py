@@ -8,7 +8,7 @@
       checkpoint.json                                              written last: every file, its size and sha256
 
 A LoRA run (`train.lora_rank` > 0) writes adapters.safetensors + lora.json (the adapters and the base they sit on,
-`anyseek.train.lora`) in place of the model files; `anyseek export` turns it into a full model folder.
+`anyseek.transforms.lora`) in place of the model files; `anyseek export` turns it into a full model folder.
 
 A checkpoint is assembled in a hidden temporary folder and renamed into place (`anyseek.storage.atomic_folder`, the
 same writer `anyseek.save_pretrained` uses), so a crash or `kill -9` at any moment leaves either the complete new
@@ -105,7 +105,7 @@ def save_checkpoint(
 ) -> Path:
     """Write `out_dir/step-{step}` atomically, then delete all but the newest `keep_last` complete checkpoints.
     write_model(model, folder) writes the model's files (default: the full Hugging Face model; LoRA runs write
-    only their adapters, `anyseek.train.lora.write_adapters`)."""
+    only their adapters, `anyseek.transforms.lora.write_adapters`)."""
     from anyseek.hf import write_model_files
     from anyseek.checkpoint.optimizer import save_optimizer
 

@@ -34,7 +34,7 @@ def resolve(path: str | Path) -> Path:
 
 
 def _refuse_lora(folder: Path) -> None:
-    """A LoRA run's step-N holds adapters only (anyseek.train.lora): say how to get a model folder from it."""
+    """A LoRA run's step-N holds adapters only (anyseek.transforms.lora): say how to get a model folder from it."""
     if (folder / "lora.json").is_file():
         raise CLIError(f"{folder} is a LoRA checkpoint (adapters only); write the model with "
                        f"`anyseek export --merge {folder} --out DIR` and use DIR")

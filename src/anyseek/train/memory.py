@@ -54,7 +54,7 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     the routed experts run the Triton kernels (a GPU), which take LoRA's adapters themselves (no merged expert
     weights, no SwiGLU output kept)."""
     from anyseek.model.transformer import DeepSeekV3
-    from anyseek.train import lora as lora_lib
+    from anyseek.transforms import lora as lora_lib
 
     model = DeepSeekV3(model_cfg, device="meta")
     # autocast keeps a bf16 copy of every matrix a layer multiplies by; not of the embedding (a lookup) or the output
@@ -103,7 +103,7 @@ def _merged_elements(model, triton_experts: bool) -> int:
     """Elements of the merged weights a LoRA forward forms and keeps for the backward: the routed experts' where
     they go through the seam (not the Triton kernels), counted twice (their backward also forms the full gradient
     of the merged weights); the fused reads' only with ANYSEEK_LORA=merged."""
-    from anyseek.train.lora import LoRAExperts, LoRALinear, _unmerged
+    from anyseek.transforms.lora import LoRAExperts, LoRALinear, _unmerged
 
     n = 0
     for name, mod in model.named_modules():

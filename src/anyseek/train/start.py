@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from anyseek.train import init as init_lib
-from anyseek.train import lora as lora_lib
+from anyseek.transforms import lora as lora_lib
 from anyseek.train.config import RunConfig
 
 

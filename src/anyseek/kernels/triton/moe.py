@@ -630,7 +630,7 @@ class _LoRARoutedExperts(torch.autograd.Function):
 
 def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn,
                         B_dn, scale: float, add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """Triton routed experts for LoRA (`anyseek.train.lora.LoRAExperts`): the frozen base gate_up [E, F, D] and
+    """Triton routed experts for LoRA (`anyseek.transforms.lora.LoRAExperts`): the frozen base gate_up [E, F, D] and
     down [E, D, I], adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]; the output equals
     `routed_experts` with the effective weights W + scale * B A, which are never formed. Gradients: x,
     topk_weights, the four adapters (the base gets none) and add_TD. add_TD ([T, D] or None) as in
