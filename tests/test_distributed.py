@@ -430,7 +430,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path): 
 
 def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
     import anyseek
-    from anyseek.checkpoint.hf_folder import export_sharded
+    from anyseek.checkpoint.export import export_sharded
 
     folder = export_sharded(runs / "dp" / LAST, tmp_path / "hf")
     model = anyseek.load_pretrained(folder)

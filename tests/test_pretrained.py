@@ -426,7 +426,7 @@ def test_checkpoint_written_before_the_init_keys_existed_resumes(data_dir, tmp_p
 
 
 def test_init_hash_tells_two_checkpoints_of_one_model_apart(data_dir, base_dir, tmp_path):
-    from anyseek.train.init import content_hash
+    from anyseek.checkpoint.identity import content_hash
 
     other = tmp_path / "other"
     model = hf.load_pretrained(base_dir, dtype=torch.float32)
@@ -543,7 +543,7 @@ def _finished(codes: list[int], out: Path) -> list[str]:
 def test_init_trains_sharded_and_lora_is_refused_on_two_ranks(data_dir, base_dir, tmp_path):
     from test_distributed import spawn
 
-    from anyseek.checkpoint.hf_folder import export_sharded
+    from anyseek.checkpoint.export import export_sharded
 
     out = tmp_path / "dp"
     assert _finished(spawn(_init_on_two_ranks, str(data_dir), str(base_dir), str(out), False), out) == ["done"] * 2

@@ -96,7 +96,7 @@ def test_pruning_reads_no_tensor_data_and_keeps_the_newest(trained, tmp_path, mo
     would read hundreds of GB per save on a large sharded run (resume checks the hashes)."""
     out = _copy(trained, tmp_path)
     monkeypatch.setattr(ckpt_lib, "file_sha256", lambda f: pytest.fail(f"pruning hashed {f}"))
-    ckpt_lib._prune(out, keep_last=1)
+    ckpt_lib.prune(out, keep_last=1)
     assert sorted(p.name for p in out.glob("step-*")) == ["step-4"]
 
 

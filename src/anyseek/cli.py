@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("anyseek.data.cli_data", "inspect prepared data (`anyseek data inspect DIR`)"),
     "generate": ("anyseek.infer.cli", "generate text from a checkpoint (streams; --prompts FILE.jsonl; --interactive)"),
     "eval": ("anyseek.infer.cli_eval", "loss and perplexity of a checkpoint on prepared data"),
-    "export": ("anyseek.checkpoint.export", "write a Hugging Face folder from a checkpoint (sharded, LoRA merged; --peft)"),
+    "export": ("anyseek.checkpoint.cli", "write a Hugging Face folder from a checkpoint (sharded, LoRA merged; --peft)"),
     "doctor": ("anyseek.doctor", "report what this machine supports and which kernels will run"),
     "plan": ("anyseek.train.plan", "memory per GPU and communication for a config on N GPUs; suggests EP degree"),
 }

@@ -1,11 +1,12 @@
-"""`anyseek export RUN_OR_STEP --out DIR`: a Hugging Face folder (safetensors, config, tokenizer) from a training
-checkpoint, written atomically through anyseek.hf's writer; and `--peft` for LoRA runs.
+"""A Hugging Face folder (safetensors, config, tokenizer) from a training
+checkpoint, written atomically through anyseek.hf's writer, and a PEFT adapter folder for LoRA runs (the command:
+`anyseek export`, `anyseek.checkpoint.cli`).
 
 RUN_OR_STEP is a step-N folder, or a run folder (its newest complete checkpoint). What is written depends on it:
 - a LoRA checkpoint (adapters.safetensors + lora.json): the base (from lora.json, or --base) with s * B A added to
   every adapted weight in fp32 (`--merge RUN_OR_STEP` says the same explicitly);
 - a sharded checkpoint of a distributed run (dcp/): gathered in one process on the CPU
-  (`anyseek.checkpoint.hf_folder.export_sharded`);
+  (`export_sharded`);
 - a one-process checkpoint: it already is a Hugging Face folder; its model is rewritten (e.g. in --dtype).
 The folder loads in `anyseek.load_pretrained` and transformers.
 
@@ -21,55 +22,44 @@ the main layers. Left out, with a warning (the merged export keeps all of them):
 
 from __future__ import annotations
 
-import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from anyseek.storage import CheckpointError
+from anyseek.checkpoint.adapters import ADAPTERS, is_lora, read_adapters, read_lora_json
+from anyseek.checkpoint.folder import STEP_DIR, is_sharded, latest_checkpoint, verify
+from anyseek.checkpoint.identity import reference
+from anyseek.hf import config_dtype, load_pretrained, write_model_files
+from anyseek.storage import CheckpointError, atomic_folder
+from anyseek.transforms.lora import ATTENTION, apply_lora, merge_lora
 
 PEFT_PREFIX = "base_model.model."
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENIZER_PREFIXES = ("tokenizer", "special_tokens")
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", nargs="?", metavar="RUN_OR_STEP",
-                        help="a step-N folder or a run folder (its newest complete checkpoint): LoRA checkpoints are "
-                             "merged into their base, sharded ones gathered, one-process ones rewritten")
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument("--merge", metavar="RUN_OR_STEP", help="a LoRA run: its base with the adapters merged (what "
-                                                             "RUN_OR_STEP does for a LoRA checkpoint)")
-    what.add_argument("--peft", metavar="RUN_OR_STEP", help="a LoRA run: a PEFT adapter folder (attention adapters)")
-    parser.add_argument("--out", required=True, help="the folder to write (replaced only once the new one is complete)")
-    parser.add_argument("--base", default=None, help="LoRA: the base model folder (default: the one lora.json names)")
-    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
-                        help="dtype of the written weights (default: as trained; LoRA: the base's config.json dtype)")
-
-
-def run(args: argparse.Namespace, extra: list[str]) -> int:
-    """A missing or damaged checkpoint, or a base that does not match, raises CheckpointError (a ValueError):
-    `anyseek.cli` prints it as one `error:` line and exits 2."""
-    given = [x for x in (args.checkpoint, args.merge, args.peft) if x]
-    if len(given) != 1:
-        raise ValueError("anyseek export takes one of RUN_OR_STEP, --merge RUN_OR_STEP or --peft RUN_OR_STEP")
-    dtype = DTYPES.get(args.dtype)
-    if args.peft:
-        out = export_peft(args.peft, args.out)
-    elif args.merge:
-        out = export_merged(args.merge, args.out, args.base, dtype)
-    else:
-        out = export_checkpoint(args.checkpoint, args.out, dtype, args.base)
-    print(f"wrote {out}")
-    return 0
+def export(run_or_step: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+           base: str | Path | None = None) -> Path:
+    """`anyseek export RUN_OR_STEP --out DIR`: a LoRA checkpoint merged into its base (`base`: another folder than
+    the one lora.json names), a sharded one gathered, a one-process one rewritten (in `dtype`: default as trained)."""
+    step, verified = find_checkpoint(run_or_step)
+    if is_lora(step):
+        return export_merged(step, out, base, dtype)
+    if base is not None:
+        raise ValueError(f"--base is for LoRA checkpoints; {step} holds a whole model")
+    if is_sharded(step):
+        return export_sharded(step, out, dtype)  # verifies
+    if not verified:
+        verify(step)
+    return write_hf_folder(load_pretrained(step, device="cpu"), step, Path(out), dtype)
 
 
 def find_checkpoint(run_or_step: str | Path) -> tuple[Path, bool]:
     """(the step-N folder, whether it was verified): `run_or_step` itself when it is a step-N folder, else the newest
     complete checkpoint in that run folder (verified on the way)."""
-    from anyseek.checkpoint.folder import STEP_DIR, latest_checkpoint
-
     path = Path(run_or_step)
     if STEP_DIR.match(path.name) and path.is_dir():
         return path, False
@@ -79,35 +69,11 @@ def find_checkpoint(run_or_step: str | Path) -> tuple[Path, bool]:
     return ckpt.path, True
 
 
-def export_checkpoint(run_or_step, out, dtype: torch.dtype | None = None, base=None) -> Path:
-    """`anyseek export RUN_OR_STEP`: a LoRA checkpoint merged, a sharded one gathered, a one-process one rewritten."""
-    from anyseek.checkpoint.sharded import is_sharded
-    from anyseek.checkpoint.hf_folder import export_sharded, write_hf_folder
-    from anyseek.transforms.lora import LORA_JSON
-
-    step, verified = find_checkpoint(run_or_step)
-    if (step / LORA_JSON).is_file():
-        return export_merged(step, out, base, dtype)
-    if base is not None:
-        raise ValueError(f"--base is for LoRA checkpoints; {step} holds a whole model")
-    if is_sharded(step):
-        return export_sharded(step, out, dtype)  # verifies
-    from anyseek.hf import load_pretrained
-    from anyseek.checkpoint.folder import verify
-
-    if not verified:
-        verify(step)
-    return write_hf_folder(load_pretrained(step, device="cpu"), step, Path(out), dtype)
-
-
 def find_lora_checkpoint(run_or_step: str | Path) -> Path:
     """A LoRA step-N folder (verified), itself or the newest complete checkpoint of a run folder."""
-    from anyseek.checkpoint.folder import verify
-    from anyseek.transforms.lora import LORA_JSON
-
     path, verified = find_checkpoint(run_or_step)
-    if not (path / LORA_JSON).is_file():
-        raise CheckpointError(f"{path}: not a LoRA checkpoint (no {LORA_JSON}); export it as `anyseek export {path} "
+    if not is_lora(path):
+        raise CheckpointError(f"{path}: not a LoRA checkpoint (no lora.json); export it as `anyseek export {path} "
                               "--out DIR`")
     if not verified:
         verify(path)
@@ -116,42 +82,62 @@ def find_lora_checkpoint(run_or_step: str | Path) -> Path:
 
 def load_lora_model(step: Path, base: str | Path | None = None, dtype: torch.dtype = torch.float32):
     """The base (from lora.json, or `base`) with the checkpoint's adapters applied, on the CPU, in eval mode."""
-    from anyseek.hf import load_pretrained
-    from anyseek.train.init import InitSource
-    from anyseek.transforms.lora import apply_lora, read_adapters, read_lora_json
-
-    spec, ref = read_lora_json(step)
-    init = InitSource.open(base or ref["path"])
-    model = load_pretrained(init.path, dtype=dtype)
-    apply_lora(model, spec, dtype)
-    read_adapters(step, model, init.reference())  # a different base (by content hash) is an error
+    saved = read_lora_json(step)
+    folder = _base_folder(step, base or saved.base["path"])
+    model = load_pretrained(folder, dtype=dtype)
+    apply_lora(model, saved.spec, dtype)
+    read_adapters(step, model, reference(folder))  # a different base (by content hash) is an error
     return model.eval()
+
+
+def _base_folder(step: Path, path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{step}: its base {folder} is not a model folder (no config.json); pass the base the "
+                              "adapters were trained on with --base PATH")
+    return folder
 
 
 def export_merged(run_or_step, out, base=None, dtype: torch.dtype | None = None) -> Path:
     """The base with the adapters merged, as a Hugging Face folder with the run's tokenizer, written atomically
     (`anyseek.storage.atomic_folder`: an existing `out` is replaced only once the new folder is complete)."""
-    from anyseek.checkpoint.hf_folder import write_hf_folder
-    from anyseek.hf.pretrained import _config_dtype
-    from anyseek.transforms.lora import merge_lora, read_lora_json
-
     step = find_lora_checkpoint(run_or_step)
-    _, ref = read_lora_json(step)
-    base_folder = Path(base or ref["path"])
+    base_folder = _base_folder(step, base or read_lora_json(step).base["path"])
     model = merge_lora(load_lora_model(step, base))
     if dtype is None:
-        dtype = _config_dtype(json.loads((base_folder / "config.json").read_text()))
+        dtype = config_dtype(json.loads((base_folder / "config.json").read_text()))
     return write_hf_folder(model, step, Path(out), dtype)  # the run's tokenizer (the base's, by construction)
 
 
+def export_sharded(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
+                   max_shard_size: int | str = "5GB") -> Path:
+    """A sharded checkpoint folder (step-N with dcp/) -> the Hugging Face folder `out_dir` (replaced atomically),
+    gathered in one process on the CPU. dtype: of the floating weights (default: as trained, fp32). Raises
+    CheckpointError for a damaged or unloadable checkpoint, ValueError for a folder that is not a sharded checkpoint."""
+    from anyseek.checkpoint.sharded import load_consolidated  # (torch.distributed.checkpoint: sharded folders only)
+
+    src = Path(checkpoint_dir)
+    if not is_sharded(src):
+        raise ValueError(f"{src}: not a sharded checkpoint (no dcp/ folder)")
+    return write_hf_folder(load_consolidated(src), src, Path(out_dir), dtype, max_shard_size)
+
+
+def write_hf_folder(model, src: Path, out: Path, dtype: torch.dtype | None = None,
+                    max_shard_size: int | str = "5GB") -> Path:
+    """`model` as the Hugging Face folder `out`, with the tokenizer files of the checkpoint folder `src`; atomic: an
+    existing `out` is replaced only once the new folder is complete."""
+    with atomic_folder(out) as tmp:
+        write_model_files(model, tmp, dtype, max_shard_size)
+        for f in sorted(Path(src).iterdir()):
+            if f.is_file() and f.name.startswith(TOKENIZER_PREFIXES):
+                shutil.copy2(f, tmp / f.name)
+    return out
+
+
 def export_peft(run_or_step, out) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    from anyseek.storage import atomic_folder
-    from anyseek.transforms.lora import ADAPTERS, read_lora_json
-
     step = find_lora_checkpoint(run_or_step)
-    spec, ref = read_lora_json(step)
+    saved = read_lora_json(step)
+    spec, ref = saved.spec, saved.base
     tensors, left_out = peft_tensors(load_file(str(step / ADAPTERS)))
     if not tensors:
         raise ValueError(f"{step}: none of its adapters can be written for PEFT (targets {list(spec.targets)})")
@@ -175,8 +161,6 @@ def export_peft(run_or_step, out) -> Path:
 def peft_tensors(adapters: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Our adapter names -> PEFT's (`...q_b_proj.lora_A` -> `base_model.model....q_b_proj.lora_A.weight`), and the
     names left out (see the module docstring)."""
-    from anyseek.transforms.lora import ATTENTION
-
     out, left = {}, []
     for name, t in sorted(adapters.items()):
         leaf = name.rsplit(".", 1)[-1]

@@ -8,7 +8,7 @@
       checkpoint.json                                              written last: every file, its size and sha256
 
 A LoRA run (`train.lora_rank` > 0) writes adapters.safetensors + lora.json (the adapters and the base they sit on,
-`anyseek.transforms.lora`) in place of the model files; `anyseek export` turns it into a full model folder.
+`anyseek.checkpoint.adapters`) in place of the model files; `anyseek export` turns it into a full model folder.
 
 A checkpoint is assembled in a hidden temporary folder and renamed into place (`anyseek.storage.atomic_folder`, the
 same writer `anyseek.save_pretrained` uses), so a crash or `kill -9` at any moment leaves either the complete new
@@ -20,11 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from anyseek.checkpoint import rng
+from anyseek.checkpoint.adapters import Adapters, read_adapters, write_adapters
+from anyseek.checkpoint.optimizer import load_optimizer, save_optimizer
+from anyseek.hf import load_pretrained, write_model_files
 from anyseek.storage import CheckpointError, atomic_folder, recover_staging
 
 __all__ = ["CheckpointDamaged", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_training_state",
@@ -39,6 +41,7 @@ __all__ = ["CheckpointDamaged", "CheckpointError", "latest_checkpoint", "list_ch
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = "checkpoint.json"
+DCP_DIR = "dcp"  # a sharded checkpoint's tensors (anyseek.checkpoint.sharded)
 _HASH_CHUNK = 1 << 22
 
 
@@ -50,6 +53,11 @@ class CheckpointDamaged(CheckpointError):
 class Checkpoint:
     path: Path
     step: int
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """Whether `ckpt` is a sharded checkpoint (written by several processes, `anyseek.checkpoint.sharded`)."""
+    return (Path(ckpt) / DCP_DIR).is_dir()
 
 
 def list_checkpoints(out_dir: Path) -> list[Checkpoint]:
@@ -101,29 +109,28 @@ def save_checkpoint(
     run_config: dict[str, Any],
     tokenizer_files: list[Path],
     keep_last: int,
-    write_model: Callable[[torch.nn.Module, Path], None] | None = None,
+    adapters: Adapters | None = None,
 ) -> Path:
     """Write `out_dir/step-{step}` atomically, then delete all but the newest `keep_last` complete checkpoints.
-    write_model(model, folder) writes the model's files (default: the full Hugging Face model; LoRA runs write
-    only their adapters, `anyseek.transforms.lora.write_adapters`)."""
-    from anyseek.hf import write_model_files
-    from anyseek.checkpoint.optimizer import save_optimizer
-
+    The model's files: the full Hugging Face model, or for a LoRA run (`adapters`) only its adapters."""
     final = out_dir / f"step-{step}"
     with atomic_folder(final) as tmp:
-        (write_model or write_model_files)(model, tmp)  # config.json, model.safetensors, generation_config.json
+        if adapters is not None:
+            write_adapters(model, tmp, adapters)
+        else:
+            write_model_files(model, tmp)  # config.json, model.safetensors, generation_config.json
         for f in tokenizer_files:
             shutil.copy2(f, tmp / f.name)
         (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
         save_optimizer(optimizer, model, tmp)
-        save_file(_torch_rng_state(), str(tmp / "rng.safetensors"))
-        state = {**train_state, "step": step, "python_rng": _python_rng_state(), "saved_at": time.time()}
+        save_file(rng.torch_state(), str(tmp / "rng.safetensors"))
+        state = {**train_state, "step": step, "python_rng": rng.python_state(), "saved_at": time.time()}
         (tmp / "train_state.json").write_text(json.dumps(state, indent=1))
         _hook("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
         files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())
                  if p.is_file()}
         (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
-    _prune(out_dir, keep_last)
+    prune(out_dir, keep_last)
     return final
 
 
@@ -139,19 +146,17 @@ def latest_checkpoint(out_dir: Path, log=print) -> Checkpoint | None:
 
 
 def load_training_state(
-    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    load_model: Callable[[Path, torch.nn.Module], None] | None = None,
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, adapters: Adapters | None = None,
+    verified: bool = False,
 ) -> dict[str, Any]:
-    """Load weights, optimizer state and RNG states from `ckpt` into the live objects; return train_state.json.
-    load_model(ckpt, model) loads the model part (default: the full weights; LoRA runs: their adapters).
+    """Load weights (a LoRA run's: its adapters, checked against the base `adapters.base`), optimizer state and RNG
+    states from `ckpt` into the live objects; return train_state.json. verified: the caller has checked the files.
     Raises CheckpointDamaged when its files fail verification, CheckpointError for any other failure."""
-    from anyseek.hf import load_pretrained
-    from anyseek.checkpoint.optimizer import load_optimizer
-
-    verify(ckpt)
+    if not verified:
+        verify(ckpt)
     try:
-        if load_model is not None:
-            load_model(ckpt, model)
+        if adapters is not None:
+            read_adapters(ckpt, model, adapters.base)
         else:
             loaded = load_pretrained(ckpt, dtype=next(model.parameters()).dtype, device="cpu")
             with torch.no_grad():
@@ -159,8 +164,8 @@ def load_training_state(
             del loaded
         load_optimizer(optimizer, model, ckpt)
         state = json.loads((ckpt / "train_state.json").read_text())
-        _set_torch_rng_state(load_file(str(ckpt / "rng.safetensors")))
-        random.setstate(_python_rng_from_json(state["python_rng"]))
+        rng.set_torch_state(load_file(str(ckpt / "rng.safetensors")))
+        rng.set_python_state(state["python_rng"])
     except CheckpointError:
         raise
     except Exception as e:  # verified files that still do not load (shape mismatch, another model): not damage
@@ -168,7 +173,7 @@ def load_training_state(
     return state
 
 
-def _prune(out_dir: Path, keep_last: int) -> None:
+def prune(out_dir: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` finished checkpoints. "Finished" is the marker and the file sizes: the
     sha256 of every kept checkpoint is not re-read after every save (hundreds of GB for a large sharded run); loading
     and resuming check the hashes, and fall back past a damaged checkpoint."""
@@ -182,32 +187,6 @@ def _prune(out_dir: Path, keep_last: int) -> None:
     for c in complete[:-keep_last]:
         shutil.rmtree(c.path, ignore_errors=True)
     recover_staging(out_dir)  # debris of saves killed half-way (never a live one: ours is renamed)
-
-
-def _torch_rng_state() -> dict[str, torch.Tensor]:
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            states[f"cuda.{i}"] = s
-    return states
-
-
-def _set_torch_rng_state(states: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(states["cpu"])
-    if torch.cuda.is_available():
-        cuda = [states[k] for k in sorted(k for k in states if k.startswith("cuda."))]
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-
-
-def _python_rng_state() -> list:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-def _python_rng_from_json(value: list) -> tuple:
-    version, internal, gauss = value
-    return (version, tuple(internal), gauss)
 
 
 def _hook(var: str) -> None:

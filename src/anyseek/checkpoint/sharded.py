@@ -39,14 +39,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from anyseek.checkpoint import rng
+from anyseek.checkpoint.folder import DCP_DIR, MARKER, CheckpointDamaged, file_sha256, prune, verify
+from anyseek.checkpoint.optimizer import load_optimizer
 from anyseek.distributed.env import DistEnv, agree, all_gather_json, broadcast_json
+from anyseek.hf import load_pretrained, read_config_json, write_config_json
+from anyseek.model.transformer import DeepSeekV3
 from anyseek.storage import CheckpointError, atomic_folder, fsync_tree
-
-DCP_DIR = "dcp"
-
-
-def is_sharded(ckpt: Path) -> bool:
-    return (Path(ckpt) / DCP_DIR).is_dir()
 
 
 def save_sharded(
@@ -65,12 +64,10 @@ def save_sharded(
     masters (`ShardMasters`, with bf16 shards): their fp32 weights are saved under the weights' names.
     A failure on any rank (full disk, read-only folder) raises on every rank, an OSError with the failing rank's
     errno (the trainer's periodic-save logic then takes the same decision everywhere); the staging folder is gone."""
-    from anyseek.hf import write_config_json
-    from anyseek.checkpoint.folder import MARKER, _prune, file_sha256
 
     final = Path(out_dir) / f"step-{step}"
     loaders = all_gather_json(train_state["loader"], env)
-    rngs = all_gather_json(rng_state(), env)
+    rngs = all_gather_json(rng.rank_state(), env)
     model_sd = get_model_state_dict(model)
     state = {"model": masters.state_dict(model_sd) if masters is not None else model_sd,
              "optim": get_optimizer_state_dict(model, optimizer)["state"]}
@@ -121,7 +118,7 @@ def save_sharded(
                 error = e
     agree(error, env)  # the rename is done (or failed everywhere) before anyone looks for the checkpoint
     if env.is_main:
-        _prune(Path(out_dir), keep_last)
+        prune(Path(out_dir), keep_last)
     return final
 
 
@@ -143,7 +140,6 @@ def _run(fn) -> BaseException | None:
 def verify_agreed(ckpt: Path, env: DistEnv) -> None:
     """`anyseek.checkpoint.folder.verify` shared out: each rank hashes every world_size-th file, and all raise the same
     CheckpointDamaged when any file is damaged (the ranks must fall back to the same previous checkpoint)."""
-    from anyseek.checkpoint.folder import CheckpointDamaged, verify
 
     try:
         verify(ckpt, part=(env.rank, env.world_size))
@@ -190,37 +186,14 @@ def load_sharded(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     train_state["saved_loaders"] = loaders
     rngs = train_state.get("rng") or []
     if len(rngs) == env.world_size:  # same world size: every rank continues its own random streams
-        set_rng_state(rngs[env.rank])
+        rng.set_rank_state(rngs[env.rank])
     return train_state
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random streams as JSON: torch CPU, this rank's GPU, Python's `random`."""
-    from anyseek.checkpoint.folder import _python_rng_state
-
-    state: dict[str, Any] = {"cpu": torch.get_rng_state().tolist(), "python": _python_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    from anyseek.checkpoint.folder import _python_rng_from_json
-
-    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
-    random.setstate(_python_rng_from_json(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv, masters=None) -> dict:
     """A one-process checkpoint (a Hugging Face folder plus optimizer.safetensors) into a sharded model: every rank
     reads the full tensors on the CPU and keeps its shards (with bf16 shards: the fp32 weights into their masters).
     The caller has verified the files (`verify_agreed`)."""
-    from anyseek.hf import load_pretrained
-    from anyseek.checkpoint.optimizer import load_optimizer
 
     ckpt = Path(ckpt)
     try:
@@ -263,9 +236,6 @@ def _saved_groups(ckpt: Path, full: nn.Module, model: nn.Module, optimizer: torc
 def load_consolidated(ckpt: Path) -> nn.Module:
     """The whole model of a sharded checkpoint, in one process on the CPU (fp32 master weights, every expert), in
     eval mode; `anyseek.checkpoint.hf_folder.export_sharded` writes it as a Hugging Face folder."""
-    from anyseek.hf import read_config_json
-    from anyseek.model.transformer import DeepSeekV3
-    from anyseek.checkpoint.folder import verify
 
     ckpt = Path(ckpt)
     verify(ckpt)

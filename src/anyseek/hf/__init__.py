@@ -15,11 +15,12 @@ The model package never imports this one: checkpoints are applied to a model fro
 from __future__ import annotations
 
 from anyseek.hf.config import config_from_hf, config_to_hf, read_config_json, write_config_json
-from anyseek.hf.pretrained import load_into, load_pretrained, save_pretrained, write_model_files
+from anyseek.hf.pretrained import config_dtype, load_into, load_pretrained, save_pretrained, write_model_files
 from anyseek.storage import CheckpointError
 
 __all__ = [
     "CheckpointError",
+    "config_dtype",
     "config_from_hf",
     "config_to_hf",
     "load_into",

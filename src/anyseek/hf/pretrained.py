@@ -68,7 +68,7 @@ def load_pretrained(
     ckpt = scan_folder(folder)
     cfg = _model_config(hf_dict, folder / "config.json")
     cfg = _drop_absent_mtp(cfg, ckpt, folder)
-    dtype = dtype if dtype is not None else _config_dtype(hf_dict)
+    dtype = dtype if dtype is not None else config_dtype(hf_dict)
     # meta: parameters take no memory and skip init; the rope tables (built outside meta) stay real
     model = DeepSeekV3(cfg, device="meta" if strict else None)
     # DeepSeek-V2 (softmax routing) checkpoints have no selection bias; ours is unused there
@@ -248,7 +248,7 @@ def _model_config(hf_dict: dict, file: Path) -> ModelConfig:
         raise CheckpointError(str(e) if str(file) in str(e) else f"{file}: {e}") from e
 
 
-def _config_dtype(hf_dict: dict) -> torch.dtype:
+def config_dtype(hf_dict: dict) -> torch.dtype:
     name = hf_dict.get("dtype") or hf_dict.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32

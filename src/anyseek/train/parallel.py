@@ -11,7 +11,6 @@ what must be global: target counts, losses, expert loads, the gradient norm.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -252,41 +251,12 @@ class Parallel:
                 error = e
         agree(error, self.env)
 
-    # ---- checkpoints --------------------------------------------------------------------------------------------
-    def verify(self, ckpt: Path) -> None:
-        """`anyseek.checkpoint.folder.verify`, with every rank reaching the same verdict (the ranks share the hashing).
-        """
-        if not self.active:
-            from anyseek.checkpoint.folder import verify
-
-            verify(ckpt)
-            return
-        from anyseek.checkpoint.sharded import verify_agreed
-
-        verify_agreed(ckpt, self.env)
-
-    def loads(self, ckpt: Path) -> bool:
-        """Whether a checkpoint goes through `load_checkpoint` (sharded, or into a sharded model)."""
-        from anyseek.checkpoint.sharded import is_sharded
-
-        return self.active or is_sharded(ckpt)
-
-    def load_checkpoint(self, ckpt: Path, model: nn.Module, optimizer, loader) -> dict[str, Any]:
-        """train_state of `ckpt` with its weights and optimizer state loaded (resharded as needed); `loader` is
-        where this rank's loader state goes: exact for the same world size, else see `_remap_loader`."""
-        from anyseek.checkpoint.sharded import is_sharded, load_full, load_sharded
-
-        load = load_sharded if is_sharded(ckpt) else load_full
-        state = load(ckpt, model, optimizer, self.env, self.masters)
-        if state["loader"] is None:
-            state["loader"] = _remap_loader(state["saved_loaders"], loader.state_dict(), self.env.world_size)
-        return state
-
-    def save_checkpoint(self, out_dir, step, model, optimizer, train_state, run_config, tokenizer_files, keep_last):
-        from anyseek.checkpoint.sharded import save_sharded
-
-        return save_sharded(out_dir, step, model, optimizer, train_state, run_config, tokenizer_files, keep_last,
-                            self.env, self.masters)
+    def loader_state(self, state: dict[str, Any], loader) -> dict:
+        """This rank's loader state from a checkpoint's train_state (`anyseek.checkpoint.load`): its own where the
+        number of ranks is the same, else remapped (`_remap_loader`) onto `loader`'s fresh state."""
+        if state["loader"] is not None:
+            return state["loader"]
+        return _remap_loader(state["saved_loaders"], loader.state_dict(), self.env.world_size)
 
 
 def _remap_loader(saved: list[dict], fresh: dict, world_size: int) -> dict:

@@ -6,8 +6,7 @@
     model_cfg = start.model_config(data_dir, manifest)  # the folder's config (None: from the [model] section)
     model = start.build_model() or DeepSeekV3(model_cfg)
     model_cfg = start.adapt(model)                      # LoRA: freeze the base, wrap the targets
-    save_checkpoint(..., write_model=start.write_model)  # LoRA: adapters + lora.json instead of the full model
-    load_training_state(..., load_model=start.load_model)
+    checkpoint.save(..., adapters=start.adapters)       # LoRA: adapters + lora.json instead of the full model
 """
 
 from __future__ import annotations
@@ -19,9 +18,10 @@ from typing import Any
 
 import torch
 
+from anyseek.checkpoint.adapters import Adapters
 from anyseek.train import init as init_lib
-from anyseek.transforms import lora as lora_lib
 from anyseek.train.config import RunConfig
+from anyseek.transforms import lora as lora_lib
 
 
 class Start:
@@ -34,8 +34,8 @@ class Start:
         self.spec = lora_lib.LoRASpec.from_train(t) if t.lora_rank else None
         self.base_dtype = base_dtype(t.lora_base_dtype, autocast_dtype) if self.spec else torch.float32
         self.model_cfg = None
-        self.write_model = self._write_adapters if self.spec else None
-        self.load_model = self._read_adapters if self.spec else None
+        # what a LoRA run's checkpoints hold in place of the model (None: the whole model)
+        self.adapters = Adapters(self.spec, self.ref) if self.spec else None
 
     def prepare_data(self, data) -> Path:
         return init_lib.prepare_data(data, self.init)
@@ -77,12 +77,6 @@ class Start:
     def record(self) -> dict[str, Any]:
         """For train_state.json: where the run started from."""
         return {"init": self.ref} if self.ref else {}
-
-    def _write_adapters(self, model, folder: Path) -> None:
-        lora_lib.write_adapters(model, folder, self.spec, self.ref)
-
-    def _read_adapters(self, folder: Path, model) -> None:
-        lora_lib.read_adapters(folder, model, self.ref)
 
 
 def base_dtype(name: str, autocast_dtype: torch.dtype | None) -> torch.dtype:

@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
+from anyseek import checkpoint
 from anyseek.constants import IGNORE_INDEX
-from anyseek.train.parallel import Parallel, Silent
 from anyseek.model.mtp import count_targets
-from anyseek.checkpoint import folder as ckpt_lib
 from anyseek.train import precision
 from anyseek.train.config import ConfigError, RunConfig, piecewise
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer, lr_at, set_lr
+from anyseek.train.parallel import Parallel, Silent
 from anyseek.train.preflight import check_prepared, check_vocab, check_writable, describe_os_error
 from anyseek.train.resume import check_resume
 from anyseek.train.start import Start
@@ -230,25 +230,23 @@ class Trainer:
         """Continue from the newest checkpoint that is intact and was written by this run on this data.
         A damaged checkpoint (files not as recorded) falls back to the previous one; a mismatching or unloadable one
         is an error that changes nothing; only a folder without any checkpoint starts from scratch."""
-        ckpts = ckpt_lib.list_checkpoints(self.out_dir)
+        ckpts = checkpoint.checkpoints(self.out_dir)
         if not ckpts:
             self.log(f"--resume: {self.out_dir} holds no checkpoint yet; starting from scratch")
             return
         damaged = []
         for ckpt in reversed(ckpts):
             try:
-                self.par.verify(ckpt.path)  # distributed: every rank the same verdict, each hashing a share
-            except ckpt_lib.CheckpointDamaged as e:
+                checkpoint.verify(ckpt.path, self.par.env)  # distributed: every rank the same verdict
+            except checkpoint.CheckpointDamaged as e:
                 self.log(f"warning: {e}; trying the previous checkpoint")
                 damaged.append(ckpt.path.name)
                 continue
             changes = check_resume(ckpt.path, self.cfg.to_dict(), self.data_identity(), self.resume_overrides,
                                    world_size=self.par.env.world_size, init_identity=self.start.ref)
-            if self.par.loads(ckpt.path):  # sharded checkpoints, or any checkpoint into a sharded model (reshards)
-                state = self.par.load_checkpoint(ckpt.path, self.model, self.optimizer, self.train_loader)
-            else:  # LoRA: start.load_model reads the adapters
-                state = ckpt_lib.load_training_state(ckpt.path, self.model, self.optimizer, self.start.load_model)
-            self.train_loader.load_state_dict(state["loader"])
+            state = checkpoint.load(ckpt.path, self.model, self.optimizer, env=self.par.env,
+                                    masters=self.par.masters, adapters=self.start.adapters, verified=True)
+            self.train_loader.load_state_dict(self.par.loader_state(state, self.train_loader))
             if self.working is not None:
                 self.working.refresh()  # the loaded master weights into the working copy
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
@@ -256,7 +254,7 @@ class Trainer:
             self.log(f"resumed from {ckpt.path} at step {self.step}" + (f" (changed: {'; '.join(changes)})"
                                                                          if changes else ""))
             return
-        raise ckpt_lib.CheckpointDamaged(
+        raise checkpoint.CheckpointDamaged(
             f"every checkpoint in {self.out_dir} is damaged ({', '.join(damaged)}); nothing was changed. "
             "Move them away to start over, or pass --out NEW_DIR"
         )
@@ -268,7 +266,7 @@ class Trainer:
         self.par.on_main(lambda: check_writable(self.out_dir, self.log))  # rank 0 cleans up; every rank learns
         if self.resume:
             self._resume()
-        elif ckpt_lib.list_checkpoints(self.out_dir):
+        elif checkpoint.checkpoints(self.out_dir):
             raise FileExistsError(
                 f"{self.out_dir} already holds checkpoints; pass --resume to continue that run or --out NEW_DIR"
             )
@@ -446,7 +444,7 @@ class Trainer:
                 raise TrainingDiverged(
                     f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. "
                     + (f"The last good checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
-                       if ckpt_lib.latest_checkpoint(self.out_dir, log=lambda s: None) is not None
+                       if checkpoint.latest(self.out_dir, log=lambda s: None) is not None
                        else "No checkpoint was written yet; start again with a lower --train.lr.")
                 )
             return Outcome(False, self.step, v, item.lr, stats.tokens, stats.flops, self.tokens_seen,
@@ -658,13 +656,10 @@ class Trainer:
         self._settled("a save")
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
                  "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity(), **self.start.record()}
-        args = (self.out_dir, self.step, self.model, self.optimizer, state, self.cfg.to_dict(), self.tokenizer_files,
-                self.cfg.train.keep_last)
         try:  # distributed: a failure on any rank raises OSError on every rank, so all decide alike below
-            if self.par.active:
-                path = self.par.save_checkpoint(*args)
-            else:  # LoRA: the adapters (start.write_model) in place of the model files
-                path = ckpt_lib.save_checkpoint(*args, write_model=self.start.write_model)
+            path = checkpoint.save(self.out_dir, self.step, self.model, self.optimizer, state, self.cfg.to_dict(),
+                                   self.tokenizer_files, self.cfg.train.keep_last, env=self.par.env,
+                                   masters=self.par.masters, adapters=self.start.adapters)
         except OSError as e:
             self.failed_saves = getattr(self, "failed_saves", 0) + 1
             why = f"could not save step {self.step} in {self.out_dir}: {describe_os_error(e)}"

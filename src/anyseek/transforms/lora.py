@@ -35,12 +35,10 @@ Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -290,47 +288,3 @@ def count_adapters(model: nn.Module) -> int:
 def _is_adapter(name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     return leaf.startswith(("lora_", "gate_up_lora_", "down_lora_"))
-
-
-# ---------------------------------------------------------------- adapter checkpoints
-
-LORA_JSON = "lora.json"
-ADAPTERS = "adapters.safetensors"
-
-
-def write_adapters(model: nn.Module, folder: Path, spec: LoRASpec, base: dict) -> None:
-    """A LoRA checkpoint's model part: adapters.safetensors (fp32, our parameter names) and lora.json (the spec and
-    the base: {"path", "sha256"} from `anyseek.train.init`)."""
-    from safetensors.torch import save_file
-
-    tensors = {n: t.to("cpu").contiguous() for n, t in adapter_state(model).items()}
-    save_file(tensors, str(folder / ADAPTERS))
-    (folder / LORA_JSON).write_text(json.dumps({**spec.to_dict(), "base": base}, indent=1))
-
-
-def read_lora_json(folder: Path) -> tuple[LoRASpec, dict]:
-    from anyseek.storage import CheckpointError
-
-    f = Path(folder) / LORA_JSON
-    if not f.is_file():
-        raise CheckpointError(f"{folder}: no {LORA_JSON} (not a LoRA checkpoint)")
-    d = json.loads(f.read_text())
-    return LoRASpec(int(d["rank"]), float(d["alpha"]), float(d["dropout"]), tuple(d["targets"])), d["base"]
-
-
-def read_adapters(folder: Path, model: nn.Module, base: dict | None = None) -> None:
-    """Load a LoRA checkpoint's adapters into `model` (apply_lora'd with the same spec). `base` (the reference of
-    the base the model was built from) must match the one the checkpoint was trained on."""
-    from safetensors.torch import load_file
-
-    from anyseek.storage import CheckpointError
-
-    _, saved_base = read_lora_json(folder)
-    if base is not None and base["sha256"] != saved_base["sha256"]:
-        raise CheckpointError(f"{folder}: its adapters were trained on the base {saved_base['path']} "
-                              f"(sha256 {saved_base['sha256'][:12]}), not on {base['path']} "
-                              f"(sha256 {base['sha256'][:12]})")
-    try:
-        load_adapter_state(model, load_file(str(Path(folder) / ADAPTERS)))
-    except ValueError as e:
-        raise CheckpointError(f"{folder}: {e}") from e
