@@ -135,7 +135,7 @@ def profile_steps(step, items, out_path: Path | None = None) -> tuple[list[int],
 def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
     """(step function taking a dummy item, trainer, flops): one optimizer step exactly as `anyseek train` runs it
     (Trainer.advance: forward, backward, clip, NaN check, AdamW, routing-bias update, the overlap of one step with
-    the next), its batches from the trainer's own loader. `tr.flush()` settles the last step."""
+    the next), its batches from the trainer's own loader. `tr.engine.flush()` settles the last step."""
     from anyseek.train.config import load_run_config
     from anyseek.train.trainer import Trainer
 
@@ -193,7 +193,7 @@ def trainer_step(args, data_dir: Path, tmp: Path, case: str = "trainer"):
     flops, tr.bench_losses = [], []
 
     def step(_):
-        for o in tr.advance(batches):  # the step queued before this one, with the overlap
+        for o in tr.engine.advance(batches):  # the step queued before this one, with the overlap
             flops.append(o.flops)
             tr.bench_losses.append(o.values["loss"])
             if not o.ok:
@@ -350,7 +350,7 @@ def gpu_case(args) -> None:
         t.append((time.perf_counter() - t0) / len(chunk))
     mem = torch.cuda.max_memory_allocated(device) / 2**30
     if case.startswith("trainer"):  # the step must really train (a wrapper that drops gradients is fast and wrong)
-        tr.flush()
+        tr.engine.flush()
         losses = list(tr.bench_losses)
         k = min(5, len(losses) // 2)
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k

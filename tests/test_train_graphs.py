@@ -76,8 +76,8 @@ def _losses(data, tmp_path, mode: str, steps: int, accum: int, free_grads_at: in
         if i == free_grads_at:
             for p in tr.model.parameters():
                 p.grad = None
-        stats = tr._accumulate(batches)
-        ok, loss, _ = tr._apply(stats)  # the step count goes up with it
+        stats = tr.engine._accumulate(batches)
+        ok, loss, _ = tr.engine._apply(stats)  # the step count goes up with it
         assert ok
         losses.append(loss)
     return losses, tr
@@ -100,7 +100,7 @@ def test_graphed_step_matches_eager(data_dir, tmp_path, accum):  # noqa: F811
     replays = g.replays
     tr.close()
     assert not g.enabled and not g.graphs
-    ok, loss, _ = tr._apply(tr._accumulate(iter(tr.train_loader)))
+    ok, loss, _ = tr.engine._apply(tr.engine._accumulate(iter(tr.train_loader)))
     assert ok and loss == loss and g.replays == replays
 
 
@@ -121,11 +121,11 @@ def test_clip_folded_into_fused_adamw_matches_clip_then_step(data_dir, tmp_path,
     for fold in (True, False):
         cfg = tiny_cfg(data_dir, "--train.device=cpu", "--train.grad_clip=0.05", "--train.warmup_steps=1")
         tr = Trainer(cfg, tmp_path / f"fold{fold}", log=lambda s: None)
-        tr._fold_clip = fold  # the kernel is fused either way
+        tr.engine._fold_clip = fold  # the kernel is fused either way
         batches = iter(tr.train_loader)
         losses, norms = [], []
         for _ in range(6):
-            ok, loss, norm = tr._apply(tr._accumulate(batches))
+            ok, loss, norm = tr.engine._apply(tr.engine._accumulate(batches))
             assert ok
             losses.append(loss)
             norms.append(norm)

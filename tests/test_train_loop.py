@@ -19,6 +19,7 @@ import anyseek
 from anyseek.checkpoint import folder as ckpt_lib
 from anyseek.train.config import load_run_config
 from anyseek.train.metrics import read_metrics
+from anyseek.train.step import StepEngine
 from anyseek.train.trainer import SaveFailed, Trainer, TrainingDiverged
 
 WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "flew", "on", "over", "under", "a", "mat", "tree", "roof", "quickly", "slowly", "and", "then", "it", "was", "red", "blue", "green", "small", "big", "river", "stone", "city", "king", "queen", "north", "south"]
@@ -90,7 +91,7 @@ def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch, overlap):
 
     # Interrupt the second run with a real SIGINT once step 4 is settled: it must save and exit cleanly.
     interrupted = tmp_path / "interrupted"
-    original = Trainer._settle
+    original = StepEngine._settle
 
     def settle_then_interrupt(self, item, halted=False):
         assert self.overlap == overlap
@@ -99,9 +100,9 @@ def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch, overlap):
             os.kill(os.getpid(), signal.SIGINT)
         return outcome
 
-    monkeypatch.setattr(Trainer, "_settle", settle_then_interrupt)
+    monkeypatch.setattr(StepEngine, "_settle", settle_then_interrupt)
     summary = run(cfg, interrupted)
-    monkeypatch.setattr(Trainer, "_settle", original)
+    monkeypatch.setattr(StepEngine, "_settle", original)
     stopped = 5 if overlap else 4  # with the overlap step 5 was in flight when step 4 settled
     assert summary.get("stopped_early") and summary["step"] == stopped
     assert [c.step for c in ckpt_lib.list_checkpoints(interrupted)] == [stopped]

@@ -16,6 +16,7 @@ from anyseek.model.transformer import DeepSeekV3
 from anyseek.checkpoint import folder as ckpt_lib
 from anyseek.train.config import ConfigError
 from anyseek.train.metrics import read_metrics
+from anyseek.train.step import StepEngine
 from anyseek.train.trainer import Trainer, TrainingDiverged
 
 KEYS = ("kind", "step", "loss", "lr", "grad_norm", "lm_loss", "mtp_loss", "balance_loss", "tokens_seen",
@@ -42,13 +43,13 @@ def _poison(monkeypatch, keys: set) -> None:
 def _count_halts(monkeypatch) -> list[bool]:
     """The `halted` flag of every step the trainer settles from now on (True: a step queued behind a bad one, run
     again), appended to the returned list."""
-    real_settle, halts = Trainer._settle, []
+    real_settle, halts = StepEngine._settle, []
 
     def settle(self, item, halted=False):
         halts.append(halted)
         return real_settle(self, item, halted)
 
-    monkeypatch.setattr(Trainer, "_settle", settle)
+    monkeypatch.setattr(StepEngine, "_settle", settle)
     return halts
 
 
@@ -95,7 +96,7 @@ def _compare(data, tmp_path, monkeypatch, poisoned, *extra: str) -> None:
         tr = Trainer(_cfg(data, overlap, "--train.max_steps=12", *extra), out, log=lambda s: None)
         assert tr.overlap == overlap
         summary = tr.run()
-        assert summary["step"] == 12 and tr._pending is None
+        assert summary["step"] == 12 and tr.engine._pending is None
         runs[overlap] = (tr, summary, out)
         assert any(halts) == (overlap and poisoned not in ((), (5, 6)))  # a step queued behind a bad one ran again
         halts.clear()
@@ -106,7 +107,7 @@ def _compare(data, tmp_path, monkeypatch, poisoned, *extra: str) -> None:
     _same_checkpoints(oa, ob)
     assert torch.equal(a.working.flat, b.working.flat) and torch.equal(a.working.flat_low, b.working.flat_low)
     assert int(a.optimizer._step_t) == int(b.optimizer._step_t) == 12
-    assert float(b._halt) == 0.0
+    assert float(b.engine._halt) == 0.0
 
 
 @pytest.mark.parametrize("poisoned", [(), (2,), (1, 2), (5, 6), (3, 7, 8, 11)])
@@ -181,7 +182,7 @@ def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, p
         assert tr.working is None and tr.overlap == (mode == "true"), tr.overlap_note
         assert ("fused AdamW" in tr.overlap_note) and (("only when asked" in tr.overlap_note) == (mode == "auto"))
         tr.run()
-        assert tr._pending is None and any(halts) == (mode == "true")  # a step queued behind a bad one ran again
+        assert tr.engine._pending is None and any(halts) == (mode == "true")  # a step queued behind a bad one ran again
         halts.clear()
         runs.append((tr, out))
     (a, oa), (b, ob) = runs
@@ -191,7 +192,7 @@ def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, p
         assert torch.equal(p, q)
         sa, sb = a.optimizer.state[p], b.optimizer.state[q]
         assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
-    assert float(sb["step"]) == 8 and float(b._halt) == 0.0
+    assert float(sb["step"]) == 8 and float(b.engine._halt) == 0.0
 
 
 @pytest.mark.cuda

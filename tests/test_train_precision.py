@@ -61,7 +61,7 @@ def test_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, accum):  # no
     twin = copy.deepcopy(tr.model).to(torch.bfloat16)
     batches = iter(tr.train_loader)
     micro = [next(batches) for _ in range(accum)]
-    tr._accumulate(iter(micro))
+    tr.engine._accumulate(iter(micro))
     assert all(p.dtype == torch.float32 and p.grad is None for p in tr.model.parameters())
     from anyseek.model.mtp import count_targets
 
@@ -72,7 +72,7 @@ def test_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, accum):  # no
         twin.zero_grad(set_to_none=True)
         out = twin(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets, max_seqlen=b.max_seqlen,
                    return_logits=False, num_targets=num)
-        loss = out.lm_loss + tr.mtp_loss_weight() * out.mtp_loss
+        loss = out.lm_loss + tr.engine.mtp_loss_weight() * out.mtp_loss
         loss = loss + tr.model_cfg.aux_loss_alpha * out.balance_loss / accum
         loss.backward()
         for n, p in twin.named_parameters():
@@ -140,7 +140,7 @@ def _steps(tr, n: int, each=lambda: None) -> list[float]:
     batches = iter(tr.train_loader)
     losses = []
     for _ in range(n):
-        ok, loss, _ = tr._apply(tr._accumulate(batches))  # the step count goes up with it
+        ok, loss, _ = tr.engine._apply(tr.engine._accumulate(batches))  # the step count goes up with it
         assert ok
         losses.append(loss)
         each()
@@ -250,12 +250,12 @@ def test_gpu_flat_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, grap
     batches = iter(tr.train_loader)
     for _ in range(3):  # graphed: warm-up, capture, then a replay
         b = next(batches)
-        tr._accumulate(iter([b]))
+        tr.engine._accumulate(iter([b]))
     num = torch.tensor(count_targets(b.targets, b.cu_seqlens, len(twin.mtp)), dtype=torch.float32).cuda()
     d = b.to("cuda")
     out = twin(d.input_ids, cu_seqlens=d.cu_seqlens, targets=d.targets, max_seqlen=d.max_seqlen, return_logits=False,
                num_targets=num)
-    (out.lm_loss + tr.mtp_loss_weight() * out.mtp_loss + tr.model_cfg.aux_loss_alpha * out.balance_loss).backward()
+    (out.lm_loss + tr.engine.mtp_loss_weight() * out.mtp_loss + tr.model_cfg.aux_loss_alpha * out.balance_loss).backward()
     grads = dict(zip((id(p) for p in w.trained), w.grads))
     for (n, p), (_, q) in zip(tr.model.named_parameters(), twin.named_parameters()):
         got, want = grads[id(p)].float(), q.grad.float()

@@ -48,7 +48,7 @@ def test_grad_accumulation_is_the_token_mean_of_the_whole_step(data_dir, tmp_pat
     assert count_targets(big.targets, big.cu_seqlens, 0)[0] == 64
     assert count_targets(small.targets, small.cu_seqlens, 0)[0] == 10
     torch.manual_seed(0)
-    stats = trainer._accumulate(iter([big, small]))
+    stats = trainer.engine._accumulate(iter([big, small]))
     got = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.model.zero_grad(set_to_none=True)
 
@@ -75,9 +75,9 @@ def test_trainer_follows_the_report_schedules(data_dir, tmp_path):  # noqa: F811
     cfg = tiny_cfg(data_dir, "--train.mtp_loss_weight_schedule=[[0, 0.3], [1000, 0.1]]",
                    "--train.bias_update_speed_schedule=[[0, 0.001], [2000, 0.0]]")
     trainer = Trainer(cfg, tmp_path / "run", log=lambda s: None)
-    assert (trainer.mtp_loss_weight(), trainer.bias_update_speed()) == (0.3, 0.001)
+    assert (trainer.engine.mtp_loss_weight(), trainer.engine.bias_update_speed()) == (0.3, 0.001)
     trainer.tokens_seen = 1500
-    assert (trainer.mtp_loss_weight(), trainer.bias_update_speed()) == (0.1, 0.001)
+    assert (trainer.engine.mtp_loss_weight(), trainer.engine.bias_update_speed()) == (0.1, 0.001)
     trainer.tokens_seen = 2000
     biases = [m.gate.e_score_correction_bias.clone() for m in trainer.model.moe_layers()]
     cfg.train.max_steps = 2  # two steps past the switch: gamma 0 leaves the routing biases where they are

@@ -3,7 +3,9 @@
 Each op has backends in priority order. A backend is a name, a loader (imports lazily, returns the function),
 an availability check `available(example) -> (ok, reason)` and the device types it is meant for. Choice:
 
-- explicit: `set_backend(op, name)` (the trainer's config calls this) or the environment, `ANYSEEK_ATTENTION=name`
+- explicit: a run's context `with using(attention="sdpa", moe="reference"):` (the trainer enters one built from
+  its config around everything it runs), `set_backend(op, name)` (process-wide, for interactive use), or the
+  environment, `ANYSEEK_ATTENTION=name`
   for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
   `ANYSEEK_NORM=name` for rms_norm and add_rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_SWIGLU=name`
   for swiglu, `ANYSEEK_XENT=name` for
@@ -19,10 +21,12 @@ Nothing here imports Triton: the triton backend's loader and check import it on 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +68,7 @@ class Backend:
 
 _BACKENDS: dict[str, list[Backend]] = {}
 _requested: dict[str, str] = {}
+_in_context: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("anyseek_backends", default={})
 _warned: set[tuple[str, str, str]] = set()
 _cache: dict[tuple, tuple[Callable, str, str]] = {}
 
@@ -105,16 +110,24 @@ def backends(op: str) -> list[Backend]:
     return list(_BACKENDS[op])
 
 
-def set_backend(op: str, name: str | None) -> None:
-    """Request backend `name` for `op` (or for a group: "attention", "moe"); None or "auto" clears the request."""
+def _targets(op: str, name: str | None) -> tuple[str, ...]:
+    """The ops a request of backend `name` for `op` (an op or a group: "attention", "moe") applies to; a name that no
+    op of the group has raises ValueError listing the known ones."""
     targets = OP_GROUPS.get(op, (op,))
-    if name not in (None, AUTO):
-        known = {t: [b.name for b in backends(t)] for t in targets}
-        targets = tuple(t for t in targets if name in known[t])  # a group: the ops that have this backend
-        if not targets:
-            names = sorted({n for ns in known.values() for n in ns})
-            raise ValueError(f"unknown backend {name!r} for {op!r}; known: {', '.join(names)} (or 'auto')")
-    for target in targets:
+    if name in (None, AUTO):
+        return targets
+    known = {t: [b.name for b in backends(t)] for t in targets}
+    targets = tuple(t for t in targets if name in known[t])  # a group: the ops that have this backend
+    if not targets:
+        names = sorted({n for ns in known.values() for n in ns})
+        raise ValueError(f"unknown backend {name!r} for {op!r}; known: {', '.join(names)} (or 'auto')")
+    return targets
+
+
+def set_backend(op: str, name: str | None) -> None:
+    """Request backend `name` for `op` (or for a group: "attention", "moe") in this whole process; None or "auto"
+    clears the request. A run requests its backends through `using` instead, for its own duration."""
+    for target in _targets(op, name):
         if name in (None, AUTO):
             _requested.pop(target, None)
         else:
@@ -122,8 +135,31 @@ def set_backend(op: str, name: str | None) -> None:
     _cache.clear()
 
 
+@contextlib.contextmanager
+def using(**requests: str | None) -> Iterator[None]:
+    """Backends requested for the duration of the block (and this thread or task): `using(attention="sdpa",
+    moe="auto")`, keys are ops or groups, "auto"/None request nothing. An unknown name raises ValueError here,
+    naming it. Nested blocks add to (and may override) the outer ones; leaving a block restores them."""
+    chosen = dict(_in_context.get())
+    for op, name in requests.items():
+        for target in _targets(op, name):
+            if name in (None, AUTO):
+                chosen.pop(target, None)
+            else:
+                chosen[target] = name
+    token = _in_context.set(chosen)
+    try:
+        yield
+    finally:
+        _in_context.reset(token)
+
+
 def requested(op: str) -> tuple[str, str]:
-    """(name, where it came from): set_backend wins over the environment; ("auto", "default") when neither."""
+    """(name, where it came from): a run's `using` block, then set_backend, then the environment; ("auto",
+    "default") when none asks."""
+    in_block = _in_context.get()
+    if op in in_block:
+        return in_block[op], "the run's config"
     if op in _requested:
         return _requested[op], "set_backend"
     env = ENV_VARS.get(op)

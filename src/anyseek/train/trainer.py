@@ -23,13 +23,11 @@ count (the schedules), and every rank must agree on a stop before it queues anot
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +35,16 @@ import torch
 
 from anyseek import checkpoint
 from anyseek.constants import IGNORE_INDEX
-from anyseek.model.mtp import count_targets
+from anyseek.kernels import registry
 from anyseek.train import precision
-from anyseek.train.config import ConfigError, RunConfig, piecewise
+from anyseek.train.config import ConfigError, RunConfig
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
-from anyseek.train.optim import build_optimizer, lr_at, set_lr
+from anyseek.train.optim import build_optimizer
 from anyseek.train.parallel import Parallel, Silent
 from anyseek.train.preflight import check_prepared, check_vocab, check_writable, describe_os_error
 from anyseek.train.resume import check_resume
 from anyseek.train.start import Start
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many non-finite losses in a row."""
+from anyseek.train.step import Outcome, StepEngine, TrainingDiverged
 
 
 class SaveFailed(RuntimeError):
@@ -58,63 +53,6 @@ class SaveFailed(RuntimeError):
 
 MAX_FAILED_SAVES = 3  # periodic saves that may fail in a row (training goes on) before the run stops
 
-CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: factor = max_norm / (norm + eps), at most 1
-
-
-@dataclass
-class StepStats:
-    """Sums over the micro-batches of one optimizer step (tensors stay on the device until logged)."""
-
-    loss: torch.Tensor | float = 0.0
-    parts: dict[str, torch.Tensor | float] = field(default_factory=dict)
-    expert_load: torch.Tensor | None = None
-    tokens: int = 0
-    flops: float = 0.0  # training FLOPs of the step, attention counted over each document's real length
-    stop_requested: bool = False  # a signal asked to stop (distributed: of any rank, once the step settles)
-    # distributed: [tokens, stop requests] summed over every rank (`Parallel.sum_step`), on the device until the step
-    # settles (then `tokens` and `stop_requested` hold them)
-    global_counts: torch.Tensor | None = None
-    batches: list = field(default_factory=list)  # the host micro-batches (a step run again reads them)
-    mtp_weight: float = 0.0  # the MTP loss weight the step used
-
-
-_TOKENS, _STOP = "tokens (all ranks)", "stop requests (all ranks)"  # read back with a step's verdict
-
-
-@dataclass
-class _InFlight:
-    """A step queued on the device whose verdict the host has not read yet."""
-
-    stats: StepStats
-    lr: float
-    gamma: float  # routing-bias update speed
-    gated: bool  # its optimizer step and routing-bias update are queued, gated by the trainer's halt flag
-    names: list[str]  # of `host`'s values: loss, grad_norm, then the loss parts
-    host: torch.Tensor  # a (pinned) host copy of those values, filled asynchronously
-    event: Any = None  # recorded after the copy (CUDA), else None
-    launched_at: float = field(default_factory=time.perf_counter)  # the host clock when queued
-
-    def read(self) -> dict[str, float]:
-        if self.event is not None:
-            self.event.synchronize()  # this step's work only, not what was queued after it
-        return dict(zip(self.names, self.host.tolist()))
-
-
-@dataclass
-class Outcome:
-    """A settled step: applied (ok) or skipped, the trainer's step count after it, its logged values."""
-
-    ok: bool
-    step: int
-    values: dict[str, float]
-    lr: float
-    tokens: int
-    flops: float
-    tokens_seen: int
-    mtp_weight: float
-    launched_at: float  # host clock: the time between two steps' launches is the step time, overlapped or not
-    in_a_row: int = 0  # skipped: the non-finite steps in a row so far
-
 
 class Trainer:
     def __init__(self, cfg: RunConfig, out_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
@@ -122,8 +60,6 @@ class Trainer:
         """resume_overrides: run-config keys (e.g. "train.lr") that may differ from the checkpoint's on --resume."""
         self.cfg, self.out_dir, self.resume, self.log = cfg, Path(out_dir), resume, log
         self.resume_overrides = tuple(resume_overrides)
-        self.stop_requested = False
-        self.stop_agreed = False  # distributed: the stop every rank saw in the step's all-reduce (`_stopping`)
         t = cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
@@ -139,10 +75,10 @@ class Trainer:
         self.autocast_dtype = precision.compute_dtype(t.dtype, self.device)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
-        from anyseek.kernels import registry
-
-        registry.set_backend("attention", t.attention_backend)  # an unknown name raises here, naming it
-        registry.set_backend("moe", t.moe_backend)
+        # the kernels this run asks for, in force while it runs (`registry.using`); an unknown name raises here
+        self.backends = {"attention": t.attention_backend, "moe": t.moe_backend}
+        with registry.using(**self.backends):
+            pass
 
         if t.lora_rank and self.par.active:
             raise ConfigError("train.lora_rank: LoRA runs in one process for now (its checkpoints hold adapters, "
@@ -181,26 +117,16 @@ class Trainer:
                                   f"this run has none; weights: {self.working_note}")
             masters = self.par.masters.by_param() if self.par.masters is not None else None
             self.optimizer = build_optimizer(self.model, t, self.device, masters)
-        self.forward = torch.compile(self.model) if t.compile else self.model
-        self.graphs, self.graphs_note = self._step_graphs()
-        # fused AdamW (one process or sharded: it takes DTensors and a plain grad_scale alike) and the working copy's:
-        # the clip factor goes into its kernel (grad_scale divides each gradient as it is read), which saves a pass
-        # over the gradients (under torchrun on `small`: 1.4 ms a step over the fp32 sharded gradients)
-        self._fold_clip = self.working is not None or bool(self.optimizer.defaults.get("fused"))
-        # flops_per_token(L) = a + b*L; computed once here, not per batch (it walks every module)
-        self._flops_a = self.model.flops_per_token(0)
-        self._flops_b = self.model.flops_per_token(1) - self._flops_a
-        self.step = 0
-        self.tokens_seen = 0
-        self.bad_in_a_row = 0
+        self.engine = StepEngine(cfg, self.model, self.model_cfg, self.optimizer, self.par, self.device,
+                                 self.autocast_dtype, self.working, self.out_dir, self.backends, self.log)
         self.train_loader = self._loader("train", loop=True)
-        self.overlap, self.overlap_note = self._overlap()
-        self._pending: _InFlight | None = None
-        self._halt = torch.zeros((), dtype=torch.float32, device=self.device)  # set on the device by a bad step
-        if self.overlap and self.working is not None:
-            self.optimizer.skip = self._halt
-        elif self.overlap:  # fused AdamW: skips where found_inf is nonzero, its step counts restored on the device
-            self.optimizer.found_inf = self._halt
+
+    # the step loop's counters and choices live in the engine (train/step.py)
+    step = property(lambda self: self.engine.step)
+    tokens_seen = property(lambda self: self.engine.tokens_seen)
+    bad_in_a_row = property(lambda self: self.engine.bad_in_a_row)
+    graphs = property(lambda self: self.engine.graphs)
+    overlap = property(lambda self: self.engine.overlap)
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -249,8 +175,9 @@ class Trainer:
             self.train_loader.load_state_dict(self.par.loader_state(state, self.train_loader))
             if self.working is not None:
                 self.working.refresh()  # the loaded master weights into the working copy
-            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-            self.bad_in_a_row = int(state.get("bad_in_a_row", 0))
+            engine = self.engine
+            engine.step, engine.tokens_seen = state["step"], state["tokens_seen"]
+            engine.bad_in_a_row = int(state.get("bad_in_a_row", 0))
             self.log(f"resumed from {ckpt.path} at step {self.step}" + (f" (changed: {'; '.join(changes)})"
                                                                          if changes else ""))
             return
@@ -262,6 +189,12 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, Any]:
+        """Train to train.max_steps (or a stop request), evaluating, saving and logging on the config's cadence;
+        returns the summary (validation loss, the last checkpoint, the sample)."""
+        with registry.using(**self.backends):
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         t = self.cfg.train
         self.par.on_main(lambda: check_writable(self.out_dir, self.log))  # rank 0 cleans up; every rank learns
         if self.resume:
@@ -271,7 +204,7 @@ class Trainer:
                 f"{self.out_dir} already holds checkpoints; pass --resume to continue that run or --out NEW_DIR"
             )
         self._describe()
-        main = self.par.env.is_main
+        main, engine = self.par.env.is_main, self.engine
         metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard) if main else Silent()
         progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every) if main else Silent()
         old_handlers = self._install_signal_handlers()
@@ -301,16 +234,16 @@ class Trainer:
 
         try:
             while True:
-                if self._stopping():
-                    for o in self.flush():
+                if engine.stopping():
+                    for o in engine.flush():
                         record(o)
                     break
                 if self.step >= t.max_steps:
                     break
-                for o in self.advance(batches):
+                for o in engine.advance(batches):
                     record(o)
             progress.close()
-            if self._stopping():
+            if engine.stopping():
                 self.log(f"stop requested: saving step {self.step} and exiting")
                 self._save()
                 summary = {"stopped_early": True}
@@ -342,214 +275,6 @@ class Trainer:
             shown["balance"] = row["balance_loss"]
         progress.update(o.step, row.get("lm_loss", v["loss"]), tokens_per_s, shown)
 
-    # ------------------------------------------------------------------------------------------ one step
-
-    def advance(self, batches) -> list[Outcome]:
-        """Queue one optimizer step on the next batches, and settle what is due: the step queued before it (with
-        the overlap), or this one. Returns the settled steps, oldest first (none or one of them skipped)."""
-        t = self.cfg.train
-        pending, self._pending = self._pending, None
-        ahead = pending is not None  # counted as applied until the host reads otherwise
-        number = self.step + ahead
-        tokens = self.tokens_seen + (pending.stats.tokens if ahead else 0)
-        launched = self._launch(self._accumulate(batches, tokens), lr_at(number, t), tokens, gated=self.overlap)
-        done = []
-        if ahead:
-            done.append(self._settle(pending))
-            if not done[-1].ok:  # the device halted: `launched` was not applied; run it again as the step it is
-                done.append(self._settle(launched, halted=True))
-                return done
-        n = number + 1
-        if not self.overlap or n % t.eval_every == 0 or n % t.save_every == 0 or n >= t.max_steps:
-            done.append(self._settle(launched))
-        else:
-            self._pending = launched
-        return done
-
-    def flush(self) -> list[Outcome]:
-        """Settle the step still in flight, if any."""
-        pending, self._pending = self._pending, None
-        return [] if pending is None else [self._settle(pending)]
-
-    def _launch(self, stats: StepStats, lr: float, tokens: int, gated: bool) -> _InFlight:
-        """After a step's forward and backward: the gradient norm and clip factor, and (gated) the optimizer step
-        and routing-bias update, queued without a host sync; the verdict's values copied to the host
-        asynchronously."""
-        t = self.cfg.train
-        gamma = self.bias_update_speed(tokens)
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        fold = self._fold_clip and math.isfinite(max_norm)
-        if self.working is not None:  # its gradients are in one flat buffer (the clip is always folded)
-            grad_norm = self.working.grad_norm()
-        else:
-            grad_norm = self.par.clip_grad_norm_(self.model, max_norm, scale=not fold)  # global norm: ranks agree
-        if fold:
-            self.optimizer.grad_scale = ((grad_norm.float() + CLIP_EPS) / max_norm).clamp(min=1.0)
-        stats.stop_requested = self.stop_requested
-        # losses, expert loads, tokens and stop requests of every rank (no host sync; with the overlap the counts on
-        # the host, for the next step's schedules and the agreed stop)
-        self.par.sum_step(stats, counts_on_host=self.overlap)
-        loss = torch.as_tensor(stats.loss, dtype=torch.float32, device=self.device).reshape(())
-        grad_norm = grad_norm.float().reshape(())
-        if gated:
-            bad = ~torch.isfinite(loss + grad_norm)  # grad_norm >= 0: the sum is finite iff both are
-            self._halt.masked_fill_(bad, 1.0)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()  # reads `_halt` (FlatAdamW.skip, found_inf): nothing changes once halted
-            self._zero_grads()
-            if stats.expert_load is not None:  # a zero load moves no bias: sign(0 - 0)
-                self.model.update_routing_bias(stats.expert_load.float() * (1.0 - self._halt), gamma=gamma)
-        names = ["loss", "grad_norm", *stats.parts]
-        values = torch.stack([loss, grad_norm, *(torch.as_tensor(v, device=self.device).float().reshape(())
-                                                 for v in stats.parts.values())])
-        if stats.global_counts is not None:  # read with the verdict (fp64: token counts beyond 2^24 stay exact)
-            names += [_TOKENS, _STOP]
-            values = torch.cat([values.double(), stats.global_counts.double()])
-        event = None
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = values
-        return _InFlight(stats, lr, gamma, gated, names, host, event)
-
-    def _settle(self, item: _InFlight, halted: bool = False) -> Outcome:
-        """Read a queued step's verdict (a host sync on its own work) and finish it: a non-finite step is skipped;
-        a finite one is applied (already, if gated and not halted). halted: an earlier step's verdict halted the
-        device, so `item` was not applied; it runs again from its batches."""
-        t = self.cfg.train
-        if halted:
-            if item.gated:
-                self._uncount()
-            again = self._launch(self._accumulate(iter(item.stats.batches), self.tokens_seen), lr_at(self.step, t),
-                                 self.tokens_seen, gated=item.gated)
-            return self._settle(again)
-        v = item.read()
-        stats = item.stats
-        if stats.global_counts is not None:
-            stats.tokens, stats.stop_requested = int(v.pop(_TOKENS)), v.pop(_STOP) > 0
-            stats.global_counts = None
-        self.stop_agreed = stats.stop_requested  # (summed over the ranks; one process: this process's own)
-        if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
-            if item.gated:
-                self._uncount()
-                self._halt.zero_()  # after the steps already queued, which it halted
-            self._zero_grads()
-            self.bad_in_a_row += 1
-            self.log(f"warning: step {self.step + 1}: non-finite loss {v['loss']} / grad norm {v['grad_norm']}; "
-                     f"step skipped ({self.bad_in_a_row} in a row)")
-            if self.bad_in_a_row >= t.max_bad_steps:
-                raise TrainingDiverged(
-                    f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; stopping. "
-                    + (f"The last good checkpoint in {self.out_dir} is intact; resume it with a lower --train.lr."
-                       if checkpoint.latest(self.out_dir, log=lambda s: None) is not None
-                       else "No checkpoint was written yet; start again with a lower --train.lr.")
-                )
-            return Outcome(False, self.step, v, item.lr, stats.tokens, stats.flops, self.tokens_seen,
-                           stats.mtp_weight, item.launched_at, self.bad_in_a_row)
-        self.bad_in_a_row = 0
-        if not item.gated:
-            set_lr(self.optimizer, item.lr)
-            self.optimizer.step()
-            self._zero_grads()
-            if stats.expert_load is not None:
-                self.model.update_routing_bias(stats.expert_load, gamma=item.gamma)
-        self.step += 1
-        self.tokens_seen += stats.tokens
-        return Outcome(True, self.step, v, item.lr, stats.tokens, stats.flops, self.tokens_seen, stats.mtp_weight,
-                       item.launched_at)
-
-    def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
-        """One accumulated step finished at once, as the loop without the overlap runs it: (applied, loss, grad
-        norm); the step count goes up when applied."""
-        o = self._settle(self._launch(stats, lr_at(self.step, self.cfg.train), self.tokens_seen, gated=False))
-        return o.ok, o.values["loss"], o.values["grad_norm"]
-
-    def _accumulate(self, batches, tokens: int | None = None) -> StepStats:
-        """Forward and backward over the step's micro-batches. The losses are normalised once for the whole step:
-        each micro-batch's summed next-token (and per-depth MTP) loss is divided by the step's count of valid
-        targets, counted on the host copies of the batches before any of them runs (no device sync), so a
-        micro-batch with few targets weighs no more than its targets do."""
-        t = self.cfg.train
-        micro = [next(batches) for _ in range(t.grad_accum)]
-        mtp_weight = self.mtp_loss_weight(tokens)
-        stats = StepStats(batches=micro, mtp_weight=mtp_weight)
-        if self.working is not None:
-            self.working.before_step()
-        depths = len(self.model.mtp)
-        per_batch = [count_targets(b.targets, b.cu_seqlens, depths) for b in micro]
-        step_counts = [sum(c[i] for c in per_batch) for i in range(depths + 1)]
-        num_targets = _to_device(torch.tensor(step_counts, dtype=torch.float32), self.device)
-        num_targets = self.par.sum_(num_targets)  # the global batch's targets: every rank divides by the same count
-        for batch in micro:
-            done = self.graphs.run(batch, num_targets, mtp_weight) if self.graphs is not None else None
-            if done is None:
-                dev = _to_device(batch, self.device)
-                done = self._micro(dev.input_ids, dev.cu_seqlens, dev.targets, dev.max_seqlen, num_targets,
-                                   mtp_weight)
-            loss, parts, load = done
-            stats.loss = stats.loss + loss
-            for name, value in parts.items():
-                stats.parts[name] = stats.parts.get(name, 0.0) + value
-            if load is not None:
-                stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
-            stats.tokens += batch.num_tokens
-            lens = batch.cu_seqlens.diff().double()
-            mean_context = float((lens * lens).sum() / lens.sum())  # per-token attention span of this packing
-            stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
-        return stats
-
-    def _micro(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed=False):
-        """One micro-batch's forward and backward: (loss, parts, expert_load), detached. The same code runs eagerly
-        and inside a CUDA graph (`train/graphs.py`; graphed: autocast's weight cache off, as graph capture needs)."""
-        with self.working.active() if self.working is not None else contextlib.nullcontext():
-            return self._micro_inner(input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed)
-
-    def _micro_inner(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed):
-        alpha = self.model_cfg.aux_loss_alpha
-        # no autocast where the weights are in the low precision already (a working copy, FSDP2's bf16 shards)
-        low_weights = self.working is not None or self.par.masters is not None
-        with self._autocast(cache=not graphed) if not low_weights else contextlib.nullcontext():
-            out = self.forward(input_ids, cu_seqlens=cu_seqlens, targets=targets, max_seqlen=max_seqlen,
-                               return_logits=False, num_targets=num_targets)
-        parts = {"lm_loss": out.lm_loss}
-        loss = out.lm_loss
-        if out.mtp_loss is not None:
-            parts["mtp_loss"] = out.mtp_loss
-            loss = loss + mtp_weight * out.mtp_loss
-        if out.balance_loss is not None:
-            # a mean over the step's micro-batches (of every rank)
-            parts["balance_loss"] = out.balance_loss / (self.cfg.train.grad_accum * self.par.env.world_size)
-            loss = loss + alpha * parts["balance_loss"]
-        loss.backward()
-        if self.working is not None:
-            self.working.collect()  # the gradients into its flat buffer
-        load = out.expert_load.detach() if out.expert_load is not None else None
-        return loss.detach(), {k: v.detach().float() for k, v in parts.items()}, load
-
-    def _step_graphs(self):
-        """(StepGraphs or None, a line saying which and why) from train.cuda_graphs."""
-        from anyseek.train import graphs
-
-        mode = self.cfg.train.cuda_graphs
-        if mode == "false":
-            return None, "off (train.cuda_graphs=false)"
-        why = graphs.unavailable(self.device, self.cfg.train.compile, torchrun=self.par.active,
-                                 ep=self.cfg.parallel.ep, grad_accum=self.cfg.train.grad_accum)
-        if why is not None:
-            if mode == "true":
-                raise ConfigError(f"train.cuda_graphs=true but {why}")
-            return None, f"off: {why}"
-        # with a working copy its `collect` (inside the graph) moves the gradients; the graphs own none
-        params = [] if self.working is not None else [p for p in self.model.parameters() if p.requires_grad]
-        d = self.cfg.data
-        g = graphs.StepGraphs(self._micro, params, self.device, d.tokens_per_batch, d.max_seqlen,
-                              accumulate=self.cfg.train.grad_accum > 1, log=self.log)
-        fsdp = " with FSDP2's gathers and gradient reductions inside" if self.par.active else ""
-        return g, f"on: each micro-batch's forward and backward replays as one CUDA graph{fsdp} (train/graphs.py)"
-
     def _working_copy(self):
         """(WorkingCopy or None, a line saying which and why) from train.working_copy."""
         mode = self.cfg.train.working_copy
@@ -569,53 +294,6 @@ class Trainer:
         return w, (f"fp32 master weights, forward and backward on a {str(low).replace('torch.', '')} working copy "
                    f"written by the optimizer kernel (+{w.nbytes() / 2**20:,.0f} MiB; train/precision.py)")
 
-    def _overlap(self):
-        """(whether the host queues a step before reading the last one's verdict, a line saying why)."""
-        mode = self.cfg.train.overlap_steps
-        if mode == "false":
-            return False, "off (train.overlap_steps=false)"
-        if self.working is None and not self.optimizer.defaults.get("fused"):
-            why = "it needs an optimizer that skips a step on the device (the working copy's, or fused AdamW: CUDA)"
-            if mode == "true":
-                raise ConfigError(f"train.overlap_steps=true but {why}")
-            return False, f"off: {why}"
-        if self.working is None and mode == "auto" and not self.par.active:
-            return False, ("off: with fused AdamW in one process only when asked (train.overlap_steps=true; measured "
-                           "under torchrun only)")
-        how = "the working copy's optimizer" if self.working is not None else "fused AdamW (found_inf)"
-        return True, (f"on: the host queues step N+1 before it reads step N's loss; a non-finite step is skipped on "
-                      f"the device by {how}")
-
-    def _uncount(self) -> None:
-        """Take back the step count of a step the device skipped: FlatAdamW counts on the host; fused AdamW took its
-        own back on the device (found_inf)."""
-        if self.working is not None:
-            self.optimizer.uncount()
-
-    def _zero_grads(self) -> None:
-        """After a step: freed, except where CUDA graphs add several micro-batches into kept tensors. With a working
-        copy: nothing (its gradients are overwritten, or zeroed before the next step's first micro-batch)."""
-        if self.working is not None:
-            return
-        self.optimizer.zero_grad(set_to_none=self.graphs is None or not self.graphs.accumulate)
-
-    def _stopping(self) -> bool:
-        """Whether a signal asked the run to stop. Distributed: the request as all ranks agreed on it in the last
-        step's all-reduce (a signal reaches the ranks at different moments; acting on it alone would split them)."""
-        return self.stop_agreed if self.par.active else self.stop_requested
-
-    def mtp_loss_weight(self, tokens: int | None = None) -> float:
-        """lambda: train.mtp_loss_weight_schedule at `tokens` (default: the tokens seen so far), else
-        model.mtp_loss_weight."""
-        return piecewise(self.cfg.train.mtp_loss_weight_schedule, self.tokens_seen if tokens is None else tokens,
-                         self.model_cfg.mtp_loss_weight)
-
-    def bias_update_speed(self, tokens: int | None = None) -> float:
-        """gamma: train.bias_update_speed_schedule at `tokens` (default: the tokens seen so far), else
-        model.bias_update_speed."""
-        return piecewise(self.cfg.train.bias_update_speed_schedule, self.tokens_seen if tokens is None else tokens,
-                         self.model_cfg.bias_update_speed)
-
     # ------------------------------------------------------------------------------------------ eval, save, end
 
     @torch.no_grad()
@@ -629,7 +307,7 @@ class Trainer:
                 if n == 0:
                     continue
                 dev = batch.to(self.device)
-                with self._autocast():
+                with registry.using(**self.backends), self.engine.autocast():
                     out = self.model(dev.input_ids, cu_seqlens=dev.cu_seqlens, targets=dev.targets,
                                      max_seqlen=dev.max_seqlen, return_logits=False)
                 total += float(out.lm_loss) * n
@@ -642,7 +320,7 @@ class Trainer:
         return (total / count if count else float("nan")), count
 
     def _evaluate(self, metrics: MetricsLog) -> float:
-        self._settled("an evaluation")
+        self.engine.settled("an evaluation")
         loss, count = self.evaluate()
         ppl = math.exp(loss) if loss < 50 else float("inf")
         metrics.write("val", self.step, {"loss": loss, "perplexity": ppl, "tokens": count})
@@ -653,7 +331,7 @@ class Trainer:
         """Write step-N. A periodic save that fails (full disk, read-only folder) is reported in one line and
         training goes on (the staging folder is already gone) until MAX_FAILED_SAVES fail in a row; any other
         failed save raises SaveFailed."""
-        self._settled("a save")
+        self.engine.settled("a save")
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
                  "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity(), **self.start.record()}
         try:  # distributed: a failure on any rank raises OSError on every rank, so all decide alike below
@@ -670,10 +348,6 @@ class Trainer:
         self.failed_saves = 0
         self.log(f"saved {path}")
         return path
-
-    def _settled(self, what: str) -> None:
-        if self._pending is not None:  # `advance` settles such steps at once: reaching this is a bug
-            raise RuntimeError(f"internal error: {what} with an optimizer step still in flight")
 
     def _finish(self, metrics: MetricsLog) -> dict[str, Any]:
         val_loss = self._evaluate(metrics) if self.has_val else float("nan")
@@ -697,13 +371,13 @@ class Trainer:
     def close(self) -> None:
         """Release what holds the process group's communicators before the group is destroyed: the CUDA graphs
         (`StepGraphs.release`). The trainer can still evaluate or sample afterwards, eagerly."""
-        if self.graphs is not None:
-            self.graphs.release()
+        if self.engine.graphs is not None:
+            self.engine.graphs.release()
 
     def sample(self) -> str:
         t = self.cfg.train
         prompt = self.tokenizer.encode(t.sample_prompt).ids
-        with self._autocast():  # anyseek.generate; sharded, a lockstep twin every rank runs
+        with registry.using(**self.backends), self.engine.autocast():  # sharded: a lockstep twin every rank runs
             new = self.par.generate(self.model, prompt, t.sample_tokens, eos_token_id=self.manifest.get("eos_token_id"),
                                     seed=t.seed)
         self.par.release(self.model)
@@ -712,8 +386,6 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ helpers
 
     def _describe(self) -> None:
-        from anyseek.kernels import registry
-
         m = self.model
         d = self.cfg.data
         name = self.cfg.train.init or self.cfg.model.flavor
@@ -726,23 +398,18 @@ class Trainer:
         moments = ("bf16 with stochastic rounding (train.moments_dtype=bf16)" if self.cfg.train.moments_dtype == "bf16"
                    else "fp32")
         self.log(f"weights: {self.working_note} | AdamW moments {moments}")
-        self.log(f"CUDA graphs: {self.graphs_note}")
-        self.log(f"overlap: {self.overlap_note}")
+        self.log(f"CUDA graphs: {self.engine.graphs_note}")
+        self.log(f"overlap: {self.engine.overlap_note}")
         describe = getattr(registry, "describe", None)
         if describe is not None:
             for row in describe(device=self.device):
                 self.log("kernel: " + " | ".join(str(c) for c in row))
 
-    def _autocast(self, cache: bool = True):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype, cache_enabled=cache)
-
     def _install_signal_handlers(self) -> dict:
         def request_stop(signum, frame):
-            if self.stop_requested:  # a second Ctrl-C: stop now
+            if self.engine.stop_requested:  # a second Ctrl-C: stop now
                 raise KeyboardInterrupt
-            self.stop_requested = True
+            self.engine.stop_requested = True
             self.log(f"\nreceived signal {signum}: finishing step {self.step + 1}, then saving")
 
         old = {}
@@ -766,12 +433,3 @@ def _pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"train.device={name!r} but this PyTorch build sees no CUDA GPU (see `anyseek doctor`)")
     return device
-
-
-def _to_device(x, device: torch.device):
-    """A host tensor or `Batch` on `device`, queued without waiting: on CUDA through pinned memory (a copy from
-    pageable memory waits for the stream first, which left the GPU idle while the host prepared the next step; torch's
-    pinned-memory cache keeps a block until the copies queued from it have run)."""
-    if device.type == "cuda":
-        x = x.pin_memory()
-    return x.to(device, non_blocking=True)
