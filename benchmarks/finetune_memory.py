@@ -20,10 +20,10 @@ import torch
 from anyseek.model.config import ModelConfig
 from anyseek.model.mtp import count_targets
 from anyseek.model.transformer import DeepSeekV3
-from anyseek.transforms import lora as lora_lib
 from anyseek.train.config import load_run_config
 from anyseek.train.memory import estimate
 from anyseek.train.optim import build_optimizer
+from anyseek.transforms import lora as lora_lib
 
 GiB = 1 << 30
 CASES = [("small", {}, 8192, 2048), ("16B, 2 layers", {"num_hidden_layers": 2}, 4096, 2048)]

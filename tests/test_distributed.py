@@ -182,8 +182,8 @@ def _collectives(result: str) -> None:
     import errno
 
     from anyseek.distributed.env import agree
-    from anyseek.train.parallel import Parallel
     from anyseek.train.config import ParallelConfig
+    from anyseek.train.parallel import Parallel
     from anyseek.train.trainer import StepStats
 
     par = Parallel.from_torchrun(ParallelConfig(timeout_s=5), "cpu")
@@ -222,10 +222,10 @@ def _release_after_forward(result: str) -> None:
     `Parallel.release` frees it: the parameters are DTensor shards again, and the next forward gathers afresh."""
     from torch.distributed.tensor import DTensor
 
-    from anyseek.train.parallel import Parallel
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
     from anyseek.train.config import ParallelConfig
+    from anyseek.train.parallel import Parallel
 
     par = Parallel.from_torchrun(ParallelConfig(timeout_s=30), "cpu")
     torch.manual_seed(0)
@@ -280,10 +280,10 @@ def _one_rank_reduce(result: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from anyseek.distributed.fsdp import OneRankReduce, apply_fsdp, mixed_precision
-    from anyseek.train.parallel import Parallel
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
     from anyseek.train.config import ParallelConfig
+    from anyseek.train.parallel import Parallel
 
     class Copies(OneRankReduce):  # FSDP2's own behaviour: an output buffer of its own, copied into
         def allocate(self, size, *, dtype, device):
@@ -556,8 +556,8 @@ def test_ep_benchmark_runs_on_two_cpu_ranks():
 
 def test_a_step_whose_gradients_never_reached_the_parameters_is_an_error():
     """The FSDP2 root-unit bug (gradients dropped, AdamW skipping every parameter) must not pass silently again."""
-    from anyseek.train.parallel import Parallel
     from anyseek.train.config import ParallelConfig
+    from anyseek.train.parallel import Parallel
 
     par = Parallel.from_torchrun(ParallelConfig(), "cpu")
     model = torch.nn.Linear(3, 2)

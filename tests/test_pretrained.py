@@ -18,10 +18,10 @@ from anyseek.constants import IGNORE_INDEX
 from anyseek.data.loader import PackedLoader
 from anyseek.model.config import ModelConfig
 from anyseek.model.transformer import DeepSeekV3
-from anyseek.transforms import lora as lora_lib
 from anyseek.train.config import ConfigError, load_run_config
 from anyseek.train.metrics import read_metrics
 from anyseek.train.trainer import Trainer
+from anyseek.transforms import lora as lora_lib
 
 WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "on", "over", "a", "mat", "tree", "roof", "and", "then", "it", "was", "red", "blue", "small", "big", "river", "stone"]
 TOKENS, SEQ = 256, 64
@@ -463,8 +463,8 @@ def test_lora_checkpoint_refuses_another_base(data_dir, base_dir, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(base_dir, other)
     hf.save_pretrained(DeepSeekV3(_tiny_cfg(_vocab(data_dir), num_nextn_predict_layers=0)), other)
-    from anyseek.storage import CheckpointError
     from anyseek.checkpoint.export import load_lora_model
+    from anyseek.storage import CheckpointError
 
     with pytest.raises(CheckpointError, match="were trained on the base"):
         load_lora_model(tmp_path / "r" / "step-1", base=other)

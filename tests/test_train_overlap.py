@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from test_train_loop import data_dir, tiny_cfg  # noqa: F401 - the module's corpus fixture
 
-from anyseek.model.transformer import DeepSeekV3
 from anyseek.checkpoint import folder as ckpt_lib
+from anyseek.model.transformer import DeepSeekV3
 from anyseek.train.config import ConfigError
 from anyseek.train.metrics import read_metrics
 from anyseek.train.step import StepEngine

@@ -88,8 +88,8 @@ def test_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, accum):  # no
 def test_flat_adamw_is_torch_adamw(tmp_path):
     """FlatAdamW's step (the reference backend on CPU) is torch.optim.AdamW's, with the clip factor folded in, over
     two parameter groups; its state loads from AdamW-shaped tensors."""
-    from anyseek.train.config import TrainConfig
     from anyseek.checkpoint.optimizer import load_optimizer, save_optimizer
+    from anyseek.train.config import TrainConfig
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
