@@ -110,3 +110,86 @@ def test_model_imports_neither_triton_distributed_nor_hf():
                     f"{path.name} imports {n}")
                 assert n not in ("anyseek.train", "anyseek.data") and not n.startswith(("anyseek.train.", "anyseek.data.")), (
                     f"{path.name} imports {n}")
+
+
+# The packages in layers, lowest first: a module may import its own package and the layers below its own, never one
+# beside it or above it. The root package (`anyseek/__init__.py`, lazy exports) and the command line sit on top.
+LAYERS = (
+    ("constants", "storage", "runtime"),
+    ("kernels",),
+    ("model",),
+    ("data", "hf"),
+    ("transforms", "distributed"),
+    ("checkpoint",),
+    ("infer",),
+    ("train",),
+    ("cli", "doctor", ""),
+    ("__main__",),
+)
+LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+
+def _package(module: str) -> str:
+    """anyseek.train.step -> train; anyseek.storage -> storage; anyseek -> '' (the root)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def _layer_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The anyseek modules `name` imports (anywhere in its file), each resolved to the module itself:
+    `from anyseek import kernels` is anyseek.kernels, not the root package. `from anyseek import __version__` (the
+    root's only eager attribute) counts as no import."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                if f"{mod}.{a.name}" in known:
+                    out.add(f"{mod}.{a.name}")
+                elif mod in known and not (mod == "anyseek" and a.name == "__version__"):
+                    out.add(mod)
+    return out - {name}
+
+
+def _layer_violations() -> list[str]:
+    mods = _modules()
+    bad = []
+    for name, path in sorted(mods.items()):
+        here = _package(name)
+        for target in sorted(_layer_imports(name, path, set(mods))):
+            there = _package(target)
+            if there == here:
+                continue
+            if there not in LEVEL or here not in LEVEL:
+                bad.append(f"{name} -> {target}: package {there or here!r} has no layer in tests/test_imports.py")
+            elif LEVEL[there] >= LEVEL[here]:
+                bad.append(f"{name} -> {target}: {here or 'anyseek'} (layer {LEVEL[here]}) may not import "
+                           f"{there or 'anyseek'} (layer {LEVEL[there]})")
+    return bad
+
+
+def test_packages_import_only_layers_below():
+    bad = _layer_violations()
+    assert not bad, "imports that run back up (or across) the package layers:\n" + "\n".join(bad)
+
+
+def test_layer_rule_catches_an_upward_import(tmp_path, monkeypatch):
+    # the rule itself: a file importing a higher layer is reported (a test that cannot fail would pass silently)
+    assert _layer_imports("anyseek.model.x", ROOT / "model" / "mla.py", set(_modules())) >= {"anyseek.kernels"}
+    fake = tmp_path / "anyseek"
+    (fake / "model").mkdir(parents=True)
+    (fake / "train").mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "model" / "__init__.py").write_text("")
+    (fake / "train" / "__init__.py").write_text("")
+    (fake / "train" / "loop.py").write_text("x = 1\n")
+    (fake / "model" / "bad.py").write_text("from anyseek.train import loop\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
+    assert _layer_violations() == ["anyseek.model.bad -> anyseek.train.loop: model (layer 2) may not import train "
+                                   "(layer 7)"]
