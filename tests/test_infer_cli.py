@@ -45,15 +45,15 @@ def cli(capsys, *args) -> tuple[int, str, str]:
 
 def test_generate_prints_what_the_api_returns(trained, capsys):
     import anyseek
-    from anyseek.infer import checkpoint
+    from anyseek.infer import loading
 
     run, _, _ = trained
     rc, out, err = cli(capsys, "generate", str(run), "--prompt", "the cat sat", "--temperature", "0",
                        "--max-new-tokens", "12")  # fmt: skip
     assert rc == 0, err
-    folder = checkpoint.resolve(run)
-    tok, eos = checkpoint.load_tokenizer(folder)
-    model = checkpoint.load_model(folder, "cpu")
+    folder = loading.resolve(run)
+    tok, eos = loading.load_tokenizer(folder)
+    model = loading.load_model(folder, "cpu")
     want = anyseek.generate(model, "the cat sat", max_new_tokens=12, temperature=0, tokenizer=tok, eos_token_id=eos)
     assert out == want + "\n"
     assert "tokens/s" in err and "parameters" in err
@@ -105,7 +105,7 @@ def test_bad_input_is_one_clear_line(trained, capsys, tmp_path):
 
 
 def test_generate_cli_loads_on_cpu_in_fp32(trained):
-    from anyseek.infer import checkpoint
+    from anyseek.infer import loading
 
-    model = checkpoint.load_model(checkpoint.resolve(trained[0]), "cpu")
+    model = loading.load_model(loading.resolve(trained[0]), "cpu")
     assert model.lm_head.weight.dtype == torch.float32 and not model.training

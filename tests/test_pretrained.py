@@ -439,7 +439,7 @@ def test_init_hash_tells_two_checkpoints_of_one_model_apart(data_dir, base_dir, 
 
 
 def test_generate_and_eval_name_export_for_a_lora_checkpoint(data_dir, base_dir, tmp_path):
-    from anyseek.infer.checkpoint import CLIError, resolve
+    from anyseek.infer.loading import CLIError, resolve
 
     run(lora_cfg(data_dir, base_dir, "--train.max_steps=1"), tmp_path / "r")
     for folder in (tmp_path / "r", tmp_path / "r" / "step-1"):

@@ -1,4 +1,4 @@
-"""The step-N folder, its one home: every checkpoint a run writes, reads, verifies, prunes and exports goes through here.
+"""The step-N folder, its one home: every checkpoint a run writes, reads, verifies, prunes and exports passes here.
 
     path = checkpoint.save(out_dir, step, model, optimizer, train_state, run_config, tokenizer_files, keep_last,
                            env=par.env, masters=par.masters, adapters=None)
@@ -7,6 +7,7 @@
         state = checkpoint.load(ckpt.path, model, optimizer, env=par.env, masters=par.masters, verified=True)
     ckpt = checkpoint.latest(out_dir)                           # the newest complete one, or None
     checkpoint.export(run_or_step, out)                         # a Hugging Face folder (LoRA merged, shards gathered)
+    folder = checkpoint.model_folder(path)                      # what `anyseek generate PATH` loads, verified
 
 The face picks the form itself: a run of several processes (`env.active`, torchrun) writes a sharded folder
 (`sharded.py`: torch.distributed.checkpoint's safetensors, every rank its shards); one process writes a Hugging Face
@@ -21,6 +22,7 @@ last inside a staging folder that is renamed into place (`anyseek.storage.atomic
     adapters.py   a LoRA checkpoint's adapters.safetensors + lora.json
     rng.py        the random streams (torch CPU/GPU, Python) of one process or of every rank
     identity.py   a model folder's path and content hash (--init, LoRA bases)
+    find.py       which folder a path means (a step-N, a run's newest, a model folder to generate with), checked
     export.py     Hugging Face and PEFT folders from any checkpoint; cli.py: `anyseek export`
 """
 
@@ -33,6 +35,7 @@ import torch
 
 from anyseek.checkpoint.adapters import Adapters, is_lora
 from anyseek.checkpoint.export import export
+from anyseek.checkpoint.find import find_checkpoint, model_folder
 from anyseek.checkpoint.folder import (
     STEP_DIR,
     Checkpoint,
@@ -48,7 +51,7 @@ from anyseek.distributed.env import DistEnv
 from anyseek.storage import CheckpointError
 
 __all__ = ["STEP_DIR", "Adapters", "Checkpoint", "CheckpointDamaged", "CheckpointError", "checkpoints", "export",
-           "is_lora", "is_sharded", "latest", "load", "reference", "save", "verify"]
+           "find_checkpoint", "is_lora", "is_sharded", "latest", "load", "model_folder", "reference", "save", "verify"]
 
 checkpoints = list_checkpoints
 latest = latest_checkpoint

@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from anyseek.checkpoint.adapters import ADAPTERS, is_lora, read_adapters, read_lora_json
-from anyseek.checkpoint.folder import STEP_DIR, is_sharded, latest_checkpoint, verify
+from anyseek.checkpoint.find import find_checkpoint
+from anyseek.checkpoint.folder import is_sharded, verify
 from anyseek.checkpoint.identity import reference
 from anyseek.hf import config_dtype, load_pretrained, write_model_files
 from anyseek.storage import CheckpointError, atomic_folder
@@ -55,18 +56,6 @@ def export(run_or_step: str | Path, out: str | Path, dtype: torch.dtype | None =
     if not verified:
         verify(step)
     return write_hf_folder(load_pretrained(step, device="cpu"), step, Path(out), dtype)
-
-
-def find_checkpoint(run_or_step: str | Path) -> tuple[Path, bool]:
-    """(the step-N folder, whether it was verified): `run_or_step` itself when it is a step-N folder, else the newest
-    complete checkpoint in that run folder (verified on the way)."""
-    path = Path(run_or_step)
-    if STEP_DIR.match(path.name) and path.is_dir():
-        return path, False
-    ckpt = latest_checkpoint(path, log=lambda s: print(s, file=sys.stderr))
-    if ckpt is None:
-        raise CheckpointError(f"{path}: no complete checkpoint to export (a step-N folder, or a run folder with one)")
-    return ckpt.path, True
 
 
 def find_lora_checkpoint(run_or_step: str | Path) -> Path:

@@ -33,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
-    from anyseek.infer.checkpoint import CLIError
+    from anyseek.infer.loading import CLIError
 
     try:
         return _run(args)
@@ -43,9 +43,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from anyseek.infer import checkpoint
-    from anyseek.infer.checkpoint import CLIError
+    from anyseek.infer import loading
     from anyseek.infer.generate import GenerationError, Generator
+    from anyseek.infer.loading import CLIError
     from anyseek.infer.sampling import SamplingParams
 
     if args.max_new_tokens < 1:
@@ -54,12 +54,12 @@ def _run(args: argparse.Namespace) -> int:
         params = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    folder = checkpoint.resolve(args.checkpoint)
-    tok, eos = checkpoint.load_tokenizer(folder)
+    folder = loading.resolve(args.checkpoint)
+    tok, eos = loading.load_tokenizer(folder)
     jobs = _read_prompts(Path(args.prompts)) if args.prompts else None
     if args.prompt is not None and not args.prompt.strip():
         raise CLIError("empty prompt")
-    model = checkpoint.load_model(folder, args.device, args.dtype)
+    model = loading.load_model(folder, args.device, args.dtype)
     status(f"model {folder} | {model.num_parameters() / 1e6:.1f}M parameters | {model.lm_head.weight.device} "
            f"{str(model.lm_head.weight.dtype).removeprefix('torch.')}")  # fmt: skip
     max_batch = min(args.max_batch, len(jobs)) if jobs else 1
@@ -85,7 +85,7 @@ def status(msg: str) -> None:
 
 
 def _read_prompts(path: Path) -> list[dict]:
-    from anyseek.infer.checkpoint import CLIError
+    from anyseek.infer.loading import CLIError
 
     if not path.is_file():
         raise CLIError(f"{path}: no such file")

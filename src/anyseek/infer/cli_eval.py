@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
-    from anyseek.infer.checkpoint import CLIError
+    from anyseek.infer.loading import CLIError
 
     try:
         result = evaluate(args)
@@ -57,10 +57,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     import torch
 
     from anyseek.data.loader import PackedLoader
-    from anyseek.infer import checkpoint
-    from anyseek.infer.checkpoint import CLIError
+    from anyseek.infer import loading
+    from anyseek.infer.loading import CLIError
 
-    folder = checkpoint.resolve(args.checkpoint)
+    folder = loading.resolve(args.checkpoint)
     data = Path(args.data).expanduser()
     if not (data / "manifest.json").is_file():
         raise CLIError(f"{data}: not a prepared data folder (no manifest.json; run `anyseek prepare` first)")
@@ -70,7 +70,7 @@ def evaluate(args: argparse.Namespace) -> dict:
                               max_seqlen=s.get("max_seqlen", 512), seed=s.get("seed", 0), loop=False)  # fmt: skip
     except (OSError, ValueError, KeyError) as e:
         raise CLIError(f"{data}: cannot read split {args.split!r} ({e})") from e
-    model = checkpoint.load_model(folder, args.device, args.dtype)
+    model = loading.load_model(folder, args.device, args.dtype)
     vocab = loader.manifest.get("vocab_size")
     if vocab is not None and vocab > model.config.vocab_size:
         raise CLIError(f"{data} has a vocabulary of {vocab} tokens, the model only {model.config.vocab_size}")

@@ -1,5 +1,6 @@
-"""Finding and loading a model to generate with or evaluate: a `step-N` folder, a run folder (its newest complete
-checkpoint) or any Hugging Face DeepseekV3 folder, plus its tokenizer. Errors are `CLIError` with a message that
+"""Loading a model to generate with or evaluate: a `step-N` folder, a run folder (its newest complete checkpoint) or
+any Hugging Face DeepseekV3 folder (`anyseek.checkpoint.model_folder` says which folder a path means), plus its
+tokenizer. Errors are `CLIError` with a message that
 names the folder and what is missing (the commands print it without a traceback)."""
 
 from __future__ import annotations
@@ -9,35 +10,21 @@ from pathlib import Path
 
 import torch
 
+from anyseek import checkpoint
+from anyseek.storage import CheckpointError
+
 
 class CLIError(Exception):
     """A user error: the command prints the message and exits with status 2."""
 
 
 def resolve(path: str | Path) -> Path:
-    """The model folder `path` means: itself when it holds config.json, else its newest complete step-N."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise CLIError(f"{folder}: no such folder")
-    if (folder / "config.json").is_file():
-        return folder
-    _refuse_lora(folder)
-    from anyseek.checkpoint.folder import latest_checkpoint, list_checkpoints
-
-    if list_checkpoints(folder):
-        ckpt = latest_checkpoint(folder, log=lambda s: None)
-        if ckpt is None:
-            raise CLIError(f"{folder}: no complete checkpoint (every step-N folder is unfinished or damaged)")
-        _refuse_lora(ckpt.path)
-        return ckpt.path
-    raise CLIError(f"{folder} is not a checkpoint: no config.json, and no step-N checkpoint folders inside")
-
-
-def _refuse_lora(folder: Path) -> None:
-    """A LoRA run's step-N holds adapters only (anyseek.transforms.lora): say how to get a model folder from it."""
-    if (folder / "lora.json").is_file():
-        raise CLIError(f"{folder} is a LoRA checkpoint (adapters only); write the model with "
-                       f"`anyseek export --merge {folder} --out DIR` and use DIR")
+    """The model folder `path` means (`anyseek.checkpoint.model_folder`: a model folder, checked against its
+    checkpoint.json where it has one, or a run's newest complete step-N), as a CLIError where there is none."""
+    try:
+        return checkpoint.model_folder(path)
+    except CheckpointError as e:
+        raise CLIError(str(e)) from e
 
 
 def load_model(folder: Path, device: str | None = None, dtype: str | None = None):
