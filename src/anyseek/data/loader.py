@@ -46,12 +46,6 @@ class Batch:
     def num_segments(self) -> int:
         return int(self.cu_seqlens.numel()) - 1
 
-    def position_ids(self) -> torch.Tensor:
-        """int64 [N]: position of each token within its segment."""
-        cu = self.cu_seqlens.to(torch.int64)
-        starts = torch.repeat_interleave(cu[:-1], cu.diff())
-        return torch.arange(self.num_tokens, device=cu.device) - starts
-
     def to(self, device, non_blocking: bool = False) -> Batch:
         ids, tgt, cu = (
             t.to(device, non_blocking=non_blocking) for t in (self.input_ids, self.targets, self.cu_seqlens)

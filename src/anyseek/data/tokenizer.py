@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -128,13 +127,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def copy_tokenizer(data_dir: str | Path, dest: str | Path) -> list[Path]:
-    """Copy the tokenizer files into `dest` (e.g. a checkpoint folder)."""
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    return [Path(shutil.copy2(f, dest / f.name)) for f in tokenizer_files(data_dir)]
 
 
 def batched(texts: Iterable[str], n: int = 1000) -> Iterator[list[str]]:

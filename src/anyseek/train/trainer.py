@@ -120,6 +120,7 @@ class Trainer:
         self.engine = StepEngine(cfg, self.model, self.model_cfg, self.optimizer, self.par, self.device,
                                  self.autocast_dtype, self.working, self.out_dir, self.backends, self.log)
         self.train_loader = self._loader("train", loop=True)
+        self.failed_saves = 0  # periodic saves that failed in a row (`_save`)
 
     # the step loop's counters and choices live in the engine (train/step.py)
     step = property(lambda self: self.engine.step)
@@ -339,7 +340,7 @@ class Trainer:
                                    self.tokenizer_files, self.cfg.train.keep_last, env=self.par.env,
                                    masters=self.par.masters, adapters=self.start.adapters)
         except OSError as e:
-            self.failed_saves = getattr(self, "failed_saves", 0) + 1
+            self.failed_saves += 1
             why = f"could not save step {self.step} in {self.out_dir}: {describe_os_error(e)}"
             if periodic and self.failed_saves < MAX_FAILED_SAVES:
                 self.log(f"warning: {why}; training goes on and tries again at the next save")
@@ -400,9 +401,8 @@ class Trainer:
         self.log(f"weights: {self.working_note} | AdamW moments {moments}")
         self.log(f"CUDA graphs: {self.engine.graphs_note}")
         self.log(f"overlap: {self.engine.overlap_note}")
-        describe = getattr(registry, "describe", None)
-        if describe is not None:
-            for row in describe(device=self.device):
+        with registry.using(**self.backends):
+            for row in registry.describe(device=self.device):
                 self.log("kernel: " + " | ".join(str(c) for c in row))
 
     def _install_signal_handlers(self) -> dict:
