@@ -1,11 +1,11 @@
-"""How a run begins: random weights, a pretrained folder (`--init`, train/init.py), and optionally LoRA
-(train/lora.py). The trainer calls these hooks; with neither --init nor LoRA each one is a no-op.
+"""How a run begins: random weights or a pretrained folder (`--init`, train/init.py), then the run's model
+transforms (`anyseek.transforms`: LoRA). The trainer calls these hooks; with neither --init nor LoRA each one is a no-op.
 
     start = Start(cfg, device, autocast_dtype, log)
     data_dir = start.prepare_data(cfg.data)            # --init with data.source: tokenized with the folder's tokenizer
     model_cfg = start.model_config(data_dir, manifest)  # the folder's config (None: from the [model] section)
     model = start.build_model() or DeepSeekV3(model_cfg)
-    model_cfg = start.adapt(model)                      # LoRA: freeze the base, wrap the targets
+    model_cfg = start.adapt(model)                      # the run's transforms (LoRA: freeze the base, ...)
     checkpoint.save(..., adapters=start.adapters)       # LoRA: adapters + lora.json instead of the full model
 """
 
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from anyseek import transforms
 from anyseek.checkpoint.adapters import Adapters
 from anyseek.train import init as init_lib
 from anyseek.train.config import RunConfig
-from anyseek.transforms import lora as lora_lib
 
 
 class Start:
@@ -31,8 +31,10 @@ class Start:
         self.cfg, self.device, self.log = cfg, device, log
         self.init = init_lib.InitSource.open(t.init) if t.init else None
         self.ref = self.init.reference() if self.init else None
-        self.spec = lora_lib.LoRASpec.from_train(t) if t.lora_rank else None
-        self.base_dtype = base_dtype(t.lora_base_dtype, autocast_dtype) if self.spec else torch.float32
+        self.transforms = transforms.for_run(t, autocast_dtype)  # LoRA (anyseek.transforms)
+        lora = next((x for x in self.transforms if isinstance(x, transforms.LoRA)), None)
+        self.spec = lora.spec if lora is not None else None
+        self.base_dtype = lora.base_dtype if lora is not None else torch.float32
         self.model_cfg = None
         # what a LoRA run's checkpoints hold in place of the model (None: the whole model)
         self.adapters = Adapters(self.spec, self.ref) if self.spec else None
@@ -64,23 +66,15 @@ class Start:
         return model
 
     def adapt(self, model):
-        """LoRA: freeze the base, wrap the targets; the routing biases belong to the base and stay as loaded."""
-        if self.spec is None:
-            return model.config
-        lora_lib.apply_lora(model, self.spec, self.base_dtype)
-        model.config = dataclasses.replace(model.config, bias_update_speed=0.0)
-        n = lora_lib.count_adapters(model)
-        self.log(f"lora: rank {self.spec.rank}, alpha {self.spec.alpha:g}, targets {', '.join(self.spec.targets)}: "
-                 f"{n / 1e6:.2f}M adapter parameters trained, base frozen in {self.base_dtype}")
+        """The run's transforms applied to the built model (LoRA: freeze the base, wrap the targets; the routing
+        biases belong to the base and stay as loaded); returns its config."""
+        for transform in self.transforms:
+            transform.apply(model)
+            self.log(transform.describe(model))
+        if self.spec is not None:
+            model.config = dataclasses.replace(model.config, bias_update_speed=0.0)
         return model.config
 
     def record(self) -> dict[str, Any]:
         """For train_state.json: where the run started from."""
         return {"init": self.ref} if self.ref else {}
-
-
-def base_dtype(name: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
-    """train.lora_base_dtype: auto = bf16 when the run autocasts to bf16 (its matmuls read bf16 anyway), else fp32."""
-    if name == "auto":
-        return torch.bfloat16 if autocast_dtype == torch.bfloat16 else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]

@@ -288,3 +288,25 @@ def count_adapters(model: nn.Module) -> int:
 def _is_adapter(name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     return leaf.startswith(("lora_", "gate_up_lora_", "down_lora_"))
+
+
+class LoRA:
+    """The LoRA transform (`anyseek.transforms.Transform`): `apply` freezes the base in `base_dtype` and wraps the
+    spec's targets; `revert` merges the adapters into plain layers (export); the adapters are what a checkpoint keeps
+    (`anyseek.checkpoint.adapters`)."""
+
+    name = "lora"
+
+    def __init__(self, spec: LoRASpec, base_dtype: torch.dtype = torch.float32):
+        self.spec, self.base_dtype = spec, base_dtype
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return apply_lora(model, self.spec, self.base_dtype)
+
+    def revert(self, model: nn.Module) -> nn.Module:
+        return merge_lora(model)
+
+    def describe(self, model: nn.Module) -> str:
+        s = self.spec
+        return (f"lora: rank {s.rank}, alpha {s.alpha:g}, targets {', '.join(s.targets)}: "
+                f"{count_adapters(model) / 1e6:.2f}M adapter parameters trained, base frozen in {self.base_dtype}")
