@@ -17,6 +17,11 @@ ROPE_KEYS = frozenset(
 )  # fmt: skip
 
 
+# The fields of ModelConfig that are training knobs, not the model's shape: Hugging Face folders keep them under
+# their own key (`anyseek.hf.config`), and a run started from a folder (`--init`) may set them (`train/init.py`).
+TRAINING_KNOBS = ("aux_loss_alpha", "bias_update_speed", "mtp_loss_weight", "init_std")
+
+
 @dataclass
 class ModelConfig:
     """DeepSeek-V3 architecture. Defaults are DeepSeek-V3's (as in transformers' DeepseekV3Config)."""
@@ -102,7 +107,7 @@ class ModelConfig:
             )
         if self.n_routed_experts:
             self._validate_moe()
-        for name in ("aux_loss_alpha", "bias_update_speed", "mtp_loss_weight", "init_std"):
+        for name in TRAINING_KNOBS:
             _check(getattr(self, name) >= 0, name, ">= 0")
 
     def _validate_moe(self) -> None:

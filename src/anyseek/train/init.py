@@ -25,10 +25,9 @@ from typing import Any
 import torch
 
 from anyseek.checkpoint.identity import reference
+from anyseek.model.config import TRAINING_KNOBS
 from anyseek.storage import CheckpointError
 from anyseek.train.config import ConfigError
-
-KNOBS = ("aux_loss_alpha", "bias_update_speed", "mtp_loss_weight", "init_std")  # overridable: not the model's shape
 
 
 @dataclass(frozen=True)
@@ -68,12 +67,12 @@ class InitSource:
 def model_config(init: InitSource, section) -> Any:
     """The run's ModelConfig: the folder's, plus the [model] section's knob overrides. A shape override is an error."""
     cfg = init.config
-    bad = sorted(k for k, v in section.overrides.items() if k not in KNOBS and getattr(cfg, k) != v)
+    bad = sorted(k for k, v in section.overrides.items() if k not in TRAINING_KNOBS and getattr(cfg, k) != v)
     if bad:
         got = ", ".join(f"model.{k}={section.overrides[k]!r} (the folder has {getattr(cfg, k)!r})" for k in bad)
         raise ConfigError(f"--init {init.path} fixes the model's shape; remove {got}. Only "
-                          f"{', '.join('model.' + k for k in KNOBS)} may be set with --init")
-    knobs = {k: v for k, v in section.overrides.items() if k in KNOBS}
+                          f"{', '.join('model.' + k for k in TRAINING_KNOBS)} may be set with --init")
+    knobs = {k: v for k, v in section.overrides.items() if k in TRAINING_KNOBS}
     return dataclasses.replace(cfg, **knobs) if knobs else cfg
 
 
@@ -83,7 +82,7 @@ def load_model(init: InitSource, cfg, device: torch.device, dtype: torch.dtype =
     from anyseek.hf import load_pretrained
 
     model = load_pretrained(init.path, dtype=dtype, device=device)
-    knobs = {k: getattr(cfg, k) for k in KNOBS}
+    knobs = {k: getattr(cfg, k) for k in TRAINING_KNOBS}
     model.config = dataclasses.replace(model.config, **knobs)  # MTP depth as loaded (a folder may hold fewer)
     return model.train()
 
