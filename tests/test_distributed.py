@@ -110,7 +110,7 @@ def _train(data: str, out: str, overrides: list[str], resume: bool) -> None:
         biases = [m.gate.e_score_correction_bias.tolist() for m in trainer.model.moe_layers()]
         (Path(out) / "biases.json").write_text(json.dumps(biases))
         replays = trainer.graphs.replays if trainer.graphs is not None else 0
-        (Path(out) / "graphs.json").write_text(json.dumps({"note": trainer.graphs_note, "replays": replays,
+        (Path(out) / "graphs.json").write_text(json.dumps({"note": trainer.engine.graphs_note, "replays": replays,
                                                            "overlap": trainer.overlap,
                                                            "weights": trainer.working_note}))
     trainer.close()  # as `anyseek train` does: the graphs before the process group (`_entry` destroys it)
@@ -430,7 +430,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path): 
 
 def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
     import anyseek
-    from anyseek.checkpoint.export import export_sharded
+    from anyseek.checkpoint.exporter import export_sharded
 
     folder = export_sharded(runs / "dp" / LAST, tmp_path / "hf")
     model = anyseek.load_pretrained(folder)

@@ -302,7 +302,7 @@ def test_lora_run_trains_adapters_keeps_base_and_exports(data_dir, base_dir, tmp
     assert {"adapters.safetensors", "lora.json", "tokenizer.json"} <= {p.name for p in step.iterdir()}
     assert not (step / "model.safetensors").exists()
     # the base the adapters sit on is bit for bit the folder's (it was never trained)
-    from anyseek.checkpoint.export import export_merged, export_peft, load_lora_model
+    from anyseek.checkpoint.exporter import export_merged, export_peft, load_lora_model
 
     model = load_lora_model(step)
     folder = hf.load_pretrained(base_dir, dtype=torch.float32)
@@ -463,7 +463,7 @@ def test_lora_checkpoint_refuses_another_base(data_dir, base_dir, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(base_dir, other)
     hf.save_pretrained(DeepSeekV3(_tiny_cfg(_vocab(data_dir), num_nextn_predict_layers=0)), other)
-    from anyseek.checkpoint.export import load_lora_model
+    from anyseek.checkpoint.exporter import load_lora_model
     from anyseek.storage import CheckpointError
 
     with pytest.raises(CheckpointError, match="were trained on the base"):
@@ -543,7 +543,7 @@ def _finished(codes: list[int], out: Path) -> list[str]:
 def test_init_trains_sharded_and_lora_is_refused_on_two_ranks(data_dir, base_dir, tmp_path):
     from test_distributed import spawn
 
-    from anyseek.checkpoint.export import export_sharded
+    from anyseek.checkpoint.exporter import export_sharded
 
     out = tmp_path / "dp"
     assert _finished(spawn(_init_on_two_ranks, str(data_dir), str(base_dir), str(out), False), out) == ["done"] * 2

@@ -142,9 +142,9 @@ def test_overlap_stops_a_diverging_run_like_the_loop(data_dir, tmp_path, monkeyp
 
 def test_overlap_off_without_a_working_copy(data_dir, tmp_path):  # noqa: F811
     tr = Trainer(tiny_cfg(data_dir, "--train.max_steps=2"), tmp_path / "run", log=lambda s: None)
-    assert tr.working is None and not tr.overlap and "working copy" in tr.overlap_note
+    assert tr.working is None and not tr.overlap and "working copy" in tr.engine.overlap_note
     tr = Trainer(_cfg(data_dir, False, "--train.max_steps=2"), tmp_path / "run2", log=lambda s: None)
-    assert not tr.overlap and "overlap_steps=false" in tr.overlap_note
+    assert not tr.overlap and "overlap_steps=false" in tr.engine.overlap_note
     # asked for where the optimizer cannot skip a step on the device (foreach AdamW on the CPU): an error saying so
     with pytest.raises(ConfigError, match="overlap_steps=true but it needs an optimizer that skips a step on the dev"):
         Trainer(tiny_cfg(data_dir, "--train.max_steps=2", "--train.overlap_steps=true"), tmp_path / "run3",
@@ -179,8 +179,8 @@ def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, p
         tr = Trainer(tiny_cfg(data_dir, "--train.max_steps=8", "--train.save_every=4", "--train.eval_every=3",
                               "--train.keep_last=10", f"--train.overlap_steps={mode}"), out,
                      log=lambda s: None)  # fmt: skip
-        assert tr.working is None and tr.overlap == (mode == "true"), tr.overlap_note
-        assert ("fused AdamW" in tr.overlap_note) and (("only when asked" in tr.overlap_note) == (mode == "auto"))
+        assert tr.working is None and tr.overlap == (mode == "true"), tr.engine.overlap_note
+        assert ("fused AdamW" in tr.engine.overlap_note) and (("only when asked" in tr.engine.overlap_note) == (mode == "auto"))
         tr.run()
         assert tr.engine._pending is None and any(halts) == (mode == "true")  # a step queued behind a bad one ran again
         halts.clear()

@@ -76,9 +76,9 @@ def test_trainer_follows_the_report_schedules(data_dir, tmp_path):  # noqa: F811
                    "--train.bias_update_speed_schedule=[[0, 0.001], [2000, 0.0]]")
     trainer = Trainer(cfg, tmp_path / "run", log=lambda s: None)
     assert (trainer.engine.mtp_loss_weight(), trainer.engine.bias_update_speed()) == (0.3, 0.001)
-    trainer.tokens_seen = 1500
+    trainer.engine.tokens_seen = 1500
     assert (trainer.engine.mtp_loss_weight(), trainer.engine.bias_update_speed()) == (0.1, 0.001)
-    trainer.tokens_seen = 2000
+    trainer.engine.tokens_seen = 2000
     biases = [m.gate.e_score_correction_bias.clone() for m in trainer.model.moe_layers()]
     cfg.train.max_steps = 2  # two steps past the switch: gamma 0 leaves the routing biases where they are
     trainer.run()
@@ -88,7 +88,7 @@ def test_trainer_follows_the_report_schedules(data_dir, tmp_path):  # noqa: F811
 def test_resume_restores_bad_steps_in_a_row(data_dir, tmp_path):  # noqa: F811
     cfg = tiny_cfg(data_dir, "--train.max_steps=3")
     trainer = Trainer(cfg, tmp_path / "run", log=lambda s: None)
-    trainer.bad_in_a_row = 2
+    trainer.engine.bad_in_a_row = 2
     trainer._save()
     again = Trainer(cfg, tmp_path / "run", resume=True, log=lambda s: None)
     again._resume()

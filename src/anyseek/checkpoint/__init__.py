@@ -23,7 +23,7 @@ last inside a staging folder that is renamed into place (`anyseek.storage.atomic
     rng.py        the random streams (torch CPU/GPU, Python) of one process or of every rank
     identity.py   a model folder's path and content hash (--init, LoRA bases)
     find.py       which folder a path means (a step-N, a run's newest, a model folder to generate with), checked
-    export.py     Hugging Face and PEFT folders from any checkpoint; cli.py: `anyseek export`
+    exporter.py   Hugging Face and PEFT folders from any checkpoint; cli.py: `anyseek export`
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from anyseek.checkpoint.adapters import Adapters, is_lora
-from anyseek.checkpoint.export import export
+from anyseek.checkpoint.exporter import export
 from anyseek.checkpoint.find import find_checkpoint, model_folder
 from anyseek.checkpoint.folder import (
     STEP_DIR,

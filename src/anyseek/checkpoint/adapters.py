@@ -4,7 +4,7 @@
     step-N/lora.json              the spec (rank, alpha, dropout, targets) and the base: {"path", "sha256"}
                                   (`anyseek.checkpoint.identity.reference`)
 
-`anyseek export` merges them into their base (`anyseek.checkpoint.export`).
+`anyseek export` merges them into their base (`anyseek.checkpoint.exporter`).
 """
 
 from __future__ import annotations

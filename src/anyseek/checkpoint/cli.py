@@ -1,5 +1,5 @@
 """`anyseek export RUN_OR_STEP --out DIR` (`--merge RUN_OR_STEP`, `--peft RUN_OR_STEP`): a Hugging Face folder, or a
-PEFT adapter folder, from a training checkpoint (`anyseek.checkpoint.export`)."""
+PEFT adapter folder, from a training checkpoint (`anyseek.checkpoint.exporter`)."""
 
 from __future__ import annotations
 
@@ -27,17 +27,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """A missing or damaged checkpoint, or a base that does not match, raises CheckpointError (a ValueError):
     `anyseek.cli` prints it as one `error:` line and exits 2."""
-    from anyseek.checkpoint import export
+    from anyseek.checkpoint.exporter import export, export_merged, export_peft
 
     given = [x for x in (args.checkpoint, args.merge, args.peft) if x]
     if len(given) != 1:
         raise ValueError("anyseek export takes one of RUN_OR_STEP, --merge RUN_OR_STEP or --peft RUN_OR_STEP")
     dtype = DTYPES.get(args.dtype)
     if args.peft:
-        out = export.export_peft(args.peft, args.out)
+        out = export_peft(args.peft, args.out)
     elif args.merge:
-        out = export.export_merged(args.merge, args.out, args.base, dtype)
+        out = export_merged(args.merge, args.out, args.base, dtype)
     else:
-        out = export.export(args.checkpoint, args.out, dtype, args.base)
+        out = export(args.checkpoint, args.out, dtype, args.base)
     print(f"wrote {out}")
     return 0
