@@ -23,6 +23,14 @@ INTERP_CASES = [
     ("varlen_fp16_40_24", "varlen_attention", [1, 19, 30], 2, (40, 24), "float16", True),
     ("varlen_fp32_64_noncausal", "varlen_attention", [7, 25], 2, (64, 64), "float32", False),
 ]
+# (name, op, lengths, H, dims, dtype, causal, softmax_scale): every case above runs the default scale 1/sqrt(q dim);
+# YaRN configs (the 671B flavor) pass another (mscale^2 / sqrt(q dim)). Scales ~2x and ~1/3 of the default: a
+# kernel (forward or either backward pass) that ignores the argument is off by far more than fp16 rounding
+SCALED_CASES = [
+    ("mla_fp32_scale_0.3", "mla_attention", [1, 9, 22], 2, (32, 16, 32), "float32", True, 0.3),
+    ("mla_fp16_scale_0.05", "mla_attention", [5, 17, 2], 3, (32, 16, 24), "float16", True, 0.05),
+    ("varlen_fp16_scale_0.4_noncausal", "varlen_attention", [7, 13], 2, (40, 24), "float16", False, 0.4),
+]
 
 
 def _worker() -> None:
@@ -33,6 +41,10 @@ def _worker() -> None:
     for name, op, lengths, H, dims, dtype, causal in INTERP_CASES:
         dt = getattr(torch, dtype)
         table = accuracy.error_table(getattr(ops, op), op, lengths, H, dims, dt, "cpu", causal, scale=None, seed=1)
+        results[name] = {"pass": accuracy.passes(table, dt), "table": table}
+    for name, op, lengths, H, dims, dtype, causal, scale in SCALED_CASES:
+        dt = getattr(torch, dtype)
+        table = accuracy.error_table(getattr(ops, op), op, lengths, H, dims, dt, "cpu", causal, scale=scale, seed=2)
         results[name] = {"pass": accuracy.passes(table, dt), "table": table}
     # the 64-bit indexing path (taken on batches past 2**31 elements), forced on a small case
     from anyseek.kernels.triton import attention
@@ -84,7 +96,9 @@ def interp_results():
     return json.loads(lines[-1][len("RESULTS ") :])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["int64_path", "compile", "joint_kv_grad", "registry"])
+@pytest.mark.parametrize(
+    "name", [c[0] for c in INTERP_CASES + SCALED_CASES] + ["int64_path", "compile", "joint_kv_grad", "registry"]
+)
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"

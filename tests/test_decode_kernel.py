@@ -21,6 +21,27 @@ INTERP_CASES = [
     ("fp16_tma", [1, 16, 17, 47, 64], 5, 64, 16, 32, "float16", {"splits": 2, "tma": True}),
     ("fp16_no_tma", [1, 16, 17, 47, 64], 5, 64, 16, 32, "float16", {"splits": 2, "tma": False}),
 ]
+# (name, kv_lens, H, L, R, page, dtype, config overrides, softmax_scale): the cases above run the default
+# 1/sqrt(L+R); YaRN configs (the 671B flavor) pass another. Scales ~2x and ~1/3 of the default, through the
+# reduction over splits and through the one-split path that writes the output itself
+SCALED_CASES = [
+    ("fp32_scale_0.4", [1, 37, 20], 3, 24, 8, 16, "float32", {"splits": 2}, 0.4),
+    ("fp16_tma_scale_0.04", [16, 47, 3], 5, 64, 16, 32, "float16", {"splits": 2, "tma": True}, 0.04),
+    ("fp16_one_split_scale_0.3", [33, 5], 4, 32, 16, 32, "float16", {"splits": 1}, 0.3),
+]
+
+
+def scaled_error_table(fn, kv_lens, H, L, R, page, dtype, softmax_scale, device="cpu", **kw):
+    """As `accuracy.decode_error_table` (without its NaN-poisoned slots), with `softmax_scale` given to `fn`, the
+    fp32 reference and the reference in `dtype` alike -> [("out", err, err_pt)]."""
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.reference.decode import mla_decode as ref_fn
+
+    q, cache, table, lens = accuracy.decode_inputs(kv_lens, H, L, R, page, device, dtype, seed=4)
+    ref = ref_fn(q.float(), cache.float(), table, lens, L, softmax_scale=softmax_scale)
+    pt = ref_fn(q, cache, table, lens, L, softmax_scale=softmax_scale, compute_dtype=dtype).float()
+    got = fn(q, cache, table, lens, L, softmax_scale=softmax_scale, **kw).float()
+    return [("out", (got - ref).abs().max().item(), (pt - ref).abs().max().item())]
 
 
 def _worker() -> None:
@@ -31,6 +52,10 @@ def _worker() -> None:
     for name, lens, H, L, R, page, dtype, cfg in INTERP_CASES:
         dt = getattr(torch, dtype)
         table = accuracy.decode_error_table(k.mla_decode, lens, H, L, R, dt, "cpu", page=page, seed=1, config=cfg)
+        results[name] = {"pass": accuracy.passes(table, dt), "table": table}
+    for name, lens, H, L, R, page, dtype, cfg, scale in SCALED_CASES:
+        dt = getattr(torch, dtype)
+        table = scaled_error_table(k.mla_decode, lens, H, L, R, page, dt, scale, config=cfg)
         results[name] = {"pass": accuracy.passes(table, dt), "table": table}
     from anyseek.kernels import registry
 
@@ -48,7 +73,7 @@ def interp_results():
     return json.loads(lines[-1][len("RESULTS ") :])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES] + ["registry"])
+@pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES + SCALED_CASES] + ["registry"])
 def test_interpreter(interp_results, name):
     r = interp_results[name]
     assert r["pass"], f"{name}: (out, err, err_pt) = {r['table']}"
@@ -61,10 +86,17 @@ def test_reference_matches_dense_attention():
 
     q, cache, table, lens = accuracy.decode_inputs([5, 19, 1], 3, 8, 4, 4, "cpu", torch.float64, seed=2)
     out = mla_decode(q, cache, table, lens, 8, softmax_scale=0.3)
+    X, u = q.shape[-1], 2.0**-24  # the reference computes in fp32 (unit roundoff u) whatever its inputs' dtype
     for t, n in enumerate(lens.tolist()):
         rows = torch.cat([cache[p] for p in table[t].tolist()])[:n]
         p = torch.softmax(q[t] @ rows.T * 0.3, dim=-1)
-        torch.testing.assert_close(out[t], p @ rows[:, :8])
+        # fp32 error bound: a score (X products, inputs rounded to fp32) is off by at most (X + 2) u times the sum
+        # of its terms' magnitudes; the output moves by at most 2 max|c| per unit of score error (d out / d s_j =
+        # p_j (c_j - out)); the softmax and p @ c add ~(n + 2) u max|c|. A wrong page or mask moves it by ~1
+        s_abs = (q[t].abs() @ rows.abs().T * 0.3).max()
+        c_max = rows[:, :8].abs().max()
+        tol = float((2 * (X + 2) * s_abs + n + 2) * u * c_max)
+        torch.testing.assert_close(out[t], p @ rows[:, :8], rtol=0, atol=tol)
 
 
 def test_tma_is_chosen_only_where_it_applies():
@@ -210,6 +242,24 @@ def test_gpu_gluon_decode(H, lens, splits, dtype):
     table = accuracy.decode_error_table(k.mla_decode, lens, H, 512, 64, dtype, "cuda", config=cfg)
     assert accuracy.passes(table, dtype), table
     assert [v for key, v in k._TMA_STATE.items() if key[0] == "ws" and key[3] == dtype] == [True]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ws", [True, False])
+def test_gpu_decode_softmax_scale(ws):
+    """A softmax scale other than 1/sqrt(L+R) (the model's is 1/sqrt(qk_head_dim), times mscale^2 under YaRN),
+    through the Gluon kernel on Hopper (with the proof that it ran) and through the Triton kernel."""
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.triton import mla_decode as k
+    from anyseek.kernels.triton import mla_decode_ws as ws_k
+
+    if ws and not ws_k.device_available(torch.device("cuda"))[0]:
+        pytest.skip(ws_k.device_available(torch.device("cuda"))[1])
+    table = scaled_error_table(k.mla_decode, [1, 65, 1000], 128, 512, 64, 64, torch.bfloat16, 0.1, device="cuda",
+                               config={"ws": ws})  # fmt: skip
+    assert accuracy.passes(table, torch.bfloat16), table
+    if ws:
+        assert [v for key, v in k._TMA_STATE.items() if key[0] == "ws" and key[3] == torch.bfloat16] == [True]
 
 
 @pytest.mark.cuda

@@ -174,6 +174,48 @@ def test_speculative_equals_plain(drafter, monkeypatch):
     assert 0.4 < stats.acceptance_rate < 0.9 and stats.steps < 30
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_sampled_speculative_with_always_right_drafts_equals_plain(penalty, monkeypatch):
+    """Sampled decoding (temperature > 0) with a drafter that always proposes the token plain sampled decoding drew
+    at that position (same seed): every draft is accepted, so every step also draws the token after the draft, from
+    the verification's second row with that token's own noise key (request, token index) and repetition history.
+    The output equals plain sampled decoding token for token. (The MTP drafter of a random model is never right,
+    and the oracle test above is greedy, where no noise key is read.)"""
+    model = make_model("no_qlora_halfsplit")
+    kw = {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "repetition_penalty": penalty, "seed": 7}
+    plain = anyseek.generate(model, PROMPTS, max_new_tokens=24, **kw)
+    gen = Generator(model, max_batch=3, max_len=120, speculative="mtp")
+    have = [0] * len(PROMPTS)  # tokens each request holds so far (counted by on_token)
+    index_of = {tuple(p): i for i, p in enumerate(PROMPTS)}
+    V = model.config.vocab_size
+
+    def right(requests: list[int]) -> torch.Tensor:
+        """Draft logits [B, V] whose argmax is plain[i][have[i]], the token request i draws next."""
+        out = torch.zeros(len(requests), V)
+        for b, i in enumerate(requests):
+            out[b, plain[i][have[i]] if have[i] < len(plain[i]) else 0] = 1.0
+        return out
+
+    real_prefill, real_extend = gen.engine.mtp_prefill, gen.engine.mtp_extend
+
+    def mtp_prefill(h, step, prompts, first):
+        real_prefill(h, step, prompts, first)  # the MTP layer's cache fills as usual; only its proposal is replaced
+        return right([index_of[tuple(p)] for p in prompts])
+
+    def mtp_extend(seqs, starts, h, nxt):
+        real_extend(seqs, starts, h, nxt)
+        return right(seqs)
+
+    monkeypatch.setattr(gen.engine, "mtp_prefill", mtp_prefill)
+    monkeypatch.setattr(gen.engine, "mtp_extend", mtp_extend)
+    params = SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["repetition_penalty"], kw["seed"])
+    reqs, stats = gen.run(PROMPTS, 24, params, on_token=lambda i, t: have.__setitem__(i, have[i] + 1))
+    assert [r.tokens for r in reqs] == plain
+    assert stats.drafted > 0 and stats.accepted == stats.drafted  # every step took its second token
+    assert stats.steps <= 12
+    assert plain != anyseek.generate(model, PROMPTS, max_new_tokens=24, **{**kw, "temperature": 0})  # it sampled
+
+
 def test_sampling_seeded_and_consistent():
     model = make_model("no_qlora_halfsplit")
     kw = {"max_new_tokens": 20, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.3}
