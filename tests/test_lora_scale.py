@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from anyseek.model.concat import fused_linear
 from anyseek.model.config import ModelConfig
 from anyseek.model.moe import Experts
-from anyseek.train import lora as lora_lib
+from anyseek.transforms import lora as lora_lib
 
 
 def _lora_linear(fan_in: int, fan_out: int, rank: int, alpha: float, g: torch.Generator) -> lora_lib.LoRALinear:
