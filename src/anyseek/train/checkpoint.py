@@ -111,7 +111,10 @@ def save_checkpoint(
 
     final = out_dir / f"step-{step}"
     with atomic_folder(final) as tmp:
-        (write_model or write_model_files)(model, tmp)  # config.json, model.safetensors, generation_config.json
+        if write_model is None:  # the resume state: written even where transformers would compute another model
+            write_model_files(model, tmp, for_transformers=False)  # config.json, model.safetensors, generation_config
+        else:
+            write_model(model, tmp)
         for f in tokenizer_files:
             shutil.copy2(f, tmp / f.name)
         (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
