@@ -9,6 +9,7 @@ with a warning and a note, by training checkpoints, which load back exactly. Rea
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -79,7 +80,9 @@ def test_transformers_deepseek_v2_save_then_our_load_same_logits(tmp_path, metho
 def test_round_trip_is_exact_and_keeps_our_knobs(tmp_path):
     model = v2_model(3, q_lora_rank=None, aux_loss_alpha=3e-3, bias_update_speed=0.0, mtp_loss_weight=0.2,
                      **ROUTINGS["group_limited_greedy"])
-    hf.save_pretrained(model, tmp_path / "v2")
+    with warnings.catch_warnings():  # a zero routing bias exports silently
+        warnings.simplefilter("error")
+        hf.save_pretrained(model, tmp_path / "v2")
     assert not any("e_score_correction_bias" in n for n in scan_folder(tmp_path / "v2"))
     loaded = hf.load_pretrained(tmp_path / "v2", dtype=torch.float32)
     assert loaded.config == model.config and loaded.config.aux_loss_alpha == 3e-3
