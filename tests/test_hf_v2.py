@@ -44,7 +44,8 @@ def v2_model(seed: int = 0, bias: float = 0.0, **overrides):
 
 @pytest.mark.parametrize("method", ROUTINGS)
 def test_save_then_transformers_deepseek_v2_same_logits(tmp_path, method):
-    model = v2_model(**ROUTINGS[method])
+    # like V2-Lite (greedy, no q LoRA) and V2 (group-limited, q LoRA)
+    model = v2_model(**ROUTINGS[method], q_lora_rank=None if method == "greedy" else 32)
     hf.save_pretrained(model, tmp_path / "ours")
     cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v2" and cfg["architectures"] == ["DeepseekV2ForCausalLM"]
@@ -127,7 +128,7 @@ def test_checkpoint_keeps_trained_bias_with_a_note_and_loads_exactly(tmp_path):
 
 
 def test_training_run_checkpoints_a_biased_v2_model_that_export_refuses(data_dir, tmp_path, capsys):  # noqa: F811
-    """A softmax run whose routing bias trains: its step-N resumes state is written (deepseek_v2, bias kept),
+    """A softmax run whose routing bias trains: its step-N (the resume state) is written (deepseek_v2, bias kept),
     `anyseek export` says why it will not write it; with bias_update_speed 0 the export loads in transformers."""
     from anyseek.cli import main
 
