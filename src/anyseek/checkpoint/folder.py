@@ -117,8 +117,8 @@ def save_checkpoint(
     with atomic_folder(final) as tmp:
         if adapters is not None:
             write_adapters(model, tmp, adapters)
-        else:
-            write_model_files(model, tmp)  # config.json, model.safetensors, generation_config.json
+        else:  # the resume state: written even where transformers would compute another model (anyseek.hf)
+            write_model_files(model, tmp, for_transformers=False)  # config.json, model.safetensors, generation_config
         for f in tokenizer_files:
             shutil.copy2(f, tmp / f.name)
         (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))

@@ -3,7 +3,8 @@
     model = anyseek.load_pretrained("path/to/DeepSeek-V3-folder", dtype=torch.bfloat16, device="cuda")
     anyseek.save_pretrained(model, "out/folder", dtype=torch.bfloat16, max_shard_size="5GB")
 
-config.py       config.json <-> ModelConfig (unknown keys are errors; V2 leftovers in V3 configs are ignored)
+config.py       config.json <-> ModelConfig (unknown keys are errors; V2 leftovers in V3 configs are ignored;
+                softmax-routed models are model_type deepseek_v2, transformers' DeepseekV2)
 names.py        our state-dict names <-> the checkpoint's (per-expert tensors, MTP at model.layers.{N+k})
 fp8.py          the official block-wise FP8 weights, dequantized on load
 safetensors_io  headers, tensor reads, sharded writes (never unpickles)

@@ -1,4 +1,4 @@
-"""Hugging Face interop: load and save DeepSeek-V3 checkpoint folders (config.json + safetensors).
+"""Hugging Face interop: load and save DeepSeek-V2/V3 checkpoint folders (config.json + safetensors).
 
     model = load_pretrained("path/to/DeepSeek-V3-folder", dtype=torch.bfloat16, device="cuda")
     save_pretrained(model, "out/folder", dtype=torch.bfloat16, max_shard_size="5GB")
@@ -8,6 +8,12 @@ safetensors files (memory-mapped) and assigned, so peak memory is about one mode
 per-expert pieces and are copied into one stacked tensor per layer as they are read. FP8 block-quantized weights
 (the official release) are dequantized on the way in. Saved folders use the official per-expert layout and load
 in `transformers.AutoModelForCausalLM.from_pretrained`. See names.py for the name mapping.
+
+Softmax-routed models are written as transformers' DeepseekV2 (hf/config.py). That class has no routing bias: an
+all-zero `e_score_correction_bias` is left out of the folder, a trained one is kept under its own name (transformers
+reports it unexpected and routes without it). A model transformers would compute differently (`transformers_gaps`)
+is refused by `save_pretrained` and exports (`for_transformers=True`), and written with a warning and a note in
+config.json for training checkpoints, whose job is to resume exactly (`for_transformers=False`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from anyseek.hf.config import config_from_hf, config_to_hf
+from anyseek.hf.config import NOTE_KEY, config_from_hf, config_to_hf
+from anyseek.hf.config import transformers_gaps as config_gaps
 from anyseek.hf.fp8 import DEFAULT_BLOCK, dequantize_blockwise
 from anyseek.hf.names import LoadPlan, Piece, expert_names, plan_load, to_hf
 from anyseek.hf.safetensors_io import TensorInfo, TensorReader, nbytes, scan_folder, write_shards
@@ -34,10 +41,11 @@ if TYPE_CHECKING:
     from anyseek.model.config import ModelConfig
     from anyseek.model.transformer import DeepSeekV3
 
-__all__ = ["CheckpointError", "load_pretrained", "save_pretrained", "write_model_files"]
+__all__ = ["CheckpointError", "load_pretrained", "save_pretrained", "transformers_gaps", "write_model_files"]
 
 _MAX_LISTED = 40  # names listed per kind of problem in one error message
 _KEEP_FILES = re.compile(r"(tokenizer.*|special_tokens_map\.json|chat_template.*|vocab\.json|merges\.txt)")
+_ROUTING_BIAS = "mlp.gate.e_score_correction_bias"
 
 
 # ---------------------------------------------------------------- loading
@@ -287,7 +295,8 @@ def save_pretrained(
     Official layout: per-expert `mlp.experts.e.{gate,up,down}_proj.weight`, MTP module k as
     `model.layers.{N+k}.*` with copies of embed_tokens and lm_head (`shared_head.head`). dtype: of floating
     parameters (default: as they are); buffers keep theirs. Atomic (`anyseek.storage.atomic_folder`): an existing
-    folder is replaced only once the new one is complete, and its tokenizer files are kept.
+    folder is replaced only once the new one is complete, and its tokenizer files are kept. A softmax-routed model
+    that transformers' DeepseekV2 would compute differently (`transformers_gaps`) is a CheckpointError naming why.
     """
     folder = Path(path)
     with atomic_folder(folder) as tmp:
@@ -299,21 +308,68 @@ def save_pretrained(
 
 
 def write_model_files(
-    model: DeepSeekV3, folder: Path, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB"
+    model: DeepSeekV3,
+    folder: Path,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    for_transformers: bool = True,
 ) -> None:
     """The model's files (config.json, generation_config.json, safetensors) into an existing `folder`, in place:
-    callers that need atomicity write into an `atomic_folder`."""
+    callers that need atomicity write into an `atomic_folder`.
+
+    for_transformers=True (exports): a model that transformers would compute differently (`transformers_gaps`) is a
+    CheckpointError naming why, before anything is written. False (training checkpoints: the resume state, which
+    anyseek loads exactly): written all the same, with a warning and the reasons under "anyseek" in config.json."""
     cfg = getattr(model, "config", None)
     if cfg is None or not dataclasses.is_dataclass(cfg):
         raise TypeError(f"save_pretrained needs a model with a ModelConfig at .config, got {type(model).__name__}")
-    entries = _save_entries(model, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, dtype)
+    gaps = transformers_gaps(model)
+    if gaps and for_transformers:
+        raise CheckpointError(
+            f"not written: transformers' DeepseekV2 (how a softmax-routed model loads in transformers) would "
+            f"compute another model than this one: {'; '.join(gaps)}. anyseek loads the training checkpoints of "
+            "this model exactly (anyseek generate / eval, --init, anyseek.load_pretrained); a model transformers "
+            "computes has none of these (model.bias_update_speed = 0 keeps the routing bias at zero)"
+        )
+    if gaps:
+        warnings.warn(
+            f"anyseek: this softmax-routed model is written as transformers' DeepseekV2, which will load it and "
+            f"compute another model: {'; '.join(gaps)}. anyseek resumes and loads it exactly; `anyseek export` "
+            "refuses it",
+            stacklevel=2,
+        )
+    # transformers' DeepseekV2 has no routing bias: an all-zero one (nothing to keep) stays out of its folder
+    omit = set() if gaps or cfg.scoring_func != "softmax" else _routing_biases(model.state_dict())
+    entries = _save_entries(model, cfg.num_hidden_layers, cfg.num_nextn_predict_layers, dtype, omit)
     write_shards(entries, folder, max_shard_size)
-    _write_configs(model, cfg, folder, dtype)
+    _write_configs(model, cfg, folder, dtype, gaps)
 
 
-def _save_entries(model: nn.Module, n_layers: int, n_mtp: int, dtype: torch.dtype | None) -> list:
-    """(checkpoint name, bytes, make tensor) for every tensor to write, experts unstacked, MTP renamed."""
-    state = model.state_dict()
+def transformers_gaps(model: nn.Module) -> list[str]:
+    """What of `model` (its config and its trained routing bias) the transformers class its config.json names would
+    not compute; empty when transformers computes this model. Only softmax routing (DeepseekV2) has gaps."""
+    cfg = model.config
+    gaps = config_gaps(cfg)
+    if cfg.scoring_func == "softmax":
+        state = model.state_dict()
+        biased = [n for n in _routing_biases(state) if state[n].any()]
+        if biased:
+            gaps.append(
+                f"a trained routing bias (e_score_correction_bias nonzero in {len(biased)} MoE layers; transformers' "
+                "DeepseekV2 selects experts without one)"
+            )
+    return gaps
+
+
+def _routing_biases(state: dict[str, torch.Tensor]) -> set[str]:
+    return {n for n in state if n.endswith(_ROUTING_BIAS)}
+
+
+def _save_entries(
+    model: nn.Module, n_layers: int, n_mtp: int, dtype: torch.dtype | None, omit: set[str] = frozenset()
+) -> list:
+    """(checkpoint name, bytes, make tensor) for every tensor to write but `omit`, experts unstacked, MTP renamed."""
+    state = {n: t for n, t in model.state_dict().items() if n not in omit}
     buffers = {n for n, _ in model.named_buffers()}
 
     def out_dtype(name: str, t: torch.Tensor) -> torch.dtype:
@@ -340,8 +396,12 @@ def _save_entries(model: nn.Module, n_layers: int, n_mtp: int, dtype: torch.dtyp
     return entries
 
 
-def _write_configs(model: nn.Module, cfg: ModelConfig, folder: Path, dtype: torch.dtype | None) -> None:
+def _write_configs(
+    model: nn.Module, cfg: ModelConfig, folder: Path, dtype: torch.dtype | None, gaps: list[str] = ()
+) -> None:
     hf = config_to_hf(cfg)
+    if gaps:  # for whoever opens the folder: transformers loads it and computes another model
+        hf["anyseek"][NOTE_KEY] = f"transformers' {hf['architectures'][0]} does not compute: {'; '.join(gaps)}"
     saved = dtype if dtype is not None else next(p.dtype for p in model.parameters() if p.is_floating_point())
     hf["dtype"] = str(saved).removeprefix("torch.")
     hf.pop("torch_dtype", None)

@@ -41,8 +41,8 @@ def load_model(folder: Path, device: str | None = None, dtype: str | None = None
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CLIError(f"{folder / 'config.json'}: unreadable ({e})") from e
-    if config.get("model_type") not in (None, "deepseek_v3"):
-        raise CLIError(f"{folder}: model_type {config.get('model_type')!r} is not a DeepseekV3 model")
+    if config.get("model_type") not in (None, "deepseek_v3", "deepseek_v2"):
+        raise CLIError(f"{folder}: model_type {config.get('model_type')!r} is not a DeepseekV3 or DeepseekV2 model")
     try:
         model = load_pretrained(folder, dtype=dt, device=dev)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
