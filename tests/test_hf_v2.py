@@ -153,7 +153,7 @@ def test_training_run_checkpoints_a_biased_v2_model_that_export_refuses(data_dir
 
 
 def test_generate_and_eval_load_a_deepseek_v2_folder(tmp_path):
-    from anyseek.infer.checkpoint import load_model
+    from anyseek.infer.loading import load_model
 
     model = v2_model(6)
     hf.save_pretrained(model, tmp_path / "v2")

@@ -25,7 +25,6 @@ from pathlib import Path
 from anyseek.model.config import ROPE_KEYS, ModelConfig
 
 # anyseek's own training knobs: written under "anyseek" in config.json
-TRAINING_KNOBS = ("aux_loss_alpha", "bias_update_speed", "mtp_loss_weight", "init_std")
 NOTE_KEY = "note"  # "anyseek": {"note": ...}: for people reading the file (what transformers will not compute); unread
 # Keys DeepSeek-V3 configs carry as leftovers of V2 that would silently set a training knob: the official V3
 # config.json has aux_loss_alpha = 0.001 (V2's value), ten times the 1e-4 of the V3 report. Ignored (with a warning)

@@ -102,7 +102,7 @@ class TrainConfig:
     mtp_loss_weight_schedule: list = field(default_factory=list)
     bias_update_speed_schedule: list = field(default_factory=list)
     # Start from a pretrained model (`anyseek train --init PATH`; anyseek.train.init): a Hugging Face DeepSeek-V2/V3
-    # folder or a step-N checkpoint. LoRA (anyseek.train.lora) when lora_rank > 0: the base frozen, adapters trained.
+    # folder or a step-N checkpoint. LoRA (anyseek.transforms.lora) when lora_rank > 0: the base frozen, adapters trained.
     init: str | None = None
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float = 16.0  # adapter scale = lora_alpha / lora_rank
