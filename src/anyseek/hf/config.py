@@ -22,7 +22,7 @@ import json
 import warnings
 from pathlib import Path
 
-from anyseek.model.config import ROPE_KEYS, ModelConfig
+from anyseek.model.config import ROPE_KEYS, TRAINING_KNOBS, ModelConfig
 
 # anyseek's own training knobs: written under "anyseek" in config.json
 NOTE_KEY = "note"  # "anyseek": {"note": ...}: for people reading the file (what transformers will not compute); unread
