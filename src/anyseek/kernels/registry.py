@@ -208,7 +208,7 @@ def describe(device: str | torch.device | None = None, dtype: torch.dtype | None
 def _register_defaults() -> None:
     triton_ok = _lazy_check("anyseek.kernels.triton.check.available")
     for op in ("mla_attention", "varlen_attention"):
-        register(op, Backend("triton", _lazy(f"anyseek.kernels.ops.{op}"), triton_ok, ("cuda",)))
+        register(op, Backend("triton", _lazy(f"anyseek.kernels.ops.attention.{op}"), triton_ok, ("cuda",)))
         if op == "varlen_attention":
             flash_ok = _lazy_check("anyseek.kernels.native.flash_attn_available")
             flash = _lazy("anyseek.kernels.native.flash_attn_varlen_attention")
@@ -220,7 +220,7 @@ def _register_defaults() -> None:
         register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
     register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.torch_backends.grouped_mm_routed_experts"),
                                        _lazy_check("anyseek.kernels.torch_backends.grouped_mm_available"), ("cuda",)))
-    register("routed_experts", Backend("triton", _lazy("anyseek.kernels.triton.moe.routed_experts"),
+    register("routed_experts", Backend("triton", _lazy("anyseek.kernels.ops.moe.routed_experts"),
                                        _lazy_check("anyseek.kernels.triton.check.moe_available"), ("cuda",)),
              before="grouped_mm")  # fmt: skip
     register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))

@@ -16,7 +16,7 @@ columns; the pair shares one dropout mask on its common input).
 `LoRALinear.weight` still gives the merged W + s * B A for code that reads weights (decoding, export).
 
 Routed experts get per-expert adapters, stacked. Where the Triton routed experts run, `LoRAExperts` hands them the
-adapters (`kernels/triton/moe.py: lora_routed_experts`): each grouped GEMM reads the base weight and adds the rows'
+adapters (`kernels/ops/moe.py: lora_routed_experts`): each grouped GEMM reads the base weight and adds the rows'
 rank-r product (x A^T, or dh B in backward; made before the GEMM or beside its own product in its loop over K) times
 the other adapter matrix in its epilogue; the adapters' gradients come from rank-r products per expert (dB = s
 dh^T (x A^T), dA = s (dh B)^T x). No [E, F, D] weight or gradient is formed, and the SwiGLU output is not kept
@@ -181,8 +181,8 @@ class LoRAExperts(nn.Module):
         if (_unmerged() and registry.choose("routed_experts", x_TD)[1] == "triton"
                 and not torch.compiler.is_compiling()):  # fmt: skip
             # the Triton experts take the adapters themselves: no [E, F, D] weight gradient, no effective weights
-            # kept for backward (kernels/triton/moe.py: lora_routed_experts)
-            from anyseek.kernels.triton.moe import lora_routed_experts
+            # kept for backward (kernels/ops/moe.py: lora_routed_experts)
+            from anyseek.kernels.ops.moe import lora_routed_experts
 
             return lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
                                        self.base.down_proj, self.gate_up_lora_A, self.gate_up_lora_B,
