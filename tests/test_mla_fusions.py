@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from anyseek.kernels import torch_lowrank
 from anyseek.model import concat
 from anyseek.model.rope import apply_rope, rope_rows, rope_tail_
 
@@ -176,7 +177,7 @@ def test_low_rank_linear_blocks_and_scale_gradients(dropout_input):
 @pytest.mark.parametrize("rows", [5, 12])  # fewer rows than input features: added; more: the merged weight
 @pytest.mark.parametrize("blocks", ["one", "partial"])
 def test_low_rank_linear_merged_and_added_paths(rows, blocks):
-    """Both ways of applying the low-rank term (`concat.merge_wanted`): values and every gradient by gradcheck,
+    """Both ways of applying the low-rank term (`merge_wanted`): values and every gradient by gradcheck,
     fp64, with one B over all outputs (a single addmm merge) and with blocks that leave rows of W uncovered."""
     g = torch.Generator().manual_seed(2)
     x, W, A = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
@@ -184,7 +185,7 @@ def test_low_rank_linear_merged_and_added_paths(rows, blocks):
     shapes = [(9, 5)] if blocks == "one" else [(3, 2), (4, 3)]
     Bs = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
     starts = [0] if blocks == "one" else [1, 5]
-    assert concat.merge_wanted(rows, W, False) == (rows > 7) and not concat.merge_wanted(rows, W, True)
+    assert torch_lowrank.merge_wanted(rows, W, False) == (rows > 7) and not torch_lowrank.merge_wanted(rows, W, True)
 
     def f(x, W, A, *Bs):
         return concat.low_rank_linear(x, W, A, list(zip(starts, Bs)), None, scale=0.75)
