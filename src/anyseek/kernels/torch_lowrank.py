@@ -119,12 +119,9 @@ class _LowRankLinear(torch.autograd.Function):
 
 def low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B, xd: torch.Tensor | None = None,
                     scale: float = 1.0) -> torch.Tensor:  # fmt: skip
-    """x W^T + scale (xd A^T) B^T (xd defaults to x) -> [..., out], W [out, in], A [r, in], B [out, r]: a linear
-    layer with a low-rank term beside its weight (LoRA), without keeping W + s B A or a gradient of W's size (the
-    term added to the output, or through a merged weight formed for each matmul: `_LowRankLinear`).
-    B may also be a list of blocks [(first output column, B_i [o_i, r_i]), ...] over A's rows in order (a block-
-    diagonal B, without forming it). Computes in autocast's dtype where autocast is on (as F.linear would), else in
-    x's."""
+    """The `torch` backend of `kernels.low_rank_linear` (shapes, blocks and dtypes there; the seam checked them):
+    x W^T + scale (xd A^T) B^T through `_LowRankLinear`, the term added to the output or through a merged weight
+    formed for each matmul."""
     kind = x.device.type
     dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     blocks = [(0, B)] if torch.is_tensor(B) else list(B)

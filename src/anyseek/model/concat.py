@@ -6,7 +6,7 @@
   working copy lays them out that way: `adjacent_weights` below, `train/precision.py`), it is a view instead; the
   backward hands each weight its rows of the joint gradient, as the concatenation's backward does.
   `fused_linear` is that matmul, for the layers themselves (a layer may add a low-rank term of its own: LoRA,
-  through `low_rank_linear`).
+  through the seam `kernels.low_rank_linear`).
 - `split_last`: MLA splits k_nope and v off one projection; when their gradients come back as adjacent slices of one
   buffer (the Triton attention writes them that way), the split's backward takes that buffer as it is.
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anyseek.kernels.torch_lowrank import low_rank_linear
+from anyseek import kernels
 
 
 def joined_view(parts, dim: int) -> torch.Tensor | None:
@@ -72,8 +72,8 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
     A layer that carries a low-rank term outside its weight (LoRA, applied to a built model from outside) exposes
     `fused_weight` (the weight to join) and `fused_low_rank` (None, or (A [r, in], B [out, r], dropout or None,
     scale)); a plain nn.Linear has neither. The low-rank terms join too: A's stacked (one narrow matmul reads x),
-    each B added into its layer's own output columns, in one `low_rank_linear` (the layers share one dropout mask on
-    their common input)."""
+    each B added into its layer's own output columns, in one `kernels.low_rank_linear` (the layers share one dropout
+    mask on their common input)."""
     ws = [m.fused_weight if hasattr(m, "fused_weight") else m.weight for m in layers]  # (LoRA's .weight merges)
     lows = [getattr(m, "fused_low_rank", None) for m in layers]
     w = cat_rows(ws)
@@ -90,7 +90,7 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
     else:
         blocks = [(at, lo[1]) for at, lo in terms]
     drop = next((lo[2] for _, lo in terms if lo[2] is not None), None)
-    return low_rank_linear(x, w, A, blocks, None if drop is None else drop(x), scale)
+    return kernels.low_rank_linear(x, w, A, blocks, None if drop is None else drop(x), scale)
 
 
 class _SplitLast(torch.autograd.Function):

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from anyseek import kernels
+from anyseek.kernels.reference.moe import effective_weights
 from anyseek.kernels.triton.moe import _config, experts_bwd, experts_fwd
 from anyseek.kernels.triton.moe_lora import experts_bwd_lora, experts_fwd_lora
 from anyseek.kernels.triton.moe_plan import build_plan
@@ -126,7 +127,7 @@ class _LoRARoutedExperts(torch.autograd.Function):
         plan = torch.ops.anyseek.moe_plan(topk_ids_TK, W_gu.shape[0], _block_m(x_TD.device))
         w_M = topk_weights_TK.reshape(-1)
         adapters = (A_gu, B_gu, A_dn, B_dn)
-        y_TD, h_MF, act_MI, u_gu, u_dn = experts_fwd_lora(x_TD, w_M, W_gu, W_dn, adapters, plan, True, add_TD)
+        y_TD, h_MF, _, u_gu, u_dn = experts_fwd_lora(x_TD, w_M, W_gu, W_dn, adapters, plan, True, add_TD)
         ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, *adapters, h_MF, u_gu, u_dn, *plan)
         ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
         return y_TD
@@ -142,12 +143,17 @@ class _LoRARoutedExperts(torch.autograd.Function):
 
 def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn,
                         B_dn, scale: float, add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """Triton routed experts for LoRA (`anyseek.train.lora.LoRAExperts`): the frozen base gate_up [E, F, D] and
-    down [E, D, I], adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]; the output equals
+    """The triton backend of `kernels.lora_routed_experts` (`anyseek.train.lora.LoRAExperts`): the frozen base
+    gate_up [E, F, D] and down [E, D, I], adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]; the output equals
     `routed_experts` with the effective weights W + scale * B A, which are never formed. Gradients: x,
     topk_weights, the four adapters (the base gets none) and add_TD. add_TD ([T, D] or None) as in
     `routed_experts`: summed inside the combine where it has the dtype computed and returned in. -> [T, D] in x's
-    dtype."""
+    dtype. Under torch.compile: `routed_experts` on the effective weights (the LoRA Function launches its kernels
+    itself, not through custom ops that torch.compile could trace)."""
+    if torch.compiler.is_compiling():
+        gu, dn = (effective_weights(W, A, B, scale) for W, A, B in ((gate_up_proj_EFD, A_gu, B_gu),
+                                                                    (down_proj_EDI, A_dn, B_dn)))  # fmt: skip
+        return routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gu, dn, add_TD)
     out_dtype = x_TD.dtype
     dtype = _compute_dtype(x_TD)
     with torch.autocast(x_TD.device.type, enabled=False):
