@@ -184,18 +184,17 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
     """Forward + backward of one MoE layer's routed experts as fine-tuning runs them, CUDA-graph replay:
     full        the Triton experts, gradients for x, the routing weights and both weight stacks;
     lora        frozen base, per-expert adapters inside the Triton GEMMs (`lora_routed_experts`, the default);
-    in loop     the same with the gathered GEMMs' rank-r products formed in their loop over K (moe_lora._L_GIVEN off);
     old wgrad   the same with the rank-r weight gradients' settings before stop 33 (64-row steps, 4 warps, 4 row
                 chunks per expert);
     merged      the effective weights W + s B A formed each call (torch.baddbmm) and handed to the same Triton
-                experts (ANYSEEK_LORA=merged, and the path of every other backend): [E, F, D] gradients reduced to
-                the adapters'."""
+                experts (what lora_routed_experts' other backends do, on their own experts): [E, F, D] gradients
+                reduced to the adapters'."""
     from anyseek.kernels.ops import moe
     from anyseek.kernels.triton import moe_lora
 
     lines = [f"LoRA routed experts, rank {rank}, fwd+bwd as one CUDA graph, {env_line()}", "",
-             "| shape | tokens | routing | full ms | lora ms | lora vs full | in loop | old wgrad | merged ms |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| shape | tokens | routing | full ms | lora ms | lora vs full | old wgrad | merged ms |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for shape in shapes:
         E, I, K, D = SHAPES[shape]
         T = 8192
@@ -226,15 +225,12 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
                 return triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
 
             t = {k: run(k) for k in ("full", "lora", "merged")}
-            moe_lora._L_GIVEN = False
-            t["loop"] = run("lora")
-            moe_lora._L_GIVEN = True
             table = dict(moe_lora._RANK_TABLE)
             moe_lora._RANK_TABLE.update({k: (64, 4, 4, 4) for k in table})
             t["old"] = run("lora")
             moe_lora._RANK_TABLE.update(table)
             lines.append(f"| {shape} | {T} | {routing} | {t['full']:.3f} | {t['lora']:.3f} | "
-                         f"{t['full'] / t['lora']:.2f}x | {t['loop']:.3f} | {t['old']:.3f} | {t['merged']:.3f} |")
+                         f"{t['full'] / t['lora']:.2f}x | {t['old']:.3f} | {t['merged']:.3f} |")
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     emit(lines, out_dir, "lora.md")
@@ -274,7 +270,7 @@ def check(out_dir: str | None) -> bool:
 # launch settings
 
 
-ROW_TILED = ("gemm", "swiglu", "dswiglu")  # the grouped GEMMs that read the plan's row tiles
+ROW_TILED = ("gemm", "swiglu", "dswiglu", "lora_dx")  # the grouped GEMMs that read the plan's row tiles
 TUNE = {
     "swiglu": [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                (64, 64, 64, 4, 4), (128, 128, 64, 8, 4)],

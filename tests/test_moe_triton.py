@@ -54,7 +54,7 @@ def _worker() -> None:
     """Runs in the subprocess: every case, determinism, torch.compile, the registry; prints one JSON line."""
     from anyseek.kernels import accuracy
     from anyseek.kernels.ops import moe
-    from anyseek.kernels.triton import moe_lora, moe_plan
+    from anyseek.kernels.triton import moe_plan
 
     results = {}
     for name, T, D, I, E, K, routing, dtype in INTERP_CASES:
@@ -113,23 +113,6 @@ def _worker() -> None:
     truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
     close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
     results["lora_rank20"] = {"pass": all(close32), "table": close32}
-    # the gathered GEMMs' rank-r products formed in their loop over K (moe_lora._L_GIVEN off: the other way to the same sums)
-    moe_lora._L_GIVEN = False
-    try:
-        lora_run = _lora_case(accuracy.moe_inputs(37, 32, 24, 6, 3, "skewed", 7), rank=4, scale=0.2, seed=3)
-        truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
-    finally:
-        moe_lora._L_GIVEN = True
-    close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
-    results["lora_in_loop"] = {"pass": all(close32), "table": close32}
-    # dx's product given by a narrow pass too (moe_lora._DX_L_ROWS, off by default: on an H100 the pass costs more)
-    moe_lora._DX_L_ROWS = True
-    try:
-        lora32 = lora_run(False, torch.float32)
-    finally:
-        moe_lora._DX_L_ROWS = False
-    close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
-    results["lora_dx_rows"] = {"pass": all(close32), "table": close32}
     # LoRA experts with an addend summed inside the combine: experts + add, add's gradient dy, the others unchanged
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(23, 32, 24, 5, 2, "skewed", 9)
     g = torch.Generator().manual_seed(5)
@@ -181,11 +164,13 @@ def _worker() -> None:
     fn(*xa).backward()
     close.append(torch.allclose(xa[1].grad, 2 * (y0 + add).detach(), atol=1e-4))
     results["addend"] = {"pass": all(close), "table": close}
-    # ANYSEEK_MOE=triton hands out the triton backend, here on CPU under the interpreter
+    # ANYSEEK_MOE=triton hands out the triton backend of both expert seams, here on CPU under the interpreter
     from anyseek.kernels import registry
 
     os.environ["ANYSEEK_MOE"] = "triton"
-    results["registry"] = {"pass": registry.choose("routed_experts", x)[1] == "triton", "table": []}
+    picked = [registry.choose(op, x) for op in ("routed_experts", "lora_routed_experts")]
+    ok = [name == "triton" for _, name, _ in picked] + [picked[1][0] is moe.lora_routed_experts]
+    results["registry"] = {"pass": all(ok), "table": ok}
     print("RESULTS " + json.dumps(results))
 
 
@@ -199,8 +184,7 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_in_loop",
-                            "lora_dx_rows", "lora_addend",
+                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):

@@ -26,10 +26,8 @@ other backends (reference, grouped_mm: the same names as routed_experts', chosen
 on the effective weights (one torch.baddbmm per projection, no Python loop over experts); there the backward forms
 the full [E, F, D] gradient of the effective weights and two batched matmuls reduce it to dA, dB.
 
-`ANYSEEK_LORA=merged` brings back the earlier path for comparison (the fused projections and the Triton experts
-on merged weights W + s B A formed at every use); the default is `adapters`. Code that reads the stacked weights
-itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer prints) gets the effective weights from
-`LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
+Code that reads the stacked weights itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer
+prints) gets the effective weights from `LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
 
 Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 """
@@ -38,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,16 +47,6 @@ from anyseek import kernels
 from anyseek.model.concat import adjacent_weights, joined_view
 from anyseek.model.moe import MLP, Experts, MoE, Router
 from anyseek.model.norm import RMSNorm
-
-
-def _unmerged() -> bool:
-    """ANYSEEK_LORA=adapters (the default): adapters outside the weights wherever the model reads weights itself
-    (the fused projections, the Triton routed experts); =merged: W + s B A formed there (see the module docstring)."""
-    choice = os.environ.get("ANYSEEK_LORA", "adapters")
-    if choice not in ("merged", "adapters"):
-        raise ValueError(f"ANYSEEK_LORA={choice!r}: use 'adapters' (the default) or 'merged'")
-    return choice == "adapters"
-
 
 ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -120,13 +107,13 @@ class LoRALinear(nn.Module):
     @property
     def fused_weight(self) -> torch.Tensor:
         """The weight `model.concat.fused_linear` joins with its neighbour's: the base's (the adapter joins as
-        `fused_low_rank`), or with ANYSEEK_LORA=merged the merged one."""
-        return self.base.weight if _unmerged() else self.weight
+        `fused_low_rank`)."""
+        return self.base.weight
 
     @property
     def fused_low_rank(self):
-        """`low_rank` for `fused_linear` (None with ANYSEEK_LORA=merged: the adapter is inside `fused_weight`)."""
-        return self.low_rank if _unmerged() else None
+        """`low_rank`, for `fused_linear`."""
+        return self.low_rank
 
     def merged(self) -> nn.Linear:
         """A plain nn.Linear holding W + s * B A, computed in fp32, in the base weight's dtype."""
@@ -171,15 +158,8 @@ class LoRAExperts(nn.Module):
         w = self.base.down_proj
         return torch.baddbmm(w, self.down_lora_B.to(w.dtype), self.down_lora_A.to(w.dtype), alpha=self.scale)
 
-    def effective(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E, F, D], down [E, D, I]) = W + s * B A per expert: one batched matmul each."""
-        return self.gate_up_proj, self.down_proj
-
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                 add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        if not _unmerged():
-            gate_up_EFD, down_EDI = self.effective()
-            return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD)
         return kernels.lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
                                            self.base.down_proj, self.gate_up_lora_A, self.gate_up_lora_B,
                                            self.down_lora_A, self.down_lora_B, self.scale, add_TD)  # fmt: skip

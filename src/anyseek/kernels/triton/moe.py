@@ -36,7 +36,8 @@ from anyseek.kernels.triton.moe_gemm import (
 
 # Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
 # the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight
-# gradients. BLOCK_M must be equal in "gemm", "swiglu" and "dswiglu": the routing plan's row tiles serve all.
+# gradients, "lora_dx" LoRA's dx GEMM (`moe_lora.py`). BLOCK_M must be equal in "gemm", "swiglu", "dswiglu" and
+# "lora_dx": the routing plan's row tiles serve all.
 # - hopper (sm_90) and blackwell_dc (sm_100/103, 228 KB shared memory per SM): swept on an H100 (benchmarks/moe.py
 #   --tune, docs/benchmarks.md): wgrad 128x128x64 tiles, 8 warps, 6 stages (32 KB per stage: the gathered rows'
 #   latency wants a deep pipeline; each kernel alone at small 32k, 4 -> 6 stages: 652 -> 571 us and 337 -> 303 us,
@@ -55,15 +56,21 @@ from anyseek.kernels.triton.moe_gemm import (
 # forward+backward on the H100, graphed, 8 warps -> 16: small 32k 3.85 -> 3.57 ms, 8k 1.10 -> 1.03, 16B 16k 13.58 ->
 # 13.00, 671B 8k 59.0 -> 57.8 (128x64 tiles with 8 warps: 3.68, 1.07, 13.29, 60.7). Elsewhere not measured: half the
 # gemm's columns.
+# "lora_dx" is the plain GEMM with LoRA's rank-r product g_gu = dh B_gu formed in its loop over K (a second dot; it
+# reads B_gu k-major, a transposed copy [E, r, F], 2.8 us): with 8 warps that dot costs 25-33 us less than with
+# "gemm"'s 16 (H200, small, 8k, skewed routing: 188-198 -> 155-173 us; plain dx 130-153 in the same runs; 16 warps
+# or B_gu as it lies, [E, F, r], gain nothing). Kept in the loop: given by a narrow pass over dh first, as the other
+# three LoRA GEMMs get theirs, the dx GEMM took 180-189 us plus 28 for the pass against 194-200 (H100, small, 8k).
+# Elsewhere "gemm"'s settings (not measured).
 _TABLE = {
     "hopper": {"gemm": (128, 256, 64, 16, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 6),
-               "dswiglu": (128, 128, 64, 16, 4)},
+               "dswiglu": (128, 128, 64, 16, 4), "lora_dx": (128, 256, 64, 8, 4)},
     "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4),
-                  "dswiglu": (128, 64, 32, 8, 4)},
+                  "dswiglu": (128, 64, 32, 8, 4), "lora_dx": (128, 128, 32, 8, 4)},
     "consumer": {"gemm": (128, 64, 32, 4, 3), "swiglu": (128, 32, 32, 4, 3), "wgrad": (64, 128, 32, 4, 3),
-                 "dswiglu": (128, 32, 32, 4, 3)},
+                 "dswiglu": (128, 32, 32, 4, 3), "lora_dx": (128, 64, 32, 4, 3)},
     "interpreter": {"gemm": (16, 16, 16, 1, 1), "swiglu": (16, 16, 16, 1, 1), "wgrad": (16, 16, 16, 1, 1),
-                    "dswiglu": (16, 16, 16, 1, 1)},
+                    "dswiglu": (16, 16, 16, 1, 1), "lora_dx": (16, 16, 16, 1, 1)},
 }
 GROUP_M = 8  # row tiles side by side in the launch order, so that they share each weight tile in L2
 
@@ -118,7 +125,7 @@ def _narrow(a, P, strides_p, plan, K_red: int, out_Mr: torch.Tensor) -> torch.Te
     """out [M, r] = A[row] @ P_e (row order, A not gathered): the grouped GEMM with N = r, one narrow pass over A,
     so that the wide GEMM after it reads L in its epilogue (`_gemm(l_rows=True)`) instead of a second dot in its
     loop over K (small, 8k, H200: that dot made the down GEMM 92 -> 120 us and dx 154 -> 200; this pass takes 9 and
-    21 us; dx does not use it by default: _DX_L_ROWS)."""
+    21 us; LoRA's dx keeps its dot all the same: see "lora_dx" in _TABLE)."""
     r = out_Mr.shape[1]
     cfg = {**_config(a.device, "gemm"), "BLOCK_N": _rank_block(r), "num_warps": 4}
     _gemm(a, P, strides_p, out_Mr, plan, r, K_red, cfg)
@@ -219,11 +226,11 @@ def _nk(t):
 
 
 def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None, low_dn=None, add_TD=None,
-                l_token_gu=None, l_rows_dn=False):  # fmt: skip
+                l_token_gu=None):  # fmt: skip
     """-> y [T, D] (+ add_TD, a contiguous [T, D] addend, when given), h [M, F] (pre-activations, empty unless
     save), act [M, I] (weighted SwiGLU output). low_gu / low_dn: the two GEMMs' rank-r terms (see `_gemm`; LoRA,
-    `experts_fwd_lora`); l_token_gu: the first one's products per token (`_gemm`'s l_token); l_rows_dn: the second
-    one's made by a narrow pass first (`_narrow`)."""
+    `experts_fwd_lora`); l_token_gu: the first one's products per token (`_gemm`'s l_token); the second one's are
+    made by a narrow pass first (`_narrow`)."""
     T, D = x_TD.shape
     F = gate_up_EFD.shape[1]
     I = F // 2
@@ -236,10 +243,10 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None,
           epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=low_gu,
           l_token=l_token_gu)  # fmt: skip
     y_slot_MD = x_TD.new_empty(M, D)
-    if l_rows_dn:
+    if low_dn is not None:
         _narrow(act_MI, low_dn[1], low_dn[2], plan, I, low_dn[0])
     _gemm(act_MI, down_EDI, _nk(down_EDI), y_slot_MD, plan, D, I, _config(x_TD.device, "gemm"), scatter=True,
-          low_rank=low_dn, l_rows=l_rows_dn)  # fmt: skip
+          low_rank=low_dn, l_rows=low_dn is not None)  # fmt: skip
     return _sum_k(y_slot_MD, T, x_TD.dtype, add_TD), h_MF, act_MI
 
 
@@ -261,19 +268,17 @@ def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None, l_token=None):
     return dh_MF, dw_M
 
 
-def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None, l_rows=False, cfg=None):
-    """dx [T, D] = the K slots' dh @ gate_up of their experts, summed per token. low_rank, l_rows: see `_gemm`
-    (LoRA; l_rows: the rank-r product made by a narrow pass first). cfg: launch settings other than "gemm"'s."""
+def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None):
+    """dx [T, D] = the K slots' dh @ gate_up of their experts, summed per token. low_rank: see `_gemm` (LoRA: the
+    rank-r product formed in the loop over K, with the "lora_dx" launch settings)."""
     T, D = x_TD.shape
     M, F = dh_MF.shape
     if not M:
         return torch.zeros_like(x_TD)
     gu = gate_up_EFD
     dx_slot_MD = x_TD.new_empty(M, D)
-    if l_rows:
-        _narrow(dh_MF, low_rank[1], low_rank[2], plan, F, low_rank[0])
-    _gemm(dh_MF, gu, _kn(gu), dx_slot_MD, plan, D, F, cfg or _config(x_TD.device, "gemm"), scatter=True,
-          low_rank=low_rank, l_rows=l_rows)  # fmt: skip
+    cfg = _config(x_TD.device, "gemm" if low_rank is None else "lora_dx")
+    _gemm(dh_MF, gu, _kn(gu), dx_slot_MD, plan, D, F, cfg, scatter=True, low_rank=low_rank)
     return _sum_k(dx_slot_MD, T, x_TD.dtype)
 
 

@@ -27,8 +27,12 @@ from anyseek.kernels.triton.moe import (
 # Effective weights W_e + B_e A_e (the scale folded into B): each big GEMM takes the base weight and adds L @ R_e in
 # its epilogue (`_gemm(low_rank=)`), L = A[row] @ P_e being the rows' rank-r product: read from one dense per-token
 # matmul where A is gathered from token rows (u_gu, g_dn: `_per_token`), made by a narrow pass first for the down
-# GEMM (u_dn: `_narrow`), accumulated beside the GEMM's own product in its loop over K for dx (g_gu; see _L_GIVEN).
-# L is kept for the adapters' gradients. Nothing [E, F, D]-sized is formed or kept.
+# GEMM (u_dn: `_narrow`), accumulated beside the GEMM's own product in its loop over K for dx (g_gu; see "lora_dx"
+# in moe.py's _TABLE). L is kept for the adapters' gradients. Nothing [E, F, D]-sized is formed or kept.
+# The three products made before their GEMMs rather than in their loops: H200, small, 8k, one MoE layer's LoRA
+# experts fwd+bwd (benchmarks/moe.py --lora) 0.889 -> 0.881 ms balanced, 0.943 -> 0.933 skewed; in the training step
+# the experts' grouped GEMMs with the narrow passes and the dense per-token products 4.87 -> 4.57 + 0.22 ms
+# (docs/benchmarks.md, stop 33).
 #   forward   u_gu = x[tok] A_gu^T;  h = x[tok] W_gu^T + u_gu B_gu^T  -> SwiGLU -> act
 #             u_dn = act A_dn^T;     y_slot = act W_dn^T + u_dn B_dn^T
 #   backward  g_dn = dy[tok] B_dn;   d(act) = dy[tok] W_dn + g_dn A_dn -> dSwiGLU -> dh
@@ -66,25 +70,6 @@ def _rank_config(device: torch.device, kind: str, r: int) -> tuple[dict, int]:
 # g^T act (recomputed from h: more work per row) 40.2 / 80.1 with (64, 4, 4, 4) -> 33.8 / 56.9 with (32, 8, 4, 8);
 # for the other three (64, 4, 4, 4) was within ~1 us of the best setting at 4 chunks (dh^T u 28.9 / 31.5).
 _RANK_TABLE = {"wgrad_n": (64, 4, 4, 4), "wgrad_m": (64, 4, 4, 4), "wgrad_m_swiglu": (32, 8, 4, 8)}
-# The LoRA experts' rank-r products: made before each wide GEMM (the gathered two by `_per_token`, down's by
-# `_narrow`) and read in its epilogue. False: a second dot inside each wide GEMM's loop over K (the earlier way).
-# H200, small, 8k: one MoE layer's LoRA experts fwd+bwd (benchmarks/moe.py --lora) 0.889 -> 0.881 ms balanced,
-# 0.943 -> 0.933 skewed; in the training step the experts' grouped GEMMs with the narrow passes and the dense
-# per-token products 4.87 -> 4.57 + 0.22 ms (docs/benchmarks.md, stop 33).
-_L_GIVEN = True
-# ... except dx's, still formed in its loop: H100, small, 8k, the dx GEMM with its product given 180-189 us plus 28 for
-# the narrow pass over dh, against 194-200 in the loop (the down GEMM: 96-98 + 10 against 118-124).
-_DX_L_ROWS = False
-# dx's product in its loop reads B_gu k-major (a transposed copy [E, r, F], 2.8 us) with 8 warps: the second dot
-# then costs 25-33 us less (H200, small, 8k, skewed routing: 188-198 -> 155-173 us; plain dx 130-153 in the same
-# runs; 16 warps or B_gu as it lies, [E, F, r], gain nothing). Elsewhere "gemm" as it is (not measured).
-_DX_LOOP_WARPS = {"hopper": 8}
-
-
-def _lora_dx_config(device: torch.device) -> dict:
-    cfg = _config(device, "gemm")
-    warps = _DX_LOOP_WARPS.get(family(device))
-    return {**cfg, "num_warps": warps} if warps and not _DX_L_ROWS else cfg
 
 
 def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: bool, add_TD=None):
@@ -97,8 +82,7 @@ def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: boo
     y_TD, h_MF, act_MI = experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save,
                                      low_gu=(u_gu, A_gu, _nk(A_gu), B_gu, _nk(B_gu)),
                                      low_dn=(u_dn, A_dn, _nk(A_dn), B_dn, _nk(B_dn)), add_TD=add_TD,
-                                     l_token_gu=_per_token(x_TD, A_gu.transpose(1, 2)) if _L_GIVEN and M else None,
-                                     l_rows_dn=_L_GIVEN)  # fmt: skip
+                                     l_token_gu=_per_token(x_TD, A_gu.transpose(1, 2)) if M else None)  # fmt: skip
     return y_TD, h_MF, act_MI, u_gu, u_dn
 
 
@@ -111,10 +95,9 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, 
     tok, offs = plan[1], plan[2]
     g_dn, g_gu = x_TD.new_empty(M, r), x_TD.new_empty(M, r)
     dh_MF, dw_M = _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=(g_dn, B_dn, _kn(B_dn), A_dn, _kn(A_dn)),
-                      l_token=_per_token(dy_TD, B_dn) if _L_GIVEN and M else None)
-    B_gu_rf = B_gu.transpose(1, 2).contiguous()  # [E, r, F]: read k-major in dx's loop (_DX_LOOP_WARPS)
-    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu_rf, _nk(B_gu_rf), A_gu, _kn(A_gu)),
-             l_rows=_L_GIVEN and _DX_L_ROWS, cfg=_lora_dx_config(x_TD.device))  # fmt: skip
+                      l_token=_per_token(dy_TD, B_dn) if M else None)
+    B_gu_rf = B_gu.transpose(1, 2).contiguous()  # [E, r, F]: read k-major in dx's loop (moe.py: "lora_dx")
+    dx = _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=(g_gu, B_gu_rf, _nk(B_gu_rf), A_gu, _kn(A_gu)))
     # the four gradients (the adapters' order) back to back in one buffer; each product leaves its row chunks'
     # partial sums in one fp32 buffer, added up by one launch
     jobs = [(g_gu, None, x_TD, tok, "wgrad_m", None),  # dA_gu = g_gu^T x
