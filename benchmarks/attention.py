@@ -142,7 +142,7 @@ def flops(lengths: list[int], H: int) -> float:
 
 
 def ours(lengths, H):
-    from anyseek.kernels import ops
+    from anyseek.kernels.ops import attention as ops
 
     q, kn, kp, v, cu = mla_inputs(lengths, H)
     mx = max(lengths)

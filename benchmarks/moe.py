@@ -91,7 +91,7 @@ def loop_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_ED
 
 
 def backends() -> dict:
-    from anyseek.kernels.triton import moe
+    from anyseek.kernels.ops import moe
 
     fns = {"triton": moe.routed_experts}
     ok, _ = torch_backends.grouped_mm_available(torch.empty(1, device="cuda", dtype=torch.bfloat16))
@@ -184,17 +184,17 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
     """Forward + backward of one MoE layer's routed experts as fine-tuning runs them, CUDA-graph replay:
     full        the Triton experts, gradients for x, the routing weights and both weight stacks;
     lora        frozen base, per-expert adapters inside the Triton GEMMs (`lora_routed_experts`, the default);
-    in loop     the same with the gathered GEMMs' rank-r products formed in their loop over K (moe._L_GIVEN off);
     old wgrad   the same with the rank-r weight gradients' settings before stop 33 (64-row steps, 4 warps, 4 row
                 chunks per expert);
     merged      the effective weights W + s B A formed each call (torch.baddbmm) and handed to the same Triton
-                experts (ANYSEEK_LORA=merged, and the path of every other backend): [E, F, D] gradients reduced to
-                the adapters'."""
-    from anyseek.kernels.triton import moe
+                experts (what lora_routed_experts' other backends do, on their own experts): [E, F, D] gradients
+                reduced to the adapters'."""
+    from anyseek.kernels.ops import moe
+    from anyseek.kernels.triton import moe_lora
 
     lines = [f"LoRA routed experts, rank {rank}, fwd+bwd as one CUDA graph, {env_line()}", "",
-             "| shape | tokens | routing | full ms | lora ms | lora vs full | in loop | old wgrad | merged ms |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| shape | tokens | routing | full ms | lora ms | lora vs full | old wgrad | merged ms |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for shape in shapes:
         E, I, K, D = SHAPES[shape]
         T = 8192
@@ -225,15 +225,12 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
                 return triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
 
             t = {k: run(k) for k in ("full", "lora", "merged")}
-            moe._L_GIVEN = False
-            t["loop"] = run("lora")
-            moe._L_GIVEN = True
-            table = dict(moe._RANK_TABLE)
-            moe._RANK_TABLE.update({k: (64, 4, 4, 4) for k in table})
+            table = dict(moe_lora._RANK_TABLE)
+            moe_lora._RANK_TABLE.update({k: (64, 4, 4, 4) for k in table})
             t["old"] = run("lora")
-            moe._RANK_TABLE.update(table)
+            moe_lora._RANK_TABLE.update(table)
             lines.append(f"| {shape} | {T} | {routing} | {t['full']:.3f} | {t['lora']:.3f} | "
-                         f"{t['full'] / t['lora']:.2f}x | {t['loop']:.3f} | {t['old']:.3f} | {t['merged']:.3f} |")
+                         f"{t['full'] / t['lora']:.2f}x | {t['old']:.3f} | {t['merged']:.3f} |")
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     emit(lines, out_dir, "lora.md")
@@ -244,7 +241,7 @@ def lora(out_dir: str | None, shapes: list[str], rank: int = 16) -> None:
 
 
 def check(out_dir: str | None) -> bool:
-    from anyseek.kernels.triton import moe
+    from anyseek.kernels.ops import moe
 
     cases = [  # (T, D, I, E, K, routing)
         (4096, 1024, 512, 32, 4, "balanced"), (4096, 1024, 512, 32, 4, "skewed"),
@@ -273,7 +270,7 @@ def check(out_dir: str | None) -> bool:
 # launch settings
 
 
-ROW_TILED = ("gemm", "swiglu", "dswiglu")  # the grouped GEMMs that read the plan's row tiles
+ROW_TILED = ("gemm", "swiglu", "dswiglu", "lora_dx")  # the grouped GEMMs that read the plan's row tiles
 TUNE = {
     "swiglu": [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                (64, 64, 64, 4, 4), (128, 128, 64, 8, 4)],
@@ -288,6 +285,7 @@ TUNE = {
 
 
 def tune(out_dir: str | None, cases_arg: str = "16B:16384,671B:16384", graph: bool = False) -> None:
+    from anyseek.kernels.ops import moe as moe_ops
     from anyseek.kernels.triton import moe
 
     row = moe.family(torch.device("cuda"))
@@ -307,7 +305,7 @@ def tune(out_dir: str | None, cases_arg: str = "16B:16384,671B:16384", graph: bo
             cells = []
             for c in cases:
                 try:
-                    cells.append(f"{time_ms(moe.routed_experts, inputs[c], True, rep=250, graph=graph):.3f}")
+                    cells.append(f"{time_ms(moe_ops.routed_experts, inputs[c], True, rep=250, graph=graph):.3f}")
                 except Exception as e:  # noqa: BLE001 - a sweep: report and go on
                     cells.append(type(e).__name__)
             lines.append(f"| {kind} | {s} | " + " | ".join(cells) + " |")
@@ -328,7 +326,7 @@ def kernels(out_dir: str | None, cases_arg: str = "small:32768") -> None:
     could reach): where the experts' time goes, kernel by kernel."""
     import triton
 
-    from anyseek.kernels.triton import moe
+    from anyseek.kernels.triton import moe, moe_plan
 
     dev = "cuda"
     lines = [f"Each routed-experts GEMM alone (balanced routing), {env_line()}", "",
@@ -343,7 +341,7 @@ def kernels(out_dir: str | None, cases_arg: str = "small:32768") -> None:
         x, dy, gu, dn, ids = x.to(dev, bf), dy.to(dev, bf), gu.to(dev, bf), dn.to(dev, bf), ids.to(dev)
         w_M = w.to(dev).reshape(-1).float()
         cfg = {k: moe._config(x.device, k) for k in ("swiglu", "gemm", "dswiglu", "wgrad")}
-        plan = moe.build_plan(ids, E, cfg["gemm"]["BLOCK_M"])
+        plan = moe_plan.build_plan(ids, E, cfg["gemm"]["BLOCK_M"])
         act, h = x.new_empty(M, I), x.new_empty(M, F_)
         moe._gemm(x, gu, moe._nk(gu), act, plan, I, D, cfg["swiglu"], gather=True, epi=moe.EPI_SWIGLU, h=h, w=w_M,
                   save_h=True, up_cols=I)  # real pre-activations for the dSwiGLU epilogue

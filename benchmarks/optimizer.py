@@ -9,7 +9,7 @@ Every row moves 28 bytes per weight (reads and writes together):
                          `parallel.shard_dtype=fp32`)
   TensorAdamW, masters   the same over fp32 masters with bf16 gradients (views of one buffer, as FSDP2's reduction
                          leaves them), writing each bf16 weight in the same pass (`parallel.shard_dtype=bf16`, the
-                         default under torchrun in bf16); with and without the alignment hints
+                         default under torchrun in bf16)
   flat kernel            `kernels.adamw_flat`, the one-process working copy's optimizer (one flat buffer each)
 Correctness: the weights after one step, against torch.optim.AdamW (foreach, fp32) from the same state and the same
 (bf16-rounded) gradients: max |difference| over the weights.
@@ -106,12 +106,8 @@ def main() -> None:
     tensor_step(lambda g, m: torch.optim.AdamW(g, fused=True, **kw), "torch fused AdamW (fp32 weights and gradients)",
                 False)
     tensor_step(lambda g, m: TensorAdamW(g, **kw), "TensorAdamW, fp32 weights and gradients", False)
-    for hints in (False, True):
-        tri.ALIGN_HINTS = hints
-        tri._POINTERS.clear()
-        tensor_step(lambda g, m: TensorAdamW(g, masters=m, **kw), "TensorAdamW, fp32 masters, bf16 gradients and "
-                    f"weights ({'with' if hints else 'without'} alignment hints)", True)
-    tri.ALIGN_HINTS = True
+    tensor_step(lambda g, m: TensorAdamW(g, masters=m, **kw), "TensorAdamW, fp32 masters, bf16 gradients and weights",
+                True)
 
     w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
     low, one = torch.empty_like(w0, dtype=torch.bfloat16), torch.ones((), device=dev)

@@ -35,7 +35,8 @@ SCALED_CASES = [
 
 def _worker() -> None:
     """Runs in the subprocess: every case, then torch.compile over the custom ops; prints one JSON line."""
-    from anyseek.kernels import accuracy, ops
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.ops import attention as ops
 
     results = {}
     for name, op, lengths, H, dims, dtype, causal in INTERP_CASES:
@@ -121,7 +122,8 @@ def _gpu_lengths(kind: str) -> list[int]:
 @pytest.mark.parametrize("kind", ["random", "thousand_short", "long"])
 @pytest.mark.parametrize("H", [1, 16, 128])
 def test_gpu_mla(kind, H, dtype):
-    from anyseek.kernels import accuracy, ops
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.ops import attention as ops
 
     lengths = _gpu_lengths(kind)
     if H == 128 and kind == "long":
@@ -134,7 +136,8 @@ def test_gpu_mla(kind, H, dtype):
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (96, 80)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_varlen(dims, causal):
-    from anyseek.kernels import accuracy, ops
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.ops import attention as ops
 
     table = accuracy.error_table(
         ops.varlen_attention, "varlen_attention", _gpu_lengths("random"), 4, dims, torch.bfloat16, "cuda", causal
@@ -144,7 +147,8 @@ def test_gpu_varlen(dims, causal):
 
 @pytest.mark.cuda
 def test_gpu_offsets_past_2_31():
-    from anyseek.kernels import accuracy, ops
+    from anyseek.kernels import accuracy
+    from anyseek.kernels.ops import attention as ops
 
     free, _ = torch.cuda.mem_get_info()
     if free < 40 * 2**30:

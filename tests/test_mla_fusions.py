@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from anyseek import kernels
+from anyseek.kernels import torch_lowrank
 from anyseek.model import concat
 from anyseek.model.rope import apply_rope, rope_rows, rope_tail_
 
@@ -101,9 +103,9 @@ def test_low_rank_linear_gradients(dropout_input):
                   for s in ((2, 5, 7), (6, 7), (3, 7), (6, 3)))  # fmt: skip
     xd = torch.randn(2, 5, 7, generator=g, dtype=torch.float64, requires_grad=True) if dropout_input else None
     want = x @ W.t() + ((x if xd is None else xd) @ A.t()) @ B.t()
-    torch.testing.assert_close(concat.low_rank_linear(x, W, A, B, xd), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kernels.low_rank_linear(x, W, A, B, xd), want, rtol=1e-12, atol=1e-12)
     args = (x, W, A, B) + ((xd,) if xd is not None else ())
-    assert torch.autograd.gradcheck(lambda *t: concat.low_rank_linear(*t[:4], t[4] if len(t) > 4 else None), args)
+    assert torch.autograd.gradcheck(lambda *t: kernels.low_rank_linear(*t[:4], t[4] if len(t) > 4 else None), args)
 
 
 def test_low_rank_linear_output_takes_rope_in_place_without_copy_slices():
@@ -116,7 +118,7 @@ def test_low_rank_linear_output_takes_rope_in_place_without_copy_slices():
                   for s in ((6, 7), (2 * 10, 7), (3, 7), (2 * 10, 3)))  # fmt: skip
     ang = torch.randn(6, 2, generator=g, dtype=torch.float64)
     cos, sin = ang.cos(), ang.sin()
-    y = concat.low_rank_linear(x, W, A, B)
+    y = kernels.low_rank_linear(x, W, A, B)
     assert y._base is None
     q = rope_tail_(y, cos, sin, 2, 4, False)
     assert "CopySlices" not in type(q.grad_fn).__name__
@@ -163,7 +165,7 @@ def test_low_rank_linear_blocks_and_scale_gradients(dropout_input):
     xd = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True) if dropout_input else None
 
     def f(x, W, A, B1, B2, xd=None):
-        return concat.low_rank_linear(x, W, A, [(1, B1), (5, B2)], xd, scale=0.75)
+        return kernels.low_rank_linear(x, W, A, [(1, B1), (5, B2)], xd, scale=0.75)
 
     Bfull = torch.zeros(9, 5, dtype=torch.float64)
     Bfull[1:4, :2], Bfull[5:9, 2:] = B1.detach(), B2.detach()
@@ -176,7 +178,7 @@ def test_low_rank_linear_blocks_and_scale_gradients(dropout_input):
 @pytest.mark.parametrize("rows", [5, 12])  # fewer rows than input features: added; more: the merged weight
 @pytest.mark.parametrize("blocks", ["one", "partial"])
 def test_low_rank_linear_merged_and_added_paths(rows, blocks):
-    """Both ways of applying the low-rank term (`concat.merge_wanted`): values and every gradient by gradcheck,
+    """Both ways of applying the low-rank term (`merge_wanted`): values and every gradient by gradcheck,
     fp64, with one B over all outputs (a single addmm merge) and with blocks that leave rows of W uncovered."""
     g = torch.Generator().manual_seed(2)
     x, W, A = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
@@ -184,10 +186,10 @@ def test_low_rank_linear_merged_and_added_paths(rows, blocks):
     shapes = [(9, 5)] if blocks == "one" else [(3, 2), (4, 3)]
     Bs = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
     starts = [0] if blocks == "one" else [1, 5]
-    assert concat.merge_wanted(rows, W, False) == (rows > 7) and not concat.merge_wanted(rows, W, True)
+    assert torch_lowrank.merge_wanted(rows, W, False) == (rows > 7) and not torch_lowrank.merge_wanted(rows, W, True)
 
     def f(x, W, A, *Bs):
-        return concat.low_rank_linear(x, W, A, list(zip(starts, Bs)), None, scale=0.75)
+        return kernels.low_rank_linear(x, W, A, list(zip(starts, Bs)), None, scale=0.75)
 
     def dense_B(Bs):  # the block-diagonal B [9, 5] the blocks stand for, differentiable
         out, r0 = 0, 0

@@ -28,7 +28,7 @@ def _lora_case(inputs, rank: int, scale: float, seed: int):
     """run(merged, dtype) -> [y, dx, dw, dA_gu, dB_gu, dA_dn, dB_dn] in fp32 for LoRA routed experts (adapter scale
     0.5) on `inputs` (accuracy.moe_inputs) with random adapters: through the Triton LoRA path, or (merged) the
     Triton experts on the effective weights W + s B A."""
-    from anyseek.kernels.triton import moe
+    from anyseek.kernels.ops import moe
 
     x, ids, w, gu, dn, dy = inputs
     E, F, D = gu.shape
@@ -53,7 +53,8 @@ def _lora_case(inputs, rank: int, scale: float, seed: int):
 def _worker() -> None:
     """Runs in the subprocess: every case, determinism, torch.compile, the registry; prints one JSON line."""
     from anyseek.kernels import accuracy
-    from anyseek.kernels.triton import moe
+    from anyseek.kernels.ops import moe
+    from anyseek.kernels.triton import moe_plan
 
     results = {}
     for name, T, D, I, E, K, routing, dtype in INTERP_CASES:
@@ -62,7 +63,7 @@ def _worker() -> None:
         results[name] = {"pass": accuracy.passes(table, dt), "table": table}
     # the routing plan: rows grouped by expert, stable, tiles inside one expert, every row in exactly one tile
     ids = accuracy.moe_routing(40, 7, 3, "skewed", torch.Generator().manual_seed(2))
-    slot, tok, offs, tile_e, tile_row = moe.build_plan(ids, 7, 16)
+    slot, tok, offs, tile_e, tile_row = moe_plan.build_plan(ids, 7, 16)
     flat = ids.reshape(-1)
     grouped = torch.equal(flat[slot.long()], flat.sort(stable=True).values) and torch.equal(tok, slot // 3)
     stable = all(torch.equal(s, s.sort().values) for s in (slot[offs[e] : offs[e + 1]] for e in range(7)))
@@ -79,7 +80,7 @@ def _worker() -> None:
                                                 (513, 1, 8, 16, "one_expert"), (0, 2, 4, 16, "balanced"),
                                                 (3000, 6, 64, 64, "sparse"), (40000, 2, 8, 128, "skewed")]):
         ids = accuracy.moe_routing(T, E, K, routing, torch.Generator().manual_seed(i))
-        got, want = moe.build_plan(ids, E, bm), moe.build_plan_torch(ids, E, bm)
+        got, want = moe_plan.build_plan(ids, E, bm), moe_plan.build_plan_torch(ids, E, bm)
         same.append(all(torch.equal(a, b) for a, b in zip(got, want)))
     results["plan_is_stable_sort"] = {"pass": all(same), "table": same}
     # weight gradients written straight into their destinations (the working copy's flat buffer), same values
@@ -112,23 +113,6 @@ def _worker() -> None:
     truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
     close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
     results["lora_rank20"] = {"pass": all(close32), "table": close32}
-    # the gathered GEMMs' rank-r products formed in their loop over K (moe._L_GIVEN off: the other way to the same sums)
-    moe._L_GIVEN = False
-    try:
-        lora_run = _lora_case(accuracy.moe_inputs(37, 32, 24, 6, 3, "skewed", 7), rank=4, scale=0.2, seed=3)
-        truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
-    finally:
-        moe._L_GIVEN = True
-    close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
-    results["lora_in_loop"] = {"pass": all(close32), "table": close32}
-    # dx's product given by a narrow pass too (moe._DX_L_ROWS, off by default: on an H100 the pass costs more)
-    moe._DX_L_ROWS = True
-    try:
-        lora32 = lora_run(False, torch.float32)
-    finally:
-        moe._DX_L_ROWS = False
-    close32 = [torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(lora32, truth)]
-    results["lora_dx_rows"] = {"pass": all(close32), "table": close32}
     # LoRA experts with an addend summed inside the combine: experts + add, add's gradient dy, the others unchanged
     x, ids, w, gu, dn, dy = accuracy.moe_inputs(23, 32, 24, 5, 2, "skewed", 9)
     g = torch.Generator().manual_seed(5)
@@ -180,11 +164,13 @@ def _worker() -> None:
     fn(*xa).backward()
     close.append(torch.allclose(xa[1].grad, 2 * (y0 + add).detach(), atol=1e-4))
     results["addend"] = {"pass": all(close), "table": close}
-    # ANYSEEK_MOE=triton hands out the triton backend, here on CPU under the interpreter
+    # ANYSEEK_MOE=triton hands out the triton backend of both expert seams, here on CPU under the interpreter
     from anyseek.kernels import registry
 
     os.environ["ANYSEEK_MOE"] = "triton"
-    results["registry"] = {"pass": registry.choose("routed_experts", x)[1] == "triton", "table": []}
+    picked = [registry.choose(op, x) for op in ("routed_experts", "lora_routed_experts")]
+    ok = [name == "triton" for _, name, _ in picked] + [picked[1][0] is moe.lora_routed_experts]
+    results["registry"] = {"pass": all(ok), "table": ok}
     print("RESULTS " + json.dumps(results))
 
 
@@ -198,8 +184,7 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_in_loop",
-                            "lora_dx_rows", "lora_addend",
+                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):
@@ -236,7 +221,7 @@ def test_gpu_lora_experts(shape, rank, dtype):
 @pytest.mark.parametrize("routing", ["balanced", "skewed", "sparse", "one_expert"])
 def test_gpu_routed_experts(shape, routing, dtype):
     from anyseek.kernels import accuracy
-    from anyseek.kernels.triton import moe
+    from anyseek.kernels.ops import moe
 
     T, D, I, E, K = shape
     table = accuracy.moe_error_table(moe.routed_experts, accuracy.moe_inputs(T, D, I, E, K, routing, 0), dtype, "cuda")
@@ -249,13 +234,13 @@ def test_gpu_routed_experts(shape, routing, dtype):
 @pytest.mark.parametrize("routing", ["balanced", "skewed", "one_expert"])
 def test_gpu_plan_is_stable_sort(shape, routing):
     from anyseek.kernels import accuracy
-    from anyseek.kernels.triton import moe
+    from anyseek.kernels.triton import moe_plan
 
     T, K, E, bm = shape
     if routing == "one_expert" and K > 1:
         K = 1
     ids = accuracy.moe_routing(T, E, K, routing, torch.Generator().manual_seed(T)).cuda()
-    got, want = moe.build_plan(ids, E, bm), moe.build_plan_torch(ids, E, bm)
+    got, want = moe_plan.build_plan(ids, E, bm), moe_plan.build_plan_torch(ids, E, bm)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -263,7 +248,8 @@ def test_gpu_plan_is_stable_sort(shape, routing):
 def test_gpu_no_recompile_and_deterministic():
     """New per-expert counts reuse the compiled kernels; two runs agree bit for bit."""
     from anyseek.kernels import accuracy
-    from anyseek.kernels.triton import moe, moe_gemm
+    from anyseek.kernels.ops import moe
+    from anyseek.kernels.triton import moe_gemm
 
     def n_compiled():  # kernels compiled so far ({} where this Triton keeps its cache elsewhere)
         caches = getattr(moe_gemm._grouped_gemm_kernel, "device_caches", {})
@@ -290,7 +276,7 @@ def test_gpu_addend_in_the_combine(dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     from anyseek.kernels import accuracy
-    from anyseek.kernels.triton import moe
+    from anyseek.kernels.ops import moe
 
     x, ids, w, gu, dn, dy = (t.cuda() for t in accuracy.moe_inputs(3001, 256, 128, 16, 4, "skewed", 9))
     add = torch.randn(3001, 256, device="cuda")

@@ -225,24 +225,26 @@ def test_lora_linear_called_equals_merged_weight():
     torch.testing.assert_close(lin.merged()(x), lin(x), rtol=1e-5, atol=1e-6)
 
 
-def test_unmerged_adapters_in_fused_projections_equal_the_merged_path(monkeypatch):
-    """ANYSEEK_LORA=adapters: the fused q_a|kv_a and gate|up matmuls join the base weights and add each adapter into
-    its own columns; the logits and every adapter's gradient equal the merged path's (fp64), and the frozen base
-    gets no gradient."""
+def test_adapters_in_fused_projections_equal_merged_weights(monkeypatch):
+    """The fused q_a|kv_a and gate|up matmuls join the base weights and add each adapter into its own columns; the
+    logits and every adapter's gradient equal those of the same model whose joined layers read their merged weights
+    W + s B A instead (`LoRALinear.weight`, differentiable in the adapters), fp64; the frozen base gets none."""
     torch.manual_seed(0)
     model = lora_lib.apply_lora(DeepSeekV3(_tiny_cfg(300)), lora_lib.LoRASpec(rank=3, alpha=6)).double()
     _random_adapters(model)
     ids = torch.randint(0, 300, (40,))
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
-    results = {}
-    for mode in ("merged", "adapters"):
-        monkeypatch.setenv("ANYSEEK_LORA", mode)
+
+    def run():
         model.zero_grad(set_to_none=True)
         out = model(ids, cu_seqlens=cu, targets=torch.roll(ids, -1), max_seqlen=23)
         out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[mode] = (out.logits.detach(), grads)
-    (la, ga), (lb, gb) = results["merged"], results["adapters"]
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    lb, gb = run()
+    monkeypatch.setattr(lora_lib.LoRALinear, "fused_weight", property(lambda m: m.weight))  # merged, no term beside
+    monkeypatch.setattr(lora_lib.LoRALinear, "fused_low_rank", property(lambda m: None))
+    la, ga = run()
     torch.testing.assert_close(lb, la, rtol=1e-10, atol=1e-10)
     assert ga.keys() == gb.keys() and all(lora_lib._is_adapter(n) for n in gb)
     assert any("q_a_proj" in n for n in gb) and any("gate_proj" in n for n in gb)
@@ -273,16 +275,6 @@ def test_routed_expert_adapters_match_per_expert_reference():
             y = a @ lo.base.down_proj[e].t() + s * (a @ lo.down_lora_A[e].t()) @ lo.down_lora_B[e].t()
             want[t] += w[t, k] * y
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the seam combines in fp32
-
-
-def test_lora_switch_names_its_values(monkeypatch):
-    monkeypatch.delenv("ANYSEEK_LORA", raising=False)
-    assert lora_lib._unmerged()  # adapters outside the weights is the default
-    monkeypatch.setenv("ANYSEEK_LORA", "merged")
-    assert not lora_lib._unmerged()
-    monkeypatch.setenv("ANYSEEK_LORA", "fused")
-    with pytest.raises(ValueError, match="ANYSEEK_LORA='fused': use 'adapters'"):
-        lora_lib._unmerged()
 
 
 # ---------------------------------------------------------------- LoRA: training, checkpoints, export

@@ -64,7 +64,7 @@ def _triton_smoke(device: torch.device) -> str:
     if importlib.util.find_spec("triton") is None:
         return "not tried: triton is not installed"
     try:
-        from anyseek.kernels import ops
+        from anyseek.kernels.ops import attention as ops
 
         dt = torch.float16 if device.type == "cuda" else torch.float32
         cu = torch.tensor([0, 3, 10], dtype=torch.int32, device=device)

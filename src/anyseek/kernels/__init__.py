@@ -7,11 +7,15 @@
     `cross_entropy_rows` (the output head's loss between its matmuls), `rope_rotate` (MLA's rope dims), `swiglu`,
     `low_rank_merge` (a weight plus its low-rank update, LoRA's merged weight);
 (e) the trainer's optimizer step over flat buffers: `adamw_flat`, `sq_norm` (train/precision.py; not the model's), and
-    over lists of tensors: `adamw_tensors` (train/optim.py: FSDP2's shards, LoRA's adapters).
+    over lists of tensors: `adamw_tensors` (train/optim.py: FSDP2's shards, LoRA's adapters);
+(f) LoRA, applied from outside the model (transforms/lora.py): `low_rank_linear` (a linear layer with a low-rank term
+    beside its frozen weight; `model.concat.fused_linear` calls it for joined layers too) and `lora_routed_experts`
+    (the routed experts with per-expert adapters beside the frozen stacks).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
-reference) and says why. `import anyseek.kernels` never imports Triton.
+reference) and says why; every op has a pure-PyTorch reference twin in `reference/`. `import anyseek.kernels` never
+imports Triton. Where each backend's code lives (kernels, launchers, autograd glue): docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -278,11 +282,60 @@ def low_rank_merge(W: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: flo
     return registry.get("low_rank_merge", W)(W, B, A, scale, out, b_out, b_at)
 
 
+def low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B, xd: torch.Tensor | None = None,
+                    scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """x W^T + scale (xd A^T) B^T -> [..., out]: a linear layer with a low-rank term beside its weight (LoRA), without
+    keeping W + s B A or a gradient of W's size. x [..., in], W [out, in], A [r, in], B [out, r]; xd (x's shape, or
+    None: x itself) is the term's own input (x after dropout). B may also be a list of blocks [(first output column,
+    B_i [o_i, r_i]), ...] over A's rows in order, r = sum of r_i: a block-diagonal B without forming it (layers
+    joined by `model.concat.fused_linear`, each block adding into its own layer's columns). Computes in autocast's
+    dtype where autocast is on (as F.linear would), else in x's; gradients for every input that wants one."""
+    blocks = [(0, B)] if torch.is_tensor(B) else list(B)
+    if W.dim() != 2 or A.dim() != 2 or A.shape[1] != W.shape[1] or x.shape[-1] != W.shape[1]:
+        raise ValueError(f"low_rank_linear: x [..., in], W [out, in], A [r, in] expected, got x {tuple(x.shape)}, "
+                         f"W {tuple(W.shape)}, A {tuple(A.shape)}")
+    if xd is not None and xd.shape != x.shape:
+        raise ValueError(f"low_rank_linear: xd {tuple(xd.shape)} must have x's shape {tuple(x.shape)}")
+    r0 = 0
+    for at, b in blocks:
+        if b.dim() != 2 or not 0 <= at <= W.shape[0] - b.shape[0]:
+            raise ValueError(f"low_rank_linear: a B block [o, r] at output column {at} must lie within W's "
+                             f"{W.shape[0]} rows, got {tuple(b.shape)}")
+        r0 += b.shape[1]
+    if r0 != A.shape[0]:
+        raise ValueError(f"low_rank_linear: B's ranks add up to {r0}, A has {A.shape[0]} rows")
+    return registry.get("low_rank_linear", x)(x, W, A, B, xd, scale)
+
+
+def lora_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                        gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor, A_gu: torch.Tensor, B_gu: torch.Tensor,
+                        A_dn: torch.Tensor, B_dn: torch.Tensor, scale: float, add_TD: torch.Tensor | None = None
+                        ) -> torch.Tensor:  # fmt: skip
+    """`routed_experts` on the effective weights W + scale * B A of each expert, for frozen stacks (no gradient)
+    gate_up [E, F, D] and down [E, D, I] with per-expert adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I],
+    B_dn [E, D, r] (LoRA's routed experts, `transforms.lora.LoRAExperts`). Gradients: x, topk_weights, the four adapters
+    and add_TD. -> [T, D] as `routed_experts`. A backend need not form the effective weights (the Triton one does
+    not, nor the [E, F, D] gradients: it adds the rank-r terms inside its GEMMs)."""
+    E, F, D = gate_up_EFD.shape
+    I, r = down_EDI.shape[-1], A_gu.shape[1]
+    want = {"A_gu": (E, r, D), "B_gu": (E, F, r), "A_dn": (E, r, I), "B_dn": (E, D, r)}
+    got = {"A_gu": A_gu, "B_gu": B_gu, "A_dn": A_dn, "B_dn": B_dn}
+    bad = [f"{n} {tuple(got[n].shape)} (want {w})" for n, w in want.items() if tuple(got[n].shape) != w]
+    if bad or down_EDI.shape[:2] != (E, D):
+        raise ValueError(f"lora_routed_experts: gate_up {tuple(gate_up_EFD.shape)}, down {tuple(down_EDI.shape)} "
+                         f"and adapters of rank {r} do not fit: {', '.join(bad) or 'down must be [E, D, I]'}")
+    if add_TD is not None and add_TD.shape != x_TD.shape:
+        raise ValueError(f"lora_routed_experts: add_TD {tuple(add_TD.shape)} must have x's shape {tuple(x_TD.shape)}")
+    fn = registry.get("lora_routed_experts", x_TD)
+    return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, A_gu, B_gu, A_dn, B_dn, scale, add_TD)
+
+
 def sq_norm(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) of a 1-D tensor, accumulated and returned in fp32 (0-dim)."""
     return registry.get("sq_norm", x)(x)
 
 
 __all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination",
-           "low_rank_merge", "mla_attention", "mla_decode", "registry", "rms_norm", "rope_rotate", "route_topk",
-           "routed_experts", "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]
+           "lora_routed_experts", "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode", "registry",
+           "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend", "set_grad_destination", "sq_norm",
+           "swiglu", "varlen_attention"]

@@ -5,13 +5,15 @@ an availability check `available(example) -> (ok, reason)` and the device types 
 
 - explicit: a run's context `with using(attention="sdpa", moe="reference"):` (the trainer enters one built from
   its config around everything it runs), `set_backend(op, name)` (process-wide, for interactive use), or the
-  environment, `ANYSEEK_ATTENTION=name`
-  for both attention ops, `ANYSEEK_MOE=name` for routed_experts, `ANYSEEK_DECODE=name` for mla_decode,
+  environment, `ANYSEEK_ATTENTION=name` for both attention ops, `ANYSEEK_MOE=name` for routed_experts and
+  lora_routed_experts (whose backends bear the same names), `ANYSEEK_DECODE=name` for mla_decode,
   `ANYSEEK_NORM=name` for rms_norm and add_rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_SWIGLU=name`
   for swiglu, `ANYSEEK_XENT=name` for
   cross_entropy_rows, `ANYSEEK_ADAMW=name` for the optimizer steps (adamw_flat, sq_norm, adamw_tensors),
-  `ANYSEEK_ROUTER=name` for route_topk, `ANYSEEK_LOWRANK=name` for low_rank_merge.
-  A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises ValueError listing the known ones.
+  `ANYSEEK_ROUTER=name` for route_topk, `ANYSEEK_LOWRANK=name` for low_rank_merge, `ANYSEEK_LOWRANK_LINEAR=name`
+  for low_rank_linear.
+  A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises
+  ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
   device that cannot run is skipped with ONE warning per (op, backend, reason).
 
@@ -37,6 +39,7 @@ ENV_VARS = {
     "mla_attention": "ANYSEEK_ATTENTION",
     "varlen_attention": "ANYSEEK_ATTENTION",
     "routed_experts": "ANYSEEK_MOE",
+    "lora_routed_experts": "ANYSEEK_MOE",
     "mla_decode": "ANYSEEK_DECODE",
     "rms_norm": "ANYSEEK_NORM",
     "add_rms_norm": "ANYSEEK_NORM",
@@ -48,9 +51,10 @@ ENV_VARS = {
     "adamw_tensors": "ANYSEEK_ADAMW",
     "route_topk": "ANYSEEK_ROUTER",
     "low_rank_merge": "ANYSEEK_LOWRANK",
+    "low_rank_linear": "ANYSEEK_LOWRANK_LINEAR",  # (its backends are not low_rank_merge's: a variable of its own)
 }
 # short names accepted by set_backend for groups of ops
-OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts",),
+OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts", "lora_routed_experts"),
              "norm": ("rms_norm", "add_rms_norm"), "rope": ("rope_rotate",), "swiglu": ("swiglu",),
              "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
              "adamw": ("adamw_flat", "sq_norm", "adamw_tensors"), "router": ("route_topk",),
@@ -225,7 +229,8 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
              "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "add_rms_norm": (1, 1024), "swiglu": (1, 4096),
              "cross_entropy_rows": (1, 129280),
              "adamw_flat": (1024,), "sq_norm": (1024,), "adamw_tensors": (1024,),
-             "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "low_rank_merge": (1536, 7168)}
+             "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "low_rank_merge": (1536, 7168),
+             "lora_routed_experts": (1, 1024), "low_rank_linear": (1, 7168)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
 
@@ -244,7 +249,7 @@ def describe(device: str | torch.device | None = None, dtype: torch.dtype | None
 def _register_defaults() -> None:
     triton_ok = _lazy_check("anyseek.kernels.triton.check.available")
     for op in ("mla_attention", "varlen_attention"):
-        register(op, Backend("triton", _lazy(f"anyseek.kernels.ops.{op}"), triton_ok, ("cuda",)))
+        register(op, Backend("triton", _lazy(f"anyseek.kernels.ops.attention.{op}"), triton_ok, ("cuda",)))
         if op == "varlen_attention":
             flash_ok = _lazy_check("anyseek.kernels.native.flash_attn_available")
             flash = _lazy("anyseek.kernels.native.flash_attn_varlen_attention")
@@ -256,10 +261,25 @@ def _register_defaults() -> None:
         register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.{op}"), _always("pure PyTorch oracle")))
     register("routed_experts", Backend("grouped_mm", _lazy("anyseek.kernels.torch_backends.grouped_mm_routed_experts"),
                                        _lazy_check("anyseek.kernels.torch_backends.grouped_mm_available"), ("cuda",)))
-    register("routed_experts", Backend("triton", _lazy("anyseek.kernels.triton.moe.routed_experts"),
+    register("routed_experts", Backend("triton", _lazy("anyseek.kernels.ops.moe.routed_experts"),
                                        _lazy_check("anyseek.kernels.triton.check.moe_available"), ("cuda",)),
              before="grouped_mm")  # fmt: skip
     register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
+    # LoRA's experts: the same backends by name (ANYSEEK_MOE and set_backend("moe", ...) pick for both); triton adds
+    # the adapters inside its GEMMs, the others run routed_experts' backend of that name on the effective weights
+    register("lora_routed_experts", Backend("triton", _lazy("anyseek.kernels.ops.moe.lora_routed_experts"),
+                                            _lazy_check("anyseek.kernels.triton.check.moe_available"), ("cuda",)))
+    register("lora_routed_experts", Backend(
+        "grouped_mm", _lazy("anyseek.kernels.torch_backends.grouped_mm_lora_routed_experts"),
+        _lazy_check("anyseek.kernels.torch_backends.grouped_mm_available"), ("cuda",)))
+    register("lora_routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.moe.lora_routed_experts"),
+                                            _moe_ref_ok))
+    # LoRA's linear layers: PyTorch matmuls with their own backward everywhere (no kernel of their own), beside the
+    # plain formula through autograd
+    register("low_rank_linear", Backend("torch", _lazy("anyseek.kernels.torch_lowrank.low_rank_linear"),
+                                        _always("PyTorch matmuls, merged weight or added term (torch_lowrank.py)")))
+    register("low_rank_linear", Backend("reference", _lazy("anyseek.kernels.reference.lowrank.low_rank_linear"),
+                                        _always("pure PyTorch (the formula through autograd)")))
     register("mla_decode", Backend("triton", _lazy("anyseek.kernels.triton.mla_decode.mla_decode"),
                                    _lazy_check("anyseek.kernels.triton.mla_decode.available"), ("cuda",)))
     register("mla_decode", Backend("reference", _lazy("anyseek.kernels.reference.decode.mla_decode"),

@@ -8,7 +8,7 @@ tensor is built; with causal=False a key-padding mask is passed. MLA's shared k_
 inside the call.
 
 `grouped_mm`: the reference experts' permutation and combine around two `torch._grouped_mm` calls (cuBLAS grouped
-GEMM; fused only on sm90+ with bf16, hence its availability check).
+GEMM; fused only on sm90+ with bf16, hence its availability check); for LoRA's experts, on the effective weights.
 
 Shape legend: T tokens in the packed batch, H heads, C = N + R query/key dim, N nope dim, R rope dim, V value
 dim, n documents in one bucket, L the bucket's padded length; K experts per token, E experts, I expert width,
@@ -244,6 +244,15 @@ def grouped_mm_routed_experts(
     y_MD = torch._grouped_mm(act_MI, down_proj_EDI.transpose(1, 2), offs=offs_E)
     y_TD = moe_ref.unpermute(y_MD, order_M, topk_weights_TK).to(out_dtype)
     return y_TD if add_TD is None else y_TD + add_TD
+
+
+def grouped_mm_lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, A_gu, B_gu, A_dn, B_dn,
+                                   scale: float, add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The `grouped_mm` backend of lora_routed_experts: `grouped_mm_routed_experts` on the effective weights
+    (`reference.moe.effective_weights`), whose [E, F, D] gradient autograd reduces to the adapters'."""
+    gu, dn = (moe_ref.effective_weights(W, A, B, scale) for W, A, B in ((gate_up_EFD, A_gu, B_gu),
+                                                                        (down_EDI, A_dn, B_dn)))  # fmt: skip
+    return grouped_mm_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gu, dn, add_TD=add_TD)
 
 
 def grouped_mm_available(example: torch.Tensor) -> tuple[bool, str]:

@@ -101,18 +101,14 @@ def _head_chunk_bytes(c, tokens: int, low: int) -> float:
 
 def _merged_elements(model, triton_experts: bool) -> int:
     """Elements of the merged weights a LoRA forward forms and keeps for the backward: the routed experts' where
-    they go through the seam (not the Triton kernels), counted twice (their backward also forms the full gradient
-    of the merged weights); the fused reads' only with ANYSEEK_LORA=merged."""
-    from anyseek.transforms.lora import LoRAExperts, LoRALinear, _unmerged
+    they run on the effective weights (not the Triton kernels), counted twice (their backward also forms the full
+    gradient of the merged weights)."""
+    from anyseek.transforms.lora import LoRAExperts
 
-    n = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, LoRAExperts) and not (triton_experts and _unmerged()):
-            n += 2 * (mod.base.gate_up_proj.numel() + mod.base.down_proj.numel())
-        elif (isinstance(mod, LoRALinear) and not _unmerged()
-              and name.endswith(("gate_proj", "up_proj", "q_a_proj", "kv_a_proj_with_mqa"))):
-            n += mod.base.weight.numel()
-    return n
+    if triton_experts:
+        return 0
+    return sum(2 * (m.base.gate_up_proj.numel() + m.base.down_proj.numel()) for m in model.modules()
+               if isinstance(m, LoRAExperts))
 
 
 def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid: int = 4,

@@ -3,32 +3,31 @@
     apply_lora(model, LoRASpec(rank=16, alpha=32, targets=("attention", "routed_experts")), base_dtype=torch.bfloat16)
 
 A target Linear W [out, in] becomes `LoRALinear`: y = x W^T + s * B A x with A [r, in], B [out, r], s = alpha / r,
-B = 0 at the start (the output equals the base's). Called as a layer, `model.concat.low_rank_linear` applies the
-term one of two ways (`model.concat.merge_wanted`): with more rows than input features and no dropout, through the
-merged weight W + s B A (`kernels.low_rank_merge`), formed for the forward matmul and again for dx in backward, never
-kept; otherwise it runs the base matmul and adds s (x A^T) B^T into its output with one addmm, s as its alpha
-(backward likewise: dx = g W + s (g B) A; dropout on the adapter input). Either way there is no [out, in] weight
-gradient: the adapters' gradients are rank-r products.
+B = 0 at the start (the output equals the base's). Called as a layer, it goes through the seam
+`kernels.low_rank_linear`, whose default (`torch`) backend applies the term one of two ways
+(`kernels.torch_lowrank.merge_wanted`): with more rows than input features and no dropout, through the merged
+weight W + s B A (`kernels.low_rank_merge`), formed for the forward matmul and again for dx in backward, never kept;
+otherwise it runs the base matmul and adds s (x A^T) B^T into its output with one addmm, s as its alpha (backward
+likewise: dx = g W + s (g B) A; dropout on the adapter input). Either way there is no [out, in] weight gradient: the
+adapters' gradients are rank-r products.
 Where the model joins two layers' weights itself (MLA's q_a|kv_a, an MLP's gate|up: `model.concat.fused_linear`),
 the frozen base weights lie row after row in one buffer (`_join_frozen`, so the join is a view) and the adapters
 join as one low-rank term (A's stacked: one narrow matmul reads x; each B added into its own layer's output
 columns; the pair shares one dropout mask on its common input).
 `LoRALinear.weight` still gives the merged W + s * B A for code that reads weights (decoding, export).
 
-Routed experts get per-expert adapters, stacked. Where the Triton routed experts run, `LoRAExperts` hands them the
-adapters (`kernels/triton/moe.py: lora_routed_experts`): each grouped GEMM reads the base weight and adds the rows'
-rank-r product (x A^T, or dh B in backward; made before the GEMM or beside its own product in its loop over K) times
-the other adapter matrix in its epilogue; the adapters' gradients come from rank-r products per expert (dB = s
-dh^T (x A^T), dA = s (dh B)^T x). No [E, F, D] weight or gradient is formed, and the SwiGLU output is not kept
-for backward (recomputed from the saved pre-activations). On every other backend (reference, grouped_mm) the
-experts get the effective weights through the unchanged `anyseek.kernels.routed_experts` seam (one torch.baddbmm
-per projection, no Python loop over experts); there the backward forms the full [E, F, D] gradient of the
-effective weights and two batched matmuls reduce it to dA, dB.
+Routed experts get per-expert adapters, stacked; `LoRAExperts` hands them to the seam `kernels.lora_routed_experts`.
+Its triton backend (`kernels/ops/moe.py`, where the Triton routed experts run) takes the adapters into the kernels:
+each grouped GEMM reads the base weight and adds the rows' rank-r product (x A^T, or dh B in backward; made before
+the GEMM or beside its own product in its loop over K) times the other adapter matrix in its epilogue; the adapters'
+gradients come from rank-r products per expert (dB = s dh^T (x A^T), dA = s (dh B)^T x). No [E, F, D] weight or
+gradient is formed, and the SwiGLU output is not kept for backward (recomputed from the saved pre-activations). Its
+other backends (reference, grouped_mm: the same names as routed_experts', chosen together) run the routed experts
+on the effective weights (one torch.baddbmm per projection, no Python loop over experts); there the backward forms
+the full [E, F, D] gradient of the effective weights and two batched matmuls reduce it to dA, dB.
 
-`ANYSEEK_LORA=merged` brings back the earlier path for comparison (the fused projections and the Triton experts
-on merged weights W + s B A formed at every use); the default is `adapters`. Code that reads the stacked weights
-itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer prints) gets the effective weights from
-`LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
+Code that reads the stacked weights itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer
+prints) gets the effective weights from `LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
 
 Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 """
@@ -36,26 +35,16 @@ Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from anyseek.model.concat import adjacent_weights, joined_view, low_rank_linear
+from anyseek import kernels
+from anyseek.model.concat import adjacent_weights, joined_view
 from anyseek.model.moe import MLP, Experts, MoE, Router
 from anyseek.model.norm import RMSNorm
-
-
-def _unmerged() -> bool:
-    """ANYSEEK_LORA=adapters (the default): adapters outside the weights wherever the model reads weights itself
-    (the fused projections, the Triton routed experts); =merged: W + s B A formed there (see the module docstring)."""
-    choice = os.environ.get("ANYSEEK_LORA", "adapters")
-    if choice not in ("merged", "adapters"):
-        raise ValueError(f"ANYSEEK_LORA={choice!r}: use 'adapters' (the default) or 'merged'")
-    return choice == "adapters"
-
 
 ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -102,13 +91,13 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         A, B, drop, scale = self.low_rank
-        y = low_rank_linear(x, self.base.weight, A, B, None if drop is None else drop(x), scale)
+        y = kernels.low_rank_linear(x, self.base.weight, A, B, None if drop is None else drop(x), scale)
         return y if self.base.bias is None else y + self.base.bias.to(y.dtype)
 
     @property
     def low_rank(self) -> tuple[torch.Tensor, torch.Tensor, nn.Module | None, float]:
         """(A [r, in], B [out, r], the dropout on the adapter input or None, the scale s): the term s (x A^T) B^T
-        that `model.concat`'s `low_rank_linear` adds beside the base weight (s as its matmuls' alpha: no scaled
+        that `kernels.low_rank_linear` adds beside the base weight (s as its matmuls' alpha: no scaled
         copy of B), called as a layer or inside `fused_linear`."""
         drop = self.dropout if self.training and isinstance(self.dropout, nn.Dropout) else None
         return self.lora_A, self.lora_B, drop, self.scale
@@ -116,13 +105,13 @@ class LoRALinear(nn.Module):
     @property
     def fused_weight(self) -> torch.Tensor:
         """The weight `model.concat.fused_linear` joins with its neighbour's: the base's (the adapter joins as
-        `fused_low_rank`), or with ANYSEEK_LORA=merged the merged one."""
-        return self.base.weight if _unmerged() else self.weight
+        `fused_low_rank`)."""
+        return self.base.weight
 
     @property
     def fused_low_rank(self):
-        """`low_rank` for `fused_linear` (None with ANYSEEK_LORA=merged: the adapter is inside `fused_weight`)."""
-        return self.low_rank if _unmerged() else None
+        """`low_rank`, for `fused_linear`."""
+        return self.low_rank
 
     def merged(self) -> nn.Linear:
         """A plain nn.Linear holding W + s * B A, computed in fp32, in the base weight's dtype."""
@@ -167,26 +156,11 @@ class LoRAExperts(nn.Module):
         w = self.base.down_proj
         return torch.baddbmm(w, self.down_lora_B.to(w.dtype), self.down_lora_A.to(w.dtype), alpha=self.scale)
 
-    def effective(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E, F, D], down [E, D, I]) = W + s * B A per expert: one batched matmul each."""
-        return self.gate_up_proj, self.down_proj
-
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                 add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        from anyseek import kernels
-        from anyseek.kernels import registry
-
-        if (_unmerged() and registry.choose("routed_experts", x_TD)[1] == "triton"
-                and not torch.compiler.is_compiling()):  # fmt: skip
-            # the Triton experts take the adapters themselves: no [E, F, D] weight gradient, no effective weights
-            # kept for backward (kernels/triton/moe.py: lora_routed_experts)
-            from anyseek.kernels.triton.moe import lora_routed_experts
-
-            return lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
-                                       self.base.down_proj, self.gate_up_lora_A, self.gate_up_lora_B,
-                                       self.down_lora_A, self.down_lora_B, self.scale, add_TD)  # fmt: skip
-        gate_up_EFD, down_EDI = self.effective()
-        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD)
+        return kernels.lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
+                                           self.base.down_proj, self.gate_up_lora_A, self.gate_up_lora_B,
+                                           self.down_lora_A, self.down_lora_B, self.scale, add_TD)  # fmt: skip
 
     def merged(self) -> Experts:
         with torch.no_grad():

@@ -3,6 +3,8 @@
 Shape legend: T tokens, K experts per token, M = T*K routed rows, E experts, D hidden, I expert intermediate,
 F = 2*I (gate rows then up rows).
 
+`lora_routed_experts`: the same on the effective weights W + s B A of LoRA's experts (`effective_weights`).
+
 The bookkeeping is exposed for tests and for other backends:
     x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)   # rows grouped by expert, stable in (token, k)
     y_TD = unpermute(y_MD, order_M, topk_weights_TK)         # y[t] = sum_k w[t,k] * y_MD[row of (t,k)]
@@ -103,3 +105,19 @@ def routed_experts(
     y_MD = grouped_swiglu(x_MD, counts_E.tolist(), gate_up_proj_EFD, down_proj_EDI, w_M)  # rows already weighted
     y_TD = combine(y_MD, order_M, *topk_ids_TK.shape).to(x_TD.dtype)
     return y_TD if add_TD is None else y_TD + add_TD
+
+
+def effective_weights(W_EOI: torch.Tensor, A_ERI: torch.Tensor, B_EOR: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B A per expert [E, O, I] in W's dtype (the adapters cast to it first): one batched matmul, a LoRA
+    expert's weight as the model would read it (`transforms.lora.LoRAExperts.gate_up_proj`)."""
+    return torch.baddbmm(W_EOI, B_EOR.to(W_EOI.dtype), A_ERI.to(W_EOI.dtype), alpha=scale)
+
+
+def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, A_gu, B_gu, A_dn, B_dn,
+                        scale: float, add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`kernels.lora_routed_experts`'s twin: `routed_experts` on the effective weights W + scale * B A (adapters
+    A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I], B_dn [E, D, r]); autograd forms the [E, F, D] gradient of the
+    effective weights and two batched matmuls reduce it to the adapters'."""
+    gate_up = effective_weights(gate_up_EFD, A_gu, B_gu, scale)
+    down = effective_weights(down_EDI, A_dn, B_dn, scale)
+    return routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, add_TD)

@@ -178,7 +178,6 @@ def adamw_flat(p, grad, m, v, low, scale, step, lr, beta1, beta2, eps, weight_de
 
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 TENSORS_BLOCK, TENSORS_WARPS = BLOCK, 16  # elements per program, warps: the best of 2048-8192 x 4-16 on an H100
-ALIGN_HINTS = True  # (benchmarks turn it off to measure what it gives)
 _CHUNKS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by (device, block, numels)
 _POINTERS: dict[tuple, torch.Tensor] = {}  # the last few launches' address tables, by the addresses
 
@@ -235,7 +234,7 @@ def adamw_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1,
         ptrs, ids, starts, numel, len(params), scale, skip if skip is not None else scale, lr, beta1, beta2, eps,
         lr * weight_decay, math.log2(beta1), math.log2(beta2), HAS_SKIP=skip is not None,
         G_KIND=_G_KINDS[grads[0].dtype], LOW_KIND=0 if lows is None else _G_KINDS[lows[0].dtype],
-        ALIGNED=aligned and ALIGN_HINTS, BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
+        ALIGNED=aligned, BLOCK=TENSORS_BLOCK, num_warps=TENSORS_WARPS,
     )  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Triton kernels of the routed experts: one grouped GEMM over expert-major rows (with three epilogues) and one
-grouped weight-gradient GEMM. Launchers and autograd live in `moe.py`.
+grouped weight-gradient GEMM. Launchers live in `moe.py`, autograd in `kernels/ops/moe.py`.
 
 Rows are the T*K routed (token, k) slots sorted by expert (stable): expert e owns rows offs[e]:offs[e+1]. A row
 knows its token (tok[r] = slot // K, to gather x or dy without a permuted copy) and its slot (slot[r] = t*K + k, to
