@@ -4,7 +4,10 @@ host like the next-token loss's targets (`count_segments`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from test_distributed import spawn
 
 from anyseek.data.loader import Batch
 from anyseek.model.layout import PackedLayout
@@ -33,6 +36,27 @@ def _concat(batches: list[Batch]) -> Batch:
         ids.append(b.input_ids)
         targets.append(b.targets)
     return Batch(torch.cat(ids), torch.cat(targets), torch.cat(cu), max(b.max_seqlen for b in batches))
+
+
+def _reference(trainer: Trainer, micro: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain forward and backward over every document of `micro` (the model's own denominators: the means over
+    this one batch); (loss, balance_loss), the gradients in `.grad`."""
+    both = _concat(micro)
+    out = trainer.model(both.input_ids, cu_seqlens=both.cu_seqlens, targets=both.targets, return_logits=False)
+    loss = out.lm_loss + trainer.mtp_loss_weight() * out.mtp_loss + trainer.model_cfg.aux_loss_alpha * out.balance_loss
+    loss.backward()
+    return loss.detach(), out.balance_loss.detach()
+
+
+def _assert_same_gradients(got: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """Every parameter's gradient (the main and the MTP routers' included) within fp32 rounding of `model`'s."""
+    routers = [n for n in got if n.endswith("gate.weight")]
+    assert any(n.startswith("mtp.") for n in routers) and any(n.startswith("model.") for n in routers), routers
+    assert got.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            err = float((got[n] - p.grad).norm() / p.grad.norm().clamp(min=1e-30))
+            assert err < 1e-5, (n, err)
 
 
 def _loop_balance_loss(scores_TE, topk_ids_TK, cu, mask_T) -> tuple[float, int]:
@@ -90,22 +114,44 @@ def test_eight_micro_batches_give_the_gradients_of_one_batch_of_the_same_documen
     document of a micro-batch with few documents up to 6x more (the MTP router's gradient then differs by ~50%)."""
     cfg = tiny_cfg(data_dir, "--train.grad_accum=8", "--model.aux_loss_alpha=1e-4")
     trainer = Trainer(cfg, tmp_path / "run", log=lambda s: None)
-    model = trainer.model
     micro = [_batch(lengths, trainer.model_cfg.vocab_size, seed=i) for i, lengths in enumerate(SKEWED)]
     stats = trainer._accumulate(iter(micro))
-    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    got = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    loss, balance = _reference(trainer, micro)
+    torch.testing.assert_close(stats.loss, loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(stats.parts["balance_loss"], balance, rtol=1e-5, atol=0)
+    _assert_same_gradients(got, trainer.model)
 
-    both = _concat(micro)
-    out = model(both.input_ids, cu_seqlens=both.cu_seqlens, targets=both.targets, return_logits=False)
-    want = out.lm_loss + trainer.mtp_loss_weight() * out.mtp_loss + trainer.model_cfg.aux_loss_alpha * out.balance_loss
-    want.backward()
-    torch.testing.assert_close(stats.loss, want.detach(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(stats.parts["balance_loss"], out.balance_loss.detach(), rtol=1e-5, atol=0)
-    routers = [n for n in got if n.endswith("gate.weight")]
-    assert any(n.startswith("mtp.") for n in routers) and any(n.startswith("model.") for n in routers), routers
-    assert got.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            err = float((got[n] - p.grad).norm() / p.grad.norm().clamp(min=1e-30))
-            assert err < 1e-5, (n, err)
+
+def _two_ranks(data: str, out: str) -> None:
+    """Rank r runs SKEWED[4r:4r+4] as its step's 4 micro-batches; rank 0 writes the weights before the step, the
+    gathered gradients, and the loss and balance loss summed over the ranks (as `Parallel.sum_step` sums them)."""
+    from safetensors.torch import save_file
+
+    trainer = Trainer(tiny_cfg(Path(data), "--train.grad_accum=4"), Path(out) / "run", log=lambda s: None)
+    rank, V = trainer.par.env.rank, trainer.model_cfg.vocab_size
+    weights = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
+    micro = [_batch(lengths, V, seed=i) for i, lengths in enumerate(SKEWED)][4 * rank:4 * rank + 4]
+    stats = trainer._accumulate(iter(micro))
+    grads = {f"grad/{n}": p.grad.full_tensor() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    sums = trainer.par.sum_(torch.stack([stats.loss, stats.parts["balance_loss"]]))
+    if rank == 0:
+        save_file({**weights, **grads, "sums": sums}, str(Path(out) / "two_ranks.safetensors"))
+
+
+def test_two_ranks_of_four_micro_batches_give_the_gradients_of_one_batch(data_dir, tmp_path):  # noqa: F811
+    """The segment counts are summed over the ranks: 2 gloo ranks x 4 of the skewed micro-batches equal one
+    forward over all 8 micro-batches' documents (FSDP2 sums the ranks' gradients)."""
+    from safetensors.torch import load_file
+
+    assert spawn(_two_ranks, str(data_dir), str(tmp_path), timeout=300) == [0, 0]
+    saved = load_file(str(tmp_path / "two_ranks.safetensors"))
+    trainer = Trainer(tiny_cfg(data_dir), tmp_path / "one", log=lambda s: None)
+    loaded = trainer.model.load_state_dict({n: v for n, v in saved.items() if "/" not in n and n != "sums"},
+                                           strict=False)
+    assert not loaded.unexpected_keys and all(n.endswith("e_score_correction_bias") for n in loaded.missing_keys)
+    micro = [_batch(lengths, trainer.model_cfg.vocab_size, seed=i) for i, lengths in enumerate(SKEWED)]
+    loss, balance = _reference(trainer, micro)
+    torch.testing.assert_close(saved["sums"], torch.stack([loss, balance]), rtol=1e-5, atol=0)
+    _assert_same_gradients({n[5:]: v for n, v in saved.items() if n.startswith("grad/")}, trainer.model)
