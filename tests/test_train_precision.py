@@ -63,17 +63,19 @@ def test_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, accum):  # no
     micro = [next(batches) for _ in range(accum)]
     tr.engine._accumulate(iter(micro))
     assert all(p.dtype == torch.float32 and p.grad is None for p in tr.model.parameters())
-    from anyseek.model.mtp import count_targets
+    from anyseek.model.mtp import count_segments, count_targets
 
     counts = [count_targets(b.targets, b.cu_seqlens, len(twin.mtp)) for b in micro]
     num = torch.tensor([sum(c[i] for c in counts) for i in range(len(counts[0]))], dtype=torch.float32)
+    counts = [count_segments(b.targets, b.cu_seqlens, len(twin.mtp)) for b in micro]
+    segments = torch.tensor([sum(c[i] for c in counts) for i in range(len(counts[0]))], dtype=torch.float32)
     want = {n: torch.zeros(p.shape) for n, p in twin.named_parameters()}
     for b in micro:
         twin.zero_grad(set_to_none=True)
         out = twin(b.input_ids, cu_seqlens=b.cu_seqlens, targets=b.targets, max_seqlen=b.max_seqlen,
-                   return_logits=False, num_targets=num)
+                   return_logits=False, num_targets=num, num_segments=segments)
         loss = out.lm_loss + tr.engine.mtp_loss_weight() * out.mtp_loss
-        loss = loss + tr.model_cfg.aux_loss_alpha * out.balance_loss / accum
+        loss = loss + tr.model_cfg.aux_loss_alpha * out.balance_loss
         loss.backward()
         for n, p in twin.named_parameters():
             if p.grad is not None:

@@ -38,9 +38,10 @@ class DecoderLayer(nn.Module):
         want_balance_loss: bool = False,
         pending: torch.Tensor | None = None,
         defer: bool = False,
+        num_segments: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], RoutingStats | None]:
-        """h [T, D] -> (h [T, D], the MoE's RoutingStats or None for a dense layer). token_mask_T and
-        want_balance_loss: see MoE.forward.
+        """h [T, D] -> (h [T, D], the MoE's RoutingStats or None for a dense layer). token_mask_T,
+        want_balance_loss and num_segments: see MoE.forward.
 
         The residual adds can travel with the next norm (one kernel each way, `RMSNorm.add_forward`): `pending`
         [T, D] is a previous layer's FFN output still to be added to h (the input is h + pending), and with `defer`
@@ -56,5 +57,5 @@ class DecoderLayer(nn.Module):
             y_TD, stats = self.mlp(x_TD), None
         else:  # the norm once per reader of it, so that its backward sums their gradients (no [T, D] adds)
             h_TD, *x_TD = self.post_attention_layernorm.add_forward(h_TD, a_TD, self.mlp.input_copies)
-            y_TD, stats = self.mlp(x_TD, layout, token_mask_T, want_balance_loss)
+            y_TD, stats = self.mlp(x_TD, layout, token_mask_T, want_balance_loss, num_segments)
         return ((h_TD, y_TD) if defer else h_TD + y_TD), stats

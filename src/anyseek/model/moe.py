@@ -119,12 +119,13 @@ class MoE(nn.Module):
         layout: PackedLayout | None = None,
         token_mask_T: torch.Tensor | None = None,
         want_balance_loss: bool = False,
+        num_segments: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoutingStats]:
         """x [T, D] -> (y [T, D], stats). x may also be `input_copies` tensors of the same value, read by the router,
         the routed experts and the shared experts in that order. token_mask_T (bool [T], default all): the tokens
         that count in the expert load and the balance loss (MTP passes False for its filler positions past each
         document end); every token is still routed. The balance loss needs `layout` (its sequences are the layout's
-        documents)."""
+        documents); num_segments is its denominator (see `sequence_balance_loss`)."""
         xs = (x_TD,) * self.input_copies if isinstance(x_TD, torch.Tensor) else tuple(x_TD)
         if len(xs) != self.input_copies:
             raise ValueError(f"MoE.forward: x as {len(xs)} copies, expected 1 or {self.input_copies}")
@@ -144,19 +145,27 @@ class MoE(nn.Module):
         if want_balance_loss:
             if layout is None:
                 raise ValueError("the sequence-wise balance loss needs the batch layout (its documents)")
-            balance = sequence_balance_loss(scores_TE, topk_ids_TK, layout, token_mask_T)
+            balance = sequence_balance_loss(scores_TE, topk_ids_TK, layout, token_mask_T, num_segments)
         return y_TD, RoutingStats(load_E, balance)
 
 
 def sequence_balance_loss(
-    scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor, layout: PackedLayout, token_mask_T: torch.Tensor | None = None
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    layout: PackedLayout,
+    token_mask_T: torch.Tensor | None = None,
+    num_segments: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss (without alpha), one sequence = one packed document (segment),
-    averaged over the documents that have counted tokens:
+    """DeepSeek-V3's sequence-wise balance loss (without alpha), one sequence = one packed document (segment):
 
     f[b,e] = E / (K * L_b) * #{t in b routed to e},  P[b,e] = mean_{t in b} s[t,e] / sum_j s[t,j],
-    loss = mean_b sum_e f[b,e] * P[b,e]   (1.0 when perfectly balanced).
-    L_b and the sums run over the tokens of b that token_mask_T counts (all by default).
+    loss = sum_b sum_e f[b,e] * P[b,e] / num_segments.
+    L_b and the sums run over the tokens of b that token_mask_T counts (all by default); a document without counted
+    tokens adds nothing. num_segments (default: this batch's documents with counted tokens, which makes the loss a
+    mean over them, 1.0 when perfectly balanced; at least 1): a trainer that accumulates micro-batches passes the
+    step's count over every micro-batch and rank (`anyseek.model.mtp.count_segments`), so that the summed loss is
+    the mean over every segment of the step however the step is split, as the next-token loss is over targets.
+    A fp32 scalar tensor (e.g. a CUDA graph's static input) keeps it free of host syncs.
     """
     T, E = scores_TE.shape
     K = topk_ids_TK.shape[1]
@@ -171,5 +180,13 @@ def sequence_balance_loss(
     with torch.no_grad():
         hits_TE = scores_TE.new_zeros(T, E).scatter_(1, topk_ids_TK, 1.0) * mask_T1
         f_BE = scores_TE.new_zeros(B, E).index_add(0, layout.doc_ids, hits_TE) * (E / K) / lens_B1
-    nonempty_B = (lens_B > 0).to(scores_TE.dtype)
-    return ((f_BE * P_BE).sum(dim=-1) * nonempty_B).sum() / nonempty_B.sum().clamp(min=1)
+    # a document without counted tokens has f = P = 0: its term is 0 and so is its gradient
+    return (f_BE * P_BE).sum(dim=-1).sum() / _segments(lens_B, num_segments)
+
+
+def _segments(lens_B: torch.Tensor, num_segments: float | torch.Tensor | None) -> torch.Tensor:
+    """The balance loss's denominator: the caller's count or this batch's documents with counted tokens (lens_B
+    fp32 [B]), as a fp32 scalar, at least 1."""
+    if num_segments is None:
+        return (lens_B > 0).to(lens_B.dtype).sum().clamp(min=1)
+    return torch.as_tensor(num_segments, dtype=lens_B.dtype, device=lens_B.device).clamp(min=1)

@@ -48,12 +48,15 @@ class MTPModule(DecoderLayer):
         layout: PackedLayout,
         inside_T: torch.Tensor | None = None,
         want_balance_loss: bool = False,
+        num_segments: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoutingStats | None]:
         """h^{d-1} [T, D], Emb(t_{i+d}) [T, D] -> (h^d [T, D] before shared_head.norm, routing stats).
         inside_T (bool [T]): the positions whose input is still inside their document; the filler positions past
-        each document end are routed like any token but counted in neither the expert load nor the balance loss."""
+        each document end are routed like any token but counted in neither the expert load nor the balance loss,
+        so a document of at most d tokens has no term in it. num_segments: the balance loss's denominator (default
+        this batch's documents longer than d; `count_segments`)."""
         h_TD = self.eh_proj(torch.cat([self.enorm(emb_TD), self.hnorm(h_prev_TD)], dim=-1))
-        return super().forward(h_TD, layout, inside_T, want_balance_loss)
+        return super().forward(h_TD, layout, inside_T, want_balance_loss, num_segments=num_segments)
 
 
 def shift_in_documents(
@@ -94,3 +97,21 @@ def count_targets(targets: torch.Tensor, cu_seqlens: torch.Tensor | None, mtp_de
         for depth in range(1, mtp_depths + 1):
             counts.append(int((valid_T & (pos_T >= depth)).sum()))
     return counts
+
+
+def count_segments(targets: torch.Tensor, cu_seqlens: torch.Tensor | None, mtp_depths: int) -> list[int]:
+    """How many segments of a batch have a term in the sequence-wise balance loss: [main MoE layers, MTP depth 1,
+    ..., depth D]. The main layers count every non-empty segment; depth d counts the segments longer than d (the
+    others hold only filler positions there, which the balance loss does not count; `shift_in_documents`).
+
+    targets (only its shape is read) and cu_seqlens as for `count_targets`, meant like it for the CPU copy of a
+    batch. A trainer passes the step's totals over micro-batches and ranks to the model as `num_segments`, so that
+    the balance loss is the mean over every segment of the step, not a mean of per-micro-batch means."""
+    if targets.dim() == 2:
+        B, S = targets.shape
+        lens_B = torch.full((B,), S)
+    elif cu_seqlens is None:
+        lens_B = torch.tensor([targets.shape[0]])
+    else:
+        lens_B = cu_seqlens.to(torch.int64).diff()
+    return [int((lens_B > depth).sum()) for depth in range(mtp_depths + 1)]

@@ -33,7 +33,8 @@ from anyseek.model.rope import RotaryEmbedding
 class ModelOutput:
     """logits: input shape + [V] (model dtype; None when return_logits=False). Losses are fp32 scalars:
     loss = lm_loss + mtp_loss_weight * mtp_loss + aux_loss_alpha * balance_loss (None without targets).
-    balance_loss sums the sequence-wise balance loss over MoE layers (MTP's included); None without MoE or targets.
+    balance_loss sums the sequence-wise balance loss over MoE layers (MTP's included), each layer's divided by
+    num_segments (1.0 a layer when balanced, with this batch's own counts); None without MoE or targets.
     expert_load: float [n_moe_layers, E], tokens routed to each expert in this forward, detached; rows are the main
     MoE layers then the MTP modules' (zeros when MTP did not run, i.e. without targets)."""
 
@@ -114,11 +115,15 @@ class DeepSeekV3(nn.Module):
         max_seqlen: int | None = None,
         return_logits: bool = True,
         num_targets: Sequence[int | float | torch.Tensor] | None = None,
+        num_segments: Sequence[int | float | torch.Tensor] | None = None,
     ) -> ModelOutput:
         """input_ids: packed [T] with cu_seqlens int32 [B+1] (documents; None = one document), or [B, S] rows
         (cu_seqlens must be None). targets: same shape, targets[i] follows input_ids[i], IGNORE_INDEX = ignore.
         num_targets: the denominators of the next-token loss and of each MTP depth's loss (see
-        `anyseek.model.mtp.count_targets`); default this batch's own counts, i.e. means over this batch."""
+        `anyseek.model.mtp.count_targets`); default this batch's own counts, i.e. means over this batch.
+        num_segments: the balance loss's denominators, for the main MoE layers and then each MTP depth (see
+        `anyseek.model.mtp.count_segments`); default this batch's own counts. A trainer passes both as the whole
+        step's counts (over micro-batches and ranks), so that the summed micro-batch losses are the step's means."""
         shape = input_ids.shape
         ids_T, layout = self._layout(input_ids, cu_seqlens, max_seqlen)
         if targets is not None and targets.shape != shape:
@@ -126,14 +131,19 @@ class DeepSeekV3(nn.Module):
         if num_targets is not None and len(num_targets) != 1 + len(self.mtp):
             raise ValueError(f"num_targets needs {1 + len(self.mtp)} entries (next token, then each MTP depth), "
                              f"got {len(num_targets)}")
+        if num_segments is not None and len(num_segments) != 1 + len(self.mtp):
+            raise ValueError(f"num_segments needs {1 + len(self.mtp)} entries (main layers, then each MTP depth), "
+                             f"got {len(num_segments)}")
         targets_T = targets.reshape(-1) if targets is not None else None
         layout = layout.with_rope(*self.rotary(layout.positions))
         want_balance = targets is not None
         stats: list[RoutingStats] = []
+        segments = num_segments[0] if num_segments is not None else None
 
         h_TD, y_TD = self.model.embed_tokens(ids_T), None
         for layer in self.model.layers:  # each FFN's residual add runs inside the next norm (DecoderLayer.forward)
-            (h_TD, y_TD), layer_stats = layer(h_TD, layout, None, want_balance, pending=y_TD, defer=True)
+            (h_TD, y_TD), layer_stats = layer(h_TD, layout, None, want_balance, pending=y_TD, defer=True,
+                                              num_segments=segments)
             if layer_stats is not None:
                 stats.append(layer_stats)
         # h^0 of MTP is this normed state, as inference engines feed official MTP weights
@@ -150,7 +160,7 @@ class DeepSeekV3(nn.Module):
                 out.lm_loss = linear_cross_entropy(h_TD, self.lm_head.weight, targets_T, n_lm)
             out.loss = out.lm_loss
             if len(self.mtp):
-                out.mtp_loss = self._mtp_loss(h_TD, ids_T, targets_T, layout, stats, num_targets)
+                out.mtp_loss = self._mtp_loss(h_TD, ids_T, targets_T, layout, stats, num_targets, num_segments)
                 out.loss = out.loss + self.config.mtp_loss_weight * out.mtp_loss
             balance = [s.balance_loss for s in stats if s.balance_loss is not None]
             if balance:
@@ -172,12 +182,14 @@ class DeepSeekV3(nn.Module):
             cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device)
         return input_ids, PackedLayout.build(cu_seqlens, T, max_seqlen)
 
-    def _mtp_loss(self, h_TD, ids_T, targets_T, layout: PackedLayout, stats: list[RoutingStats], num_targets):
+    def _mtp_loss(self, h_TD, ids_T, targets_T, layout: PackedLayout, stats: list[RoutingStats], num_targets,
+                  num_segments):
         """Mean over depths of each depth's next-token loss; appends the MTP layers' routing stats to `stats`."""
         losses = []
         for k, module in enumerate(self.mtp):
             mtp_ids_T, labels_T, inside_T = shift_in_documents(ids_T, targets_T, layout, depth=k + 1)
-            h_TD, layer_stats = module(h_TD, self.model.embed_tokens(mtp_ids_T), layout, inside_T, True)
+            segments = num_segments[k + 1] if num_segments is not None else None
+            h_TD, layer_stats = module(h_TD, self.model.embed_tokens(mtp_ids_T), layout, inside_T, True, segments)
             if layer_stats is not None:
                 stats.append(layer_stats)
             n_k = num_targets[k + 1] if num_targets is not None else None

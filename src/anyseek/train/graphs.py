@@ -7,10 +7,10 @@ number of documents and its longest document vary, so each captured graph reads 
 - input_ids and targets [T];
 - cu_seqlens padded to a bucket of documents (the next power of two of B+1, at least 64 entries) by repeating T:
   the padding documents are empty, so they add no attention tiles, no loss targets, no expert load and no term of
-  the sequence-wise balance loss (which averages over the documents that have tokens);
+  the sequence-wise balance loss (whose denominator is the step's count of segments, counted on the host);
 - max_seqlen rounded up to a power of two, at most `data.max_seqlen` (an upper bound, as every attention seam takes
   it; kernels choose their tiles by it, so one bound for all would slow batches of short documents);
-- the step's loss denominators and the MTP loss weight as device scalars.
+- the step's loss denominators (targets and balance-loss segments) and the MTP loss weight as device tensors.
 
 One graph per (tokens, document bucket, max_seqlen bucket), at most MAX_GRAPHS, all in one memory pool (they
 never run at once and none reads another's output). The first micro-batch of a new shape runs eagerly on the graph's
@@ -66,8 +66,9 @@ def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False,
 class StepGraphs:
     """Captured forward+backward of micro-batches, keyed by shape bucket.
 
-    micro(input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed) runs one micro-batch's
-    forward and backward and returns (loss, parts, expert_load) as tensors (the trainer's own step, not a copy)."""
+    micro(input_ids, cu_seqlens, targets, max_seqlen, num_targets, num_segments, mtp_weight, graphed) runs one
+    micro-batch's forward and backward and returns (loss, parts, expert_load) as tensors (the trainer's own step,
+    not a copy)."""
 
     def __init__(self, micro: Callable, params: list[torch.nn.Parameter], device: torch.device, tokens: int,
                  max_seqlen: int, accumulate: bool, log: Callable[[str], None] = print):
@@ -88,7 +89,7 @@ class StepGraphs:
             return None
         return T, max(MIN_DOC_SLOTS, _pow2(batch.num_segments + 1)), min(_pow2(batch.max_seqlen), self.max_seqlen)
 
-    def run(self, batch, num_targets: torch.Tensor, mtp_weight: float):
+    def run(self, batch, num_targets: torch.Tensor, num_segments: torch.Tensor, mtp_weight: float):
         """One micro-batch: (loss, parts, expert_load) as tensors of its own, or None if this batch must run eagerly
         (the caller runs it). A new shape runs eagerly on the graph's own buffers (the warm-up) and is captured."""
         if not self.enabled:
@@ -99,12 +100,13 @@ class StepGraphs:
             return None
         _check_cu(batch, key[0])
         if g is None:
-            g = _Graph(*key, num_targets, self.device)
-            g.load(batch, num_targets, mtp_weight)
+            g = _Graph(*key, num_targets, num_segments, self.device)
+            g.load(batch, num_targets, num_segments, mtp_weight)
             current = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(current)
             with torch.cuda.stream(self.stream):
-                outputs = self.micro(g.ids, g.cu, g.targets, g.max_seqlen, g.num_targets, g.mtp_weight, False)
+                outputs = self.micro(g.ids, g.cu, g.targets, g.max_seqlen, g.num_targets, g.num_segments,
+                                     g.mtp_weight, False)
             current.wait_stream(self.stream)
             self.eager += 1
             try:
@@ -120,7 +122,7 @@ class StepGraphs:
             self.graphs[key] = g
             return outputs
         self._keep_grads(g)
-        g.load(batch, num_targets, mtp_weight)
+        g.load(batch, num_targets, num_segments, mtp_weight)
         g.graph.replay()
         self.replays += 1
         loss, parts, load = g.outputs
@@ -150,7 +152,8 @@ class StepGraphs:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                g.outputs = self.micro(g.ids, g.cu, g.targets, g.max_seqlen, g.num_targets, g.mtp_weight, True)
+                g.outputs = self.micro(g.ids, g.cu, g.targets, g.max_seqlen, g.num_targets, g.num_segments,
+                                       g.mtp_weight, True)
         finally:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             g.grads = [p.grad for p in self.params]
@@ -180,18 +183,20 @@ class StepGraphs:
 class _Graph:
     """Static inputs and outputs of one captured micro-batch."""
 
-    def __init__(self, T: int, slots: int, max_seqlen: int, num_targets: torch.Tensor, device: torch.device):
+    def __init__(self, T: int, slots: int, max_seqlen: int, num_targets: torch.Tensor, num_segments: torch.Tensor,
+                 device: torch.device):
         self.T, self.slots, self.max_seqlen = T, slots, max_seqlen
         self.ids = torch.zeros(T, dtype=torch.int64, device=device)
         self.targets = torch.zeros(T, dtype=torch.int64, device=device)
         self.cu = torch.full((slots,), T, dtype=torch.int32, device=device)
         self.num_targets = torch.ones_like(num_targets)
+        self.num_segments = torch.ones_like(num_segments)
         self.mtp_weight = torch.zeros((), dtype=torch.float32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.grads: list[torch.Tensor] = []
         self.outputs = None
 
-    def load(self, batch, num_targets: torch.Tensor, mtp_weight: float) -> None:
+    def load(self, batch, num_targets: torch.Tensor, num_segments: torch.Tensor, mtp_weight: float) -> None:
         """Copy a host batch in through pinned memory, as the trainer's `_to_device` does: a copy from pageable memory
         waits for the stream first (the GPU then idled while the host copied and launched the next replay: 0.3-0.5 ms
         a step of `small` at 8k tokens on an H100); torch's pinned-memory cache keeps each block until the copy
@@ -203,6 +208,7 @@ class _Graph:
         self.targets.copy_(batch.targets.pin_memory(), non_blocking=True)
         self.cu.copy_(cu, non_blocking=True)
         self.num_targets.copy_(num_targets)
+        self.num_segments.copy_(num_segments)
         self.mtp_weight.fill_(mtp_weight)
 
 

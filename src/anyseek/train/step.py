@@ -38,7 +38,7 @@ import torch
 
 from anyseek import checkpoint
 from anyseek.kernels import registry
-from anyseek.model.mtp import count_targets
+from anyseek.model.mtp import count_segments, count_targets
 from anyseek.train import graphs as graphs_lib
 from anyseek.train.config import ConfigError, RunConfig, piecewise
 from anyseek.train.optim import lr_at, set_lr
@@ -275,8 +275,9 @@ class StepEngine:
     def _accumulate(self, batches, tokens: int | None = None) -> StepStats:
         """Forward and backward over the step's micro-batches. The losses are normalised once for the whole step:
         each micro-batch's summed next-token (and per-depth MTP) loss is divided by the step's count of valid
-        targets, counted on the host copies of the batches before any of them runs (no device sync), so a
-        micro-batch with few targets weighs no more than its targets do."""
+        targets, and its summed balance loss by the step's count of segments (per MoE layer group), both counted on
+        the host copies of the batches before any of them runs (no device sync) and summed over the ranks, so a
+        micro-batch with few targets or segments weighs no more than they do."""
         t = self.cfg.train
         micro = [next(batches) for _ in range(t.grad_accum)]
         mtp_weight = self.mtp_loss_weight(tokens)
@@ -284,16 +285,20 @@ class StepEngine:
         if self.working is not None:
             self.working.before_step()
         depths = len(self.model.mtp)
-        per_batch = [count_targets(b.targets, b.cu_seqlens, depths) for b in micro]
-        step_counts = [sum(c[i] for c in per_batch) for i in range(depths + 1)]
-        num_targets = _to_device(torch.tensor(step_counts, dtype=torch.float32), self.device)
-        num_targets = self.par.sum_(num_targets)  # the global batch's targets: every rank divides by the same count
+        # [targets: next token, each MTP depth; segments: main layers, each MTP depth] of each micro-batch
+        per_batch = [count_targets(b.targets, b.cu_seqlens, depths) + count_segments(b.targets, b.cu_seqlens, depths)
+                     for b in micro]
+        step_counts = [sum(c[i] for c in per_batch) for i in range(2 * (depths + 1))]
+        counts = _to_device(torch.tensor(step_counts, dtype=torch.float32), self.device)
+        counts = self.par.sum_(counts)  # the global batch's: every rank divides by the same counts (one all-reduce)
+        num_targets, num_segments = counts[:depths + 1], counts[depths + 1:]
         for batch in micro:
-            done = self.graphs.run(batch, num_targets, mtp_weight) if self.graphs is not None else None
+            done = (self.graphs.run(batch, num_targets, num_segments, mtp_weight) if self.graphs is not None
+                    else None)
             if done is None:
                 dev = _to_device(batch, self.device)
                 done = self._micro(dev.input_ids, dev.cu_seqlens, dev.targets, dev.max_seqlen, num_targets,
-                                   mtp_weight)
+                                   num_segments, mtp_weight)
             loss, parts, load = done
             stats.loss = stats.loss + loss
             for name, value in parts.items():
@@ -306,29 +311,33 @@ class StepEngine:
             stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
         return stats
 
-    def _micro(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed=False):
-        """One micro-batch's forward and backward: (loss, parts, expert_load), detached. The same code runs eagerly
-        and inside a CUDA graph (`train/graphs.py`; graphed: autocast's weight cache off, as graph capture needs)."""
+    def _micro(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, num_segments, mtp_weight,
+               graphed=False):
+        """One micro-batch's forward and backward: (loss, parts, expert_load), detached. num_targets, num_segments:
+        the step's loss denominators (device tensors). The same code runs eagerly and inside a CUDA graph
+        (`train/graphs.py`; graphed: autocast's weight cache off, as graph capture needs)."""
         with registry.using(**self.backends), (self.working.active() if self.working is not None
                                                 else contextlib.nullcontext()):
-            return self._micro_inner(input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed)
+            return self._micro_inner(input_ids, cu_seqlens, targets, max_seqlen, num_targets, num_segments,
+                                     mtp_weight, graphed)
 
 
-    def _micro_inner(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, mtp_weight, graphed):
+    def _micro_inner(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, num_segments, mtp_weight,
+                     graphed):
         alpha = self.model_cfg.aux_loss_alpha
         # no autocast where the weights are in the low precision already (a working copy, FSDP2's bf16 shards)
         low_weights = self.working is not None or self.par.masters is not None
         with self.autocast(cache=not graphed) if not low_weights else contextlib.nullcontext():
             out = self.forward(input_ids, cu_seqlens=cu_seqlens, targets=targets, max_seqlen=max_seqlen,
-                               return_logits=False, num_targets=num_targets)
+                               return_logits=False, num_targets=num_targets, num_segments=num_segments)
         parts = {"lm_loss": out.lm_loss}
         loss = out.lm_loss
         if out.mtp_loss is not None:
             parts["mtp_loss"] = out.mtp_loss
             loss = loss + mtp_weight * out.mtp_loss
         if out.balance_loss is not None:
-            # a mean over the step's micro-batches (of every rank)
-            parts["balance_loss"] = out.balance_loss / (self.cfg.train.grad_accum * self.par.env.world_size)
+            # divided by the step's segments already: summed over micro-batches and ranks, the step's mean
+            parts["balance_loss"] = out.balance_loss
             loss = loss + alpha * parts["balance_loss"]
         loss.backward()
         if self.working is not None:
