@@ -38,6 +38,10 @@ __all__ = ["CheckpointError", "load_pretrained", "save_pretrained", "write_model
 
 _MAX_LISTED = 40  # names listed per kind of problem in one error message
 _KEEP_FILES = re.compile(r"(tokenizer.*|special_tokens_map\.json|chat_template.*|vocab\.json|merges\.txt)")
+# what an existing folder may hold for save_pretrained to replace it: a model's files (the old ones are dropped; an
+# `anyseek export` marker with them) and the kept tokenizer files
+_REPLACED_FILES = re.compile(r"(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
+                             r"|model\.safetensors\.index\.json|export\.json|" + _KEEP_FILES.pattern + ")")
 
 
 # ---------------------------------------------------------------- loading
@@ -287,9 +291,17 @@ def save_pretrained(
     Official layout: per-expert `mlp.experts.e.{gate,up,down}_proj.weight`, MTP module k as
     `model.layers.{N+k}.*` with copies of embed_tokens and lm_head (`shared_head.head`). dtype: of floating
     parameters (default: as they are); buffers keep theirs. Atomic (`anyseek.storage.atomic_folder`): an existing
-    folder is replaced only once the new one is complete, and its tokenizer files are kept.
+    folder is replaced only once the new one is complete, and its tokenizer files are kept. A folder holding anything
+    else (a user's files, a training checkpoint's state) is refused with FileExistsError naming it: nothing is
+    deleted that the caller did not write.
     """
     folder = Path(path)
+    if folder.is_dir():
+        other = sorted(p.name for p in folder.iterdir() if not (p.is_file() and _REPLACED_FILES.fullmatch(p.name)))
+        if other:
+            raise FileExistsError(f"{folder}: holds {', '.join(other[:5])}{' ...' if len(other) > 5 else ''}, which "
+                                  "save_pretrained would delete (it replaces the folder, keeping only tokenizer "
+                                  "files); save into a new or empty folder, or move them away first")
     with atomic_folder(folder) as tmp:
         write_model_files(model, tmp, dtype, max_shard_size)
         if folder.is_dir():

@@ -23,6 +23,7 @@ count (the schedules), and every rank must agree on a stop before it queues anot
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import signal
@@ -41,7 +42,7 @@ from anyseek.train.config import ConfigError, RunConfig
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer
 from anyseek.train.parallel import Parallel, Silent
-from anyseek.train.preflight import check_prepared, check_vocab, check_writable, describe_os_error
+from anyseek.train.preflight import check_prepared, check_vocab, claim_out_dir, describe_os_error
 from anyseek.train.resume import check_resume
 from anyseek.train.start import Start
 from anyseek.train.step import Outcome, StepEngine, TrainingDiverged
@@ -192,12 +193,14 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to train.max_steps (or a stop request), evaluating, saving and logging on the config's cadence;
         returns the summary (validation loss, the last checkpoint, the sample)."""
-        with registry.using(**self.backends):
+        with registry.using(**self.backends), contextlib.ExitStack() as held:
+            # rank 0 takes the folder for the run's life (another live run there: FolderInUse on every rank) and
+            # cleans up what killed saves left; a crash or kill -9 releases it with the process
+            self.par.on_main(lambda: held.callback(claim_out_dir(self.out_dir, self.log).release))
             return self._run()
 
     def _run(self) -> dict[str, Any]:
         t = self.cfg.train
-        self.par.on_main(lambda: check_writable(self.out_dir, self.log))  # rank 0 cleans up; every rank learns
         if self.resume:
             self._resume()
         elif checkpoint.checkpoints(self.out_dir):
