@@ -1,7 +1,8 @@
 """`anyseek train --init PATH`: start a run from a pretrained model instead of random weights.
 
 PATH is a Hugging Face DeepSeek-V2/V3 folder (ours, the official layouts, Moonlight-style; FP8 weights are
-dequantized on load) or a full-weight `step-N` checkpoint. From the folder come:
+dequantized on load) or a full-weight `step-N` checkpoint, checked against its checkpoint.json (sizes and sha256) like
+everywhere else: a damaged one is an error naming the file. From the folder come:
 
 - the model config. `[model]` overrides of the training knobs (aux_loss_alpha, bias_update_speed, mtp_loss_weight)
   apply; any other key that would change the model is an error naming it. The config's flavor is not used (the
@@ -10,9 +11,10 @@ dequantized on load) or a full-weight `step-N` checkpoint. From the folder come:
   tokenizer is an error naming both.
 - the weights, streamed into a model built on the meta device (`anyseek.hf.load_pretrained`): one copy in memory.
 
-Optimizer, schedule and data order start fresh. `reference()` (path + content hash of config.json, the safetensors
-headers and a sample of every tensor's bytes) goes into every checkpoint's train_state.json; LoRA checkpoints need
-it to find their base, and `--resume` compares it (anyseek.train.resume).
+Optimizer, schedule and data order start fresh. `reference()` (path + sha256 of every byte of config.json and the
+weights, `anyseek.checkpoint.identity`: a hub-cache download is checked against its blob names on the way) goes into
+every checkpoint's train_state.json; LoRA checkpoints need it to find their base, and `--resume` compares it
+(anyseek.train.resume).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 import torch
 
+from anyseek.checkpoint.adapters import is_lora
+from anyseek.checkpoint.folder import MARKER, CheckpointDamaged, is_sharded, verify
 from anyseek.checkpoint.identity import reference
 from anyseek.storage import CheckpointError
 from anyseek.train.config import ConfigError
@@ -41,13 +45,21 @@ class InitSource:
         folder = Path(path).expanduser()
         if not folder.is_dir():
             raise CheckpointError(f"--init {folder}: not a folder")
-        if (folder / "lora.json").is_file():
+        if is_lora(folder):
             raise CheckpointError(
                 f"--init {folder}: a LoRA checkpoint (adapters only); write a full model first with "
                 f"`anyseek export --merge {folder} --out DIR` and start from DIR"
             )
+        if is_sharded(folder):
+            raise CheckpointError(f"--init {folder}: a sharded checkpoint of a multi-process run; write one model "
+                                  f"folder with `anyseek export {folder} --out DIR` and start from DIR")
         if not (folder / "config.json").is_file():
             raise CheckpointError(f"--init {folder}: no config.json (a Hugging Face model folder or a step-N folder)")
+        if (folder / MARKER).is_file():  # a training checkpoint: its files as recorded, or nothing
+            try:
+                verify(folder)
+            except CheckpointDamaged as e:
+                raise CheckpointDamaged(f"--init {e}") from None
         from anyseek.hf.config import read_config_json
 
         try:
@@ -61,8 +73,9 @@ class InitSource:
         f = self.path / "tokenizer.json"
         return f if f.is_file() else None
 
-    def reference(self) -> dict[str, str]:
-        return reference(self.path)
+    def reference(self, log=None) -> dict[str, str]:
+        """{"path", "sha256", "hashed"} of the folder (`anyseek.checkpoint.identity`); `log` hears of a long hash."""
+        return reference(self.path, log)
 
 
 def model_config(init: InitSource, section) -> Any:
