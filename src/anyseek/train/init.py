@@ -120,7 +120,7 @@ def prepare_data(data, init: InitSource) -> Path:
 def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print) -> None:
     """Prepared data must come from the folder's tokenizer (same file, or the same vocabulary), and its ids must fit
     the model's embedding."""
-    from anyseek.data.tokenizer import sha256_file, tokenizer_files
+    from anyseek.data.tokenizer import tokenized_with, tokenizer_files
 
     vocab = int(manifest["vocab_size"])
     if vocab > init.config.vocab_size:
@@ -131,9 +131,7 @@ def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print)
         log(f"warning: --init {init.path} has no tokenizer.json; cannot check that {data_dir} uses its tokenizer")
         return
     theirs = tokenizer_files(data_dir)[0]
-    used = {manifest.get("tokenizer_sha256"), *((manifest.get("inputs") or {}).get("tokenizer", {})
-                                                 .get("files", {}).values())}
-    if sha256_file(mine) in used or _same_vocab(mine, theirs):
+    if tokenized_with(mine, data_dir, manifest):
         return
     described = manifest.get("tokenizer", {}).get("path") or manifest.get("tokenizer", {}).get("kind", "its own")
     raise ConfigError(
@@ -142,8 +140,3 @@ def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print)
         "have it prepared automatically"
     )
 
-
-def _same_vocab(a: Path, b: Path) -> bool:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(a)).get_vocab(True) == Tokenizer.from_file(str(b)).get_vocab(True)
