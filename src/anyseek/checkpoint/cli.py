@@ -29,17 +29,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """A missing or damaged checkpoint, or a base that does not match, raises CheckpointError (a ValueError):
     `anyseek.cli` prints it as one `error:` line and exits 2."""
-    from anyseek.checkpoint import export
+    from anyseek.checkpoint.export import export, export_merged, export_peft  # (the package's `export` is the function)
 
     given = [x for x in (args.checkpoint, args.merge, args.peft) if x]
     if len(given) != 1:
         raise ValueError("anyseek export takes one of RUN_OR_STEP, --merge RUN_OR_STEP or --peft RUN_OR_STEP")
     dtype = DTYPES.get(args.dtype)
     if args.peft:
-        out = export.export_peft(args.peft, args.out)
+        out = export_peft(args.peft, args.out)
     elif args.merge:
-        out = export.export_merged(args.merge, args.out, args.base, dtype)
+        out = export_merged(args.merge, args.out, args.base, dtype)
     else:
-        out = export.export(args.checkpoint, args.out, dtype, args.base)
+        out = export(args.checkpoint, args.out, dtype, args.base)
     print(f"wrote {out}")
     return 0

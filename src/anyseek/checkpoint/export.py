@@ -186,9 +186,9 @@ def check_out(out: str | Path, *sources: str | Path) -> Path:
             raise ExportRefused(f"--out {given} {how} {read}, which the export reads; choose a new or empty folder")
     for folder in (where, *where.parents):
         if _is_run_folder(folder):
-            what = "is the run folder" if folder == where else "is inside the run folder"
-            raise ExportRefused(f"--out {given} {what} {folder}: its checkpoints, metrics and training state are not "
-                                "an export's to replace; choose a folder outside it, e.g. a sibling")
+            what = "is" if folder == where else "is inside"
+            raise ExportRefused(f"--out {given} {what} {folder}, a training run's folder: its checkpoints, metrics and "
+                                "training state are not an export's to replace; choose a folder outside the run")
     _check_replaceable(given)
     return given
 
