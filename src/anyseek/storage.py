@@ -162,6 +162,7 @@ def _pid_alive(pid_text: str) -> bool:
 # ---------------------------------------------------------------- one process per folder
 
 LOCK_FILE = ".anyseek.lock"
+_WINDOWS_BYTE = 1 << 30  # the byte msvcrt.locking locks: far past the text, which others must still read
 
 
 class FolderInUse(RuntimeError):
@@ -183,6 +184,12 @@ class FolderLock:
         if os.name != "nt":  # removed while still held: whoever opened it meanwhile sees the unlink and retries
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+        else:
+            import msvcrt
+
+            with contextlib.suppress(OSError):
+                os.lseek(self._fd, _WINDOWS_BYTE, os.SEEK_SET)
+                msvcrt.locking(self._fd, msvcrt.LK_UNLCK, 1)
         os.close(self._fd)  # releases the lock
         self._fd = None
 
@@ -211,10 +218,10 @@ def lock_folder(folder: Path) -> FolderLock:
 def _try_lock(fd: int) -> bool:
     try:
         import fcntl
-    except ImportError:  # Windows: a byte far past the text, so that others can still read who holds it
+    except ImportError:  # Windows (msvcrt's locks are mandatory: lock a byte no reader reads)
         import msvcrt
 
-        os.lseek(fd, 1 << 30, os.SEEK_SET)
+        os.lseek(fd, _WINDOWS_BYTE, os.SEEK_SET)
         try:
             msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
         except OSError:

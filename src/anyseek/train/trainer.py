@@ -332,9 +332,10 @@ class Trainer:
         return loss
 
     def _save(self, periodic: bool = False) -> Path | None:
-        """Write step-N. A periodic save that fails (full disk, read-only folder) is reported in one line and
-        training goes on (the staging folder is already gone) until MAX_FAILED_SAVES fail in a row; any other
-        failed save raises SaveFailed."""
+        """Write step-N. A periodic save that fails (full disk, read-only folder: an OSError, whichever library
+        wrote, `anyseek.storage.os_error`) is reported in one line and training goes on (the staging folder is
+        already gone) until MAX_FAILED_SAVES fail in a row; any other failed save raises SaveFailed. Other errors
+        (a bug, not the disk) propagate as they are."""
         self.engine.settled("a save")
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
                  "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity(), **self.start.record()}
