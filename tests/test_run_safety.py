@@ -209,6 +209,23 @@ def test_a_second_run_into_a_busy_folder_fails_at_once_and_a_killed_run_resumes(
     assert not (out / LOCK_FILE).exists() and not [p for p in out.iterdir() if p.name.startswith(".step")]
 
 
+def test_a_filesystem_without_locks_is_a_warning_not_a_refusal(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from anyseek.train.preflight import claim_out_dir
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    messages: list[str] = []
+    lock = claim_out_dir(tmp_path / "run", messages.append)
+    assert not lock.held and any("without file locks" in m for m in messages)
+    lock.release()
+    assert os.listdir(tmp_path / "run") == []
+
+
 def _train_into_busy_folder(data: str, out: str) -> None:
     """A rank of a 2-rank run into a folder the test holds: every rank must stop with the same one-line reason."""
     rank = int(os.environ["RANK"])
@@ -431,3 +448,15 @@ def test_large_files_are_hashed_once_until_they_change(tmp_path, monkeypatch):
     _flip(weights)
     os.utime(weights, ns=(stamp + 10**9, stamp + 10**9))
     assert identity.content_hash(folder) != first and read == ["model.safetensors"]
+
+
+def test_init_from_a_step_folder_reads_its_files_once(trained, monkeypatch):
+    from anyseek.train.init import InitSource
+
+    step = trained / "step-4"
+    want = identity.content_hash(step)
+    read: list[str] = []
+    real = identity._sha256
+    monkeypatch.setattr(identity, "_sha256", lambda p: read.append(p.name) or real(p))
+    ref = InitSource.open(step).reference()  # verified against checkpoint.json: those digests are the identity's
+    assert ref["sha256"] == want and read == []

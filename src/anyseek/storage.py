@@ -173,10 +173,12 @@ class FolderLock:
     """A lock on `folder` held for this object's life (`lock_folder`), released by `release()` or by the death of the
     process: an advisory lock on folder/.anyseek.lock (flock on POSIX, msvcrt.locking on Windows), which the OS
     drops with the process, so a crashed or `kill -9`ed holder never leaves the folder stuck. The file holds the
-    holder's pid, host and start time, for the message another process gets."""
+    holder's pid, host and start time, for the message another process gets. `held` is False on a filesystem
+    without locks (some network and FUSE mounts): nothing then stops a second run, and the caller says so."""
 
-    def __init__(self, folder: Path, fd: int):
+    def __init__(self, folder: Path, fd: int | None):
         self.folder, self.path, self._fd = folder, folder / LOCK_FILE, fd
+        self.held = fd is not None
 
     def release(self) -> None:
         if self._fd is None:
@@ -199,7 +201,13 @@ def lock_folder(folder: Path) -> FolderLock:
     path = Path(folder) / LOCK_FILE
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        if not _try_lock(fd):
+        locked = _try_lock(fd)
+        if locked is None:  # no locks here
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return FolderLock(Path(folder), None)
+        if not locked:
             os.close(fd)
             raise FolderInUse(f"{folder} is in use by another anyseek run ({_holder(path)}); wait for it to end, or "
                               "choose another folder")
@@ -215,7 +223,8 @@ def lock_folder(folder: Path) -> FolderLock:
     return FolderLock(Path(folder), fd)
 
 
-def _try_lock(fd: int) -> bool:
+def _try_lock(fd: int) -> bool | None:
+    """Whether the lock was taken (False: another holds it; None: this filesystem has no locks)."""
     try:
         import fcntl
     except ImportError:  # Windows (msvcrt's locks are mandatory: lock a byte no reader reads)
@@ -232,6 +241,10 @@ def _try_lock(fd: int) -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except (BlockingIOError, PermissionError):
         return False
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return None
+        raise
     return True
 
 

@@ -36,17 +36,22 @@ _CHUNK = 1 << 22
 _BLOB = re.compile(r"[0-9a-f]{64}")
 
 
-def reference(folder: Path, log: Callable[[str], None] | None = None) -> dict[str, str]:
+def reference(folder: Path, log: Callable[[str], None] | None = None,
+              known: dict[str, str] | None = None) -> dict[str, str]:
     """{"path": the folder, resolved, "sha256": `content_hash`, "hashed": "all"}; `log` hears of a long hash."""
-    return {"path": str(Path(folder).resolve()), "sha256": content_hash(Path(folder), log), "hashed": HASHED}
+    return {"path": str(Path(folder).resolve()), "sha256": content_hash(Path(folder), log, known), "hashed": HASHED}
 
 
-def content_hash(folder: Path, log: Callable[[str], None] | None = None) -> str:
+def content_hash(folder: Path, log: Callable[[str], None] | None = None, known: dict[str, str] | None = None) -> str:
     """sha256 over the names and sha256 of config.json, the weights index and every safetensors file in `folder`.
+    known: {file name: sha256} the caller has just checked (a verified step-N's checkpoint.json): not read again.
     Raises CheckpointError for a hub-cache file whose content is not its blob's name (a damaged download)."""
     files = [folder / "config.json", *sorted(folder.glob("*.safetensors.index.json")),
              *sorted(folder.glob("*.safetensors"))]
     cache = _Cache()
+    for f in files:
+        if (known or {}).get(f.name):
+            cache.put(f, known[f.name], remember=False)
     todo = [f for f in files if cache.get(f) is None]
     size = sum(f.stat().st_size for f in todo)
     if log is not None and size > 1 << 30:
@@ -129,6 +134,7 @@ class _Cache:
 
         self.path = default_cache_dir() / CACHE_FILE
         self.entries: dict[str, list] = {}
+        self.known: dict[str, str] = {}  # this call's digests given by the caller, never written to the cache
         self.changed = False
         with contextlib.suppress(OSError, ValueError):
             loaded = json.loads(self.path.read_text())
@@ -141,12 +147,16 @@ class _Cache:
 
     def get(self, f: Path) -> str | None:
         key, stamp = self._key(f)
+        if key in self.known:
+            return self.known[key]
         hit = self.entries.get(key)
         return hit[3] if isinstance(hit, list) and len(hit) == 4 and hit[:3] == stamp else None
 
-    def put(self, f: Path, digest: str) -> None:
+    def put(self, f: Path, digest: str, remember: bool = True) -> None:
         key, stamp = self._key(f)
-        if stamp[0] >= CACHE_MIN_BYTES:
+        if not remember:
+            self.known[key] = digest
+        elif stamp[0] >= CACHE_MIN_BYTES:
             self.entries[key] = [*stamp, digest]
             self.changed = True
 

@@ -20,6 +20,7 @@ every checkpoint's train_state.json; LoRA checkpoints need it to find their base
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ KNOBS = ("aux_loss_alpha", "bias_update_speed", "mtp_loss_weight", "init_std")  
 class InitSource:
     path: Path
     config: Any  # ModelConfig as config.json gives it
+    verified: dict | None = None  # a step-N's {file: sha256}, as its checkpoint.json recorded and verify() found
 
     @classmethod
     def open(cls, path: str | Path) -> InitSource:
@@ -55,18 +57,21 @@ class InitSource:
                                   f"folder with `anyseek export {folder} --out DIR` and start from DIR")
         if not (folder / "config.json").is_file():
             raise CheckpointError(f"--init {folder}: no config.json (a Hugging Face model folder or a step-N folder)")
+        verified = None
         if (folder / MARKER).is_file():  # a training checkpoint: its files as recorded, or nothing
             try:
                 verify(folder)
             except CheckpointDamaged as e:
                 raise CheckpointDamaged(f"--init {e}") from None
+            files = json.loads((folder / MARKER).read_text())["files"]
+            verified = {name: rec["sha256"] for name, rec in files.items() if isinstance(rec, dict) and "sha256" in rec}
         from anyseek.hf.config import read_config_json
 
         try:
             config = read_config_json(folder / "config.json")
         except ValueError as e:
             raise CheckpointError(f"--init {folder}: {e}") from e
-        return cls(folder, config)
+        return cls(folder, config, verified)
 
     @property
     def tokenizer_file(self) -> Path | None:
@@ -74,8 +79,9 @@ class InitSource:
         return f if f.is_file() else None
 
     def reference(self, log=None) -> dict[str, str]:
-        """{"path", "sha256", "hashed"} of the folder (`anyseek.checkpoint.identity`); `log` hears of a long hash."""
-        return reference(self.path, log)
+        """{"path", "sha256", "hashed"} of the folder (`anyseek.checkpoint.identity`; a step-N's files are not read
+        again: verified against checkpoint.json just before); `log` hears of a long hash."""
+        return reference(self.path, log, self.verified)
 
 
 def model_config(init: InitSource, section) -> Any:

@@ -63,6 +63,8 @@ def claim_out_dir(out_dir: Path, log: Callable[[str], None]) -> FolderLock:
         lock = lock_folder(out_dir)
     except OSError as e:
         raise OSError(e.errno, f"{out_dir} is not writable: {describe_os_error(e)}") from None
+    if not lock.held:
+        log(f"warning: {out_dir} is on a filesystem without file locks: a second run into it would not be stopped")
     try:
         check_writable(out_dir, log)
     except BaseException:
