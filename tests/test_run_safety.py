@@ -460,3 +460,21 @@ def test_init_from_a_step_folder_reads_its_files_once(trained, monkeypatch):
     monkeypatch.setattr(identity, "_sha256", lambda p: read.append(p.name) or real(p))
     ref = InitSource.open(step).reference()  # verified against checkpoint.json: those digests are the identity's
     assert ref["sha256"] == want and read == []
+
+
+def test_a_lora_base_damaged_in_place_is_refused_by_resume_and_export(data_dir, trained, tmp_path, capsys):  # noqa: F811
+    """Bytes flipped where the older sampled hash did not look: the adapters' base is no longer what they were
+    trained on, and both --resume and the merged export say so instead of computing another model."""
+    from anyseek.train.resume import ResumeMismatch
+
+    base = tmp_path / "base"  # a plain model folder (no checkpoint.json): only the identity can tell
+    shutil.copytree(trained / "step-4", base, ignore=shutil.ignore_patterns("checkpoint.json", "optimizer*", "rng*",
+                                                                          "train_state.json"))
+    out = tmp_path / "lora"
+    lora = ("--train.lora_rank=2", f"--train.init={base}")
+    run(tiny_cfg(data_dir, "--train.max_steps=1", *lora), out)
+    _flip(base / "model.safetensors", offset=_largest_tensor_start(base / "model.safetensors"), n=4)
+    with pytest.raises(ResumeMismatch, match=r"init content \(sha256\)"):
+        run(tiny_cfg(data_dir, "--train.max_steps=2", *lora), out, resume=True)
+    rc, _, err = cli(capsys, "export", out, "--out", tmp_path / "merged")
+    assert rc == 2 and "changed since the adapters were trained on it" in err and not (tmp_path / "merged").exists()
