@@ -57,9 +57,9 @@ def read_adapters(folder: Path, model: nn.Module, base: dict | None = None) -> N
     saved = read_lora_json(folder).base
     if base is not None and not same_content(saved, base):
         if saved["path"] == base["path"]:
-            raise CheckpointError(f"{folder}: its base {base['path']} changed since the adapters were trained on it "
-                                  f"(sha256 {saved['sha256'][:12]} then, {base['sha256'][:12]} now): damaged or "
-                                  "replaced; restore that model, or pass the one they were trained on")
+            raise CheckpointError(f"{folder}: its adapters were trained on the base {base['path']} as it was then "
+                                  f"(sha256 {saved['sha256'][:12]}); it has changed since ({base['sha256'][:12]} "
+                                  "now): damaged or replaced; restore that model, or pass the one they were trained on")
         raise CheckpointError(f"{folder}: its adapters were trained on the base {saved['path']} "
                               f"(sha256 {saved['sha256'][:12]}), not on {base['path']} (sha256 {base['sha256'][:12]})")
     try:
