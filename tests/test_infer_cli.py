@@ -86,13 +86,15 @@ def test_eval_reports_the_trainers_validation_loss(trained, capsys):
 
 def test_bad_input_is_one_clear_line(trained, capsys, tmp_path):
     run, data, _ = trained
-    no_tok = tmp_path / "no_tok"
-    shutil.copytree(run / "step-4", no_tok)
-    (no_tok / "tokenizer.json").unlink()
+    no_tok = tmp_path / "no_tok"  # a model folder without its tokenizer
+    shutil.copytree(run / "step-4", no_tok, ignore=shutil.ignore_patterns("checkpoint.json", "tokenizer.json"))
+    step_no_tok = tmp_path / "damaged" / "step-4"  # a checkpoint that lost a file its checkpoint.json lists
+    shutil.copytree(run / "step-4", step_no_tok, ignore=shutil.ignore_patterns("tokenizer.json"))
     cases = [
         (["generate", str(tmp_path / "missing"), "--prompt", "x"], "no such folder"),
         (["generate", str(tmp_path), "--prompt", "x"], "is not a checkpoint"),
         (["generate", str(no_tok), "--prompt", "x"], "no tokenizer.json"),
+        (["generate", str(step_no_tok), "--prompt", "x"], "missing tokenizer.json"),
         (["generate", str(run), "--prompt", "  "], "empty prompt"),
         (["generate", str(run), "--prompt", "the cat " * 1500], "does not fit the context"),
         (["generate", str(run), "--prompt", "x", "--top-p", "0"], "top_p"),

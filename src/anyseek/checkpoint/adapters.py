@@ -1,7 +1,7 @@
 """A LoRA checkpoint's model part: the adapters and the base they sit on, in place of the model files.
 
     step-N/adapters.safetensors   the adapters (fp32, our parameter names: `...q_b_proj.lora_A`)
-    step-N/lora.json              the spec (rank, alpha, dropout, targets) and the base: {"path", "sha256"}
+    step-N/lora.json              the spec (rank, alpha, dropout, targets) and the base: {"path", "sha256", "hashed"}
                                   (`anyseek.checkpoint.identity.reference`)
 
 `anyseek export` merges them into their base (`anyseek.checkpoint.exporter`).
@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from anyseek.checkpoint.identity import same_content
 from anyseek.storage import CheckpointError
 from anyseek.transforms.lora import LoRASpec, adapter_state, load_adapter_state
 
@@ -54,7 +55,11 @@ def read_adapters(folder: Path, model: nn.Module, base: dict | None = None) -> N
     """Load a LoRA checkpoint's adapters into `model` (apply_lora'd with the same spec). `base` (the reference of
     the base the model was built from) must match the one the checkpoint was trained on."""
     saved = read_lora_json(folder).base
-    if base is not None and base["sha256"] != saved["sha256"]:
+    if base is not None and not same_content(saved, base):
+        if saved["path"] == base["path"]:
+            raise CheckpointError(f"{folder}: its adapters were trained on the base {base['path']} as it was then "
+                                  f"(sha256 {saved['sha256'][:12]}); it has changed since ({base['sha256'][:12]} "
+                                  "now): damaged or replaced; restore that model, or pass the one they were trained on")
         raise CheckpointError(f"{folder}: its adapters were trained on the base {saved['path']} "
                               f"(sha256 {saved['sha256'][:12]}), not on {base['path']} (sha256 {base['sha256'][:12]})")
     try:

@@ -18,7 +18,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--merge", metavar="RUN_OR_STEP", help="a LoRA run: its base with the adapters merged (what "
                                                              "RUN_OR_STEP does for a LoRA checkpoint)")
     what.add_argument("--peft", metavar="RUN_OR_STEP", help="a LoRA run: a PEFT adapter folder (attention adapters)")
-    parser.add_argument("--out", required=True, help="the folder to write (replaced only once the new one is complete)")
+    parser.add_argument("--out", required=True,
+                        help="the folder to write: new, empty, or an earlier export (replaced once the new one is "
+                             "complete); never a run folder or anything inside one")
     parser.add_argument("--base", default=None, help="LoRA: the base model folder (default: the one lora.json names)")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES),
                         help="dtype of the written weights (default: as trained; LoRA: the base's config.json dtype)")

@@ -18,6 +18,12 @@ the main layers. Left out, with a warning (the merged export keeps all of them):
   were trained (checked: attention-only folders load and give our logits; with MLP targets they do not);
 - routed-expert adapters (transformers stacks the experts in one parameter; PEFT's per-parameter LoRA differs);
 - the MTP modules' adapters (transformers has no MTP modules).
+
+Where it writes (`check_out`, before anything is read or written): `--out DIR` must be absent, an empty folder, or a
+folder an earlier export wrote (its export.json lists the files it wrote, and DIR holds nothing else); it is then
+replaced once the new folder is complete. Never a run folder, a step-N folder or anything inside one (their
+checkpoints, metrics and training state are not an export's to replace), nor the checkpoint or base being read.
+There is no override: a folder that must go is the user's to delete.
 """
 
 from __future__ import annotations
@@ -32,20 +38,28 @@ from safetensors.torch import load_file, save_file
 
 from anyseek.checkpoint.adapters import ADAPTERS, is_lora, read_adapters, read_lora_json
 from anyseek.checkpoint.find import find_checkpoint
-from anyseek.checkpoint.folder import is_sharded, verify
+from anyseek.checkpoint.folder import MARKER, STEP_DIR, is_sharded, verify
 from anyseek.checkpoint.identity import reference
 from anyseek.hf import config_dtype, load_pretrained, write_model_files
-from anyseek.storage import CheckpointError, atomic_folder
+from anyseek.storage import LOCK_FILE, CheckpointError, atomic_folder
 from anyseek.transforms.lora import ATTENTION, apply_lora, merge_lora
 
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_PREFIXES = ("tokenizer", "special_tokens")
+EXPORT_JSON = "export.json"  # written last into every export: its source and the files it wrote
+RUN_FILES = (MARKER, "train_state.json", "metrics.jsonl", LOCK_FILE)  # any of them: a run's folder or a step-N
+
+
+class ExportRefused(ValueError):
+    """`--out` names a folder an export must not replace; the message says what it holds and what to do."""
 
 
 def export(run_or_step: str | Path, out: str | Path, dtype: torch.dtype | None = None,
            base: str | Path | None = None) -> Path:
     """`anyseek export RUN_OR_STEP --out DIR`: a LoRA checkpoint merged into its base (`base`: another folder than
-    the one lora.json names), a sharded one gathered, a one-process one rewritten (in `dtype`: default as trained)."""
+    the one lora.json names), a sharded one gathered, a one-process one rewritten (in `dtype`: default as trained).
+    `out`: see `check_out` (ExportRefused)."""
+    check_out(out, run_or_step)
     step, verified = find_checkpoint(run_or_step)
     if is_lora(step):
         return export_merged(step, out, base, dtype)
@@ -90,8 +104,10 @@ def _base_folder(step: Path, path: str | Path) -> Path:
 def export_merged(run_or_step, out, base=None, dtype: torch.dtype | None = None) -> Path:
     """The base with the adapters merged, as a Hugging Face folder with the run's tokenizer, written atomically
     (`anyseek.storage.atomic_folder`: an existing `out` is replaced only once the new folder is complete)."""
+    check_out(out, run_or_step)
     step = find_lora_checkpoint(run_or_step)
     base_folder = _base_folder(step, base or read_lora_json(step).base["path"])
+    check_out(out, step, base_folder)
     model = merge_lora(load_lora_model(step, base))
     if dtype is None:
         dtype = config_dtype(json.loads((base_folder / "config.json").read_text()))
@@ -106,6 +122,7 @@ def export_sharded(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch
     from anyseek.checkpoint.sharded import load_consolidated  # (torch.distributed.checkpoint: sharded folders only)
 
     src = Path(checkpoint_dir)
+    check_out(out_dir, src)
     if not is_sharded(src):
         raise ValueError(f"{src}: not a sharded checkpoint (no dcp/ folder)")
     return write_hf_folder(load_consolidated(src), src, Path(out_dir), dtype, max_shard_size)
@@ -113,20 +130,25 @@ def export_sharded(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch
 
 def write_hf_folder(model, src: Path, out: Path, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB") -> Path:
-    """`model` as the Hugging Face folder `out`, with the tokenizer files of the checkpoint folder `src`; atomic: an
-    existing `out` is replaced only once the new folder is complete."""
+    """`model` as the Hugging Face folder `out` (`check_out`), with the tokenizer files of the checkpoint folder `src`;
+    atomic: an earlier export at `out` is replaced only once the new folder is complete."""
+    check_out(out, src)
     with atomic_folder(out) as tmp:
         write_model_files(model, tmp, dtype, max_shard_size)
         for f in sorted(Path(src).iterdir()):
             if f.is_file() and f.name.startswith(TOKENIZER_PREFIXES):
                 shutil.copy2(f, tmp / f.name)
+        _mark(tmp, src)
     return out
 
 
 def export_peft(run_or_step, out) -> Path:
+    """A PEFT adapter folder `out` (`check_out`) from a LoRA checkpoint (see the module docstring)."""
+    check_out(out, run_or_step)
     step = find_lora_checkpoint(run_or_step)
     saved = read_lora_json(step)
     spec, ref = saved.spec, saved.base
+    check_out(out, step, ref["path"])
     tensors, left_out = peft_tensors(load_file(str(step / ADAPTERS)))
     if not tensors:
         raise ValueError(f"{step}: none of its adapters can be written for PEFT (targets {list(spec.targets)})")
@@ -144,7 +166,71 @@ def export_peft(run_or_step, out) -> Path:
     with atomic_folder(Path(out)) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _mark(tmp, step)
     return Path(out)
+
+
+def check_out(out: str | Path, *sources: str | Path) -> Path:
+    """`out` as the folder an export may write, else ExportRefused: absent, empty, or an earlier export holding only
+    what it wrote (export.json lists it); never a run folder, a step-N folder or anything inside one, nor one of the
+    folders the export reads (`sources`: the checkpoint, a LoRA base) or one inside or around them."""
+    given = Path(out).expanduser()
+    where = given.resolve()
+    if given.exists() and not given.is_dir():
+        raise ExportRefused(f"--out {given}: exists and is not a folder")
+    for src in sources:
+        read = Path(src).expanduser().resolve()
+        how = "is" if where == read else "is inside" if read in where.parents else "holds" if where in read.parents \
+            else None
+        if how:
+            raise ExportRefused(f"--out {given} {how} {read}, which the export reads; choose a new or empty folder")
+    for folder in (where, *where.parents):
+        if _is_run_folder(folder):
+            what = "is" if folder == where else "is inside"
+            raise ExportRefused(f"--out {given} {what} {folder}, a training run's folder: its checkpoints, metrics and "
+                                "training state are not an export's to replace; choose a folder outside the run")
+    _check_replaceable(given)
+    return given
+
+
+def _is_run_folder(folder: Path) -> bool:
+    """A run's folder or one of its step-N folders: a training file, or a step-N folder holding a checkpoint."""
+    if not folder.is_dir():
+        return False
+    if any((folder / name).exists() for name in RUN_FILES):
+        return True
+    try:
+        return any(STEP_DIR.match(p.name) and (p / MARKER).is_file() for p in folder.iterdir())
+    except OSError:  # a folder we may not list (/home of others): no run of ours
+        return False
+
+
+def _check_replaceable(out: Path) -> None:
+    """An existing `out` may go only when it holds nothing but what an earlier export wrote there."""
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    try:
+        wrote = set(json.loads((out / EXPORT_JSON).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ExportRefused(f"--out {out}: not empty and not written by anyseek export (holds {_some(held)}); "
+                            "choose a new or empty folder") from None
+    others = [name for name in held if name not in wrote and name != EXPORT_JSON]
+    if others:
+        raise ExportRefused(f"--out {out}: an earlier export, but it also holds {_some(others)}, which the export "
+                            "did not write and would delete; move them away or choose another folder")
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _mark(tmp: Path, src: Path) -> None:
+    """export.json, written last: what the folder was exported from and which files the export wrote (a later export
+    may replace exactly those; anything else found there is the user's)."""
+    files = sorted(p.name for p in tmp.iterdir())
+    mark = {"written_by": "anyseek export", "source": str(Path(src).resolve()), "files": files}
+    (tmp / EXPORT_JSON).write_text(json.dumps(mark, indent=1) + "\n")
 
 
 def peft_tensors(adapters: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:

@@ -29,8 +29,9 @@ def find_checkpoint(run_or_step: str | Path) -> tuple[Path, bool]:
 
 def model_folder(path: str | Path) -> Path:
     """The Hugging Face model folder `path` means, checked: itself when it holds config.json (verified against its
-    checkpoint.json when it is a training checkpoint), else the newest complete step-N of a run folder. A LoRA or
-    sharded checkpoint holds no model folder: CheckpointError saying how to export one."""
+    checkpoint.json when it is a training checkpoint: CheckpointDamaged naming the file), else the newest complete
+    step-N of a run folder (newer damaged ones are named on stderr and skipped). A LoRA or sharded checkpoint holds no
+    model folder: CheckpointError saying how to export one."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder")
@@ -39,7 +40,8 @@ def model_folder(path: str | Path) -> Path:
         if not list_checkpoints(folder):
             raise CheckpointError(f"{folder} is not a checkpoint: no config.json, and no step-N checkpoint folders "
                                   "inside")
-        ckpt = latest_checkpoint(folder, log=lambda s: None)  # (verified: sizes and sha256)
+        # verified (sizes and sha256); a damaged newer one is skipped with a warning naming its file, never silently
+        ckpt = latest_checkpoint(folder, log=lambda s: print(s, file=sys.stderr))
         if ckpt is None:
             raise CheckpointError(f"{folder}: no complete checkpoint (every step-N folder is unfinished or damaged)")
         _refuse_unexported(ckpt.path)

@@ -45,7 +45,7 @@ from anyseek.checkpoint.optimizer import load_optimizer
 from anyseek.distributed.env import DistEnv, agree, all_gather_json, broadcast_json
 from anyseek.hf import load_pretrained, read_config_json, write_config_json
 from anyseek.model.transformer import DeepSeekV3
-from anyseek.storage import CheckpointError, atomic_folder, fsync_tree
+from anyseek.storage import CheckpointError, atomic_folder, fsync_tree, os_error
 
 
 def save_sharded(
@@ -124,15 +124,16 @@ def save_sharded(
 
 def _run(fn) -> BaseException | None:
     """fn() -> None, or the OSError it raised (one inside DCP's CheckpointException included, which DCP raises on
-    every rank when any rank fails); other exceptions propagate."""
+    every rank when any rank fails; safetensors' error for a failed write counts as one: `os_error`); other
+    exceptions propagate."""
     try:
         fn()
     except OSError as e:
         return e
     except CheckpointException as e:
         for exc, _trace in e.failures.values():
-            if isinstance(exc, OSError):
-                return exc
+            if (failed := os_error(exc)) is not None:
+                return failed
         raise
     return None
 

@@ -129,6 +129,19 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def tokenized_with(tokenizer_json: Path, data_dir: str | Path, manifest: dict) -> bool:
+    """Whether the prepared data in `data_dir` (its `manifest`) holds ids of `tokenizer_json`: the same file (the one
+    saved beside the data, or the one given to `prepare --tokenizer`), or a tokenizer with the same vocabulary (the
+    same ids for the same tokens, e.g. the same tokenizer saved again). Training from a model (`--init`) and `anyseek
+    eval` refuse data for which this is False: its losses would mean nothing."""
+    used = {manifest.get("tokenizer_sha256"),
+            *((manifest.get("inputs") or {}).get("tokenizer", {}).get("files", {}).values())}
+    if sha256_file(tokenizer_json) in used:
+        return True
+    theirs = tokenizer_files(data_dir)[0]
+    return Tokenizer.from_file(str(tokenizer_json)).get_vocab(True) == Tokenizer.from_file(str(theirs)).get_vocab(True)
+
+
 def batched(texts: Iterable[str], n: int = 1000) -> Iterator[list[str]]:
     batch: list[str] = []
     for t in texts:

@@ -46,6 +46,10 @@ __all__ = ["CheckpointError", "load_pretrained", "save_pretrained", "transformer
 _MAX_LISTED = 40  # names listed per kind of problem in one error message
 _KEEP_FILES = re.compile(r"(tokenizer.*|special_tokens_map\.json|chat_template.*|vocab\.json|merges\.txt)")
 _ROUTING_BIAS = "mlp.gate.e_score_correction_bias"
+# what an existing folder may hold for save_pretrained to replace it: a model's files (the old ones are dropped; an
+# `anyseek export` marker with them) and the kept tokenizer files
+_REPLACED_FILES = re.compile(r"(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
+                             r"|model\.safetensors\.index\.json|export\.json|" + _KEEP_FILES.pattern + ")")
 
 
 # ---------------------------------------------------------------- loading
@@ -297,8 +301,16 @@ def save_pretrained(
     parameters (default: as they are); buffers keep theirs. Atomic (`anyseek.storage.atomic_folder`): an existing
     folder is replaced only once the new one is complete, and its tokenizer files are kept. A softmax-routed model
     that transformers' DeepseekV2 would compute differently (`transformers_gaps`) is a CheckpointError naming why.
+    A folder holding anything else (a user's files, a training checkpoint's state) is refused with FileExistsError
+    naming it: nothing is deleted that the caller did not write.
     """
     folder = Path(path)
+    if folder.is_dir():
+        other = sorted(p.name for p in folder.iterdir() if not (p.is_file() and _REPLACED_FILES.fullmatch(p.name)))
+        if other:
+            raise FileExistsError(f"{folder}: holds {', '.join(other[:5])}{' ...' if len(other) > 5 else ''}, which "
+                                  "save_pretrained would delete (it replaces the folder, keeping only tokenizer "
+                                  "files); save into a new or empty folder, or move them away first")
     with atomic_folder(folder) as tmp:
         write_model_files(model, tmp, dtype, max_shard_size)
         if folder.is_dir():

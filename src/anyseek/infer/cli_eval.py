@@ -53,6 +53,28 @@ def _run_settings(folder: Path) -> dict:
     }
 
 
+def check_tokenizer(folder: Path, data: Path, manifest: dict) -> None:
+    """The data must hold ids of the model's tokenizer (`anyseek.data.tokenizer.tokenized_with`: the same file or the
+    same vocabulary), else its loss means nothing: CLIError naming both. A folder without tokenizer.json: a warning."""
+    from anyseek.data.tokenizer import tokenized_with
+    from anyseek.infer.loading import CLIError
+
+    mine = folder / "tokenizer.json"
+    if not mine.is_file():
+        print(f"anyseek eval: warning: {folder} has no tokenizer.json; cannot check that {data} was tokenized with "
+              "the model's tokenizer", file=sys.stderr)
+        return
+    try:
+        same = tokenized_with(mine, data, manifest)
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file; missing files are OSErrors
+        raise CLIError(f"cannot compare the tokenizers of {folder} and {data} ({e})") from e
+    if not same:
+        tok = manifest.get("tokenizer") or {}
+        raise CLIError(f"{data} was prepared with another tokenizer ({data}/tokenizer/tokenizer.json, from "
+                       f"{tok.get('path') or tok.get('kind', 'its own')}) than the model's ({mine}): its loss would "
+                       f"mean nothing; prepare the text again with `anyseek prepare --tokenizer {folder} ...`")
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     import torch
 
@@ -70,6 +92,7 @@ def evaluate(args: argparse.Namespace) -> dict:
                               max_seqlen=s.get("max_seqlen", 512), seed=s.get("seed", 0), loop=False)  # fmt: skip
     except (OSError, ValueError, KeyError) as e:
         raise CLIError(f"{data}: cannot read split {args.split!r} ({e})") from e
+    check_tokenizer(folder, data, loader.manifest)
     model = loading.load_model(folder, args.device, args.dtype)
     vocab = loader.manifest.get("vocab_size")
     if vocab is not None and vocab > model.config.vocab_size:

@@ -1,7 +1,8 @@
 """`anyseek train --init PATH`: start a run from a pretrained model instead of random weights.
 
 PATH is a Hugging Face DeepSeek-V2/V3 folder (ours, the official layouts, Moonlight-style; FP8 weights are
-dequantized on load) or a full-weight `step-N` checkpoint. From the folder come:
+dequantized on load) or a full-weight `step-N` checkpoint, checked against its checkpoint.json (sizes and sha256) like
+everywhere else: a damaged one is an error naming the file. From the folder come:
 
 - the model config. `[model]` overrides of the training knobs (aux_loss_alpha, bias_update_speed, mtp_loss_weight)
   apply; any other key that would change the model is an error naming it. The config's flavor is not used (the
@@ -10,20 +11,24 @@ dequantized on load) or a full-weight `step-N` checkpoint. From the folder come:
   tokenizer is an error naming both.
 - the weights, streamed into a model built on the meta device (`anyseek.hf.load_pretrained`): one copy in memory.
 
-Optimizer, schedule and data order start fresh. `reference()` (path + content hash of config.json, the safetensors
-headers and a sample of every tensor's bytes) goes into every checkpoint's train_state.json; LoRA checkpoints need
-it to find their base, and `--resume` compares it (anyseek.train.resume).
+Optimizer, schedule and data order start fresh. `reference()` (path + sha256 of every byte of config.json and the
+weights, `anyseek.checkpoint.identity`: a hub-cache download is checked against its blob names on the way) goes into
+every checkpoint's train_state.json; LoRA checkpoints need it to find their base, and `--resume` compares it
+(anyseek.train.resume).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from anyseek.checkpoint.adapters import is_lora
+from anyseek.checkpoint.folder import MARKER, CheckpointDamaged, is_sharded, verify
 from anyseek.checkpoint.identity import reference
 from anyseek.model.config import TRAINING_KNOBS
 from anyseek.storage import CheckpointError
@@ -34,34 +39,48 @@ from anyseek.train.config import ConfigError
 class InitSource:
     path: Path
     config: Any  # ModelConfig as config.json gives it
+    verified: dict | None = None  # a step-N's {file: sha256}, as its checkpoint.json recorded and verify() found
 
     @classmethod
     def open(cls, path: str | Path) -> InitSource:
         folder = Path(path).expanduser()
         if not folder.is_dir():
             raise CheckpointError(f"--init {folder}: not a folder")
-        if (folder / "lora.json").is_file():
+        if is_lora(folder):
             raise CheckpointError(
                 f"--init {folder}: a LoRA checkpoint (adapters only); write a full model first with "
                 f"`anyseek export --merge {folder} --out DIR` and start from DIR"
             )
+        if is_sharded(folder):
+            raise CheckpointError(f"--init {folder}: a sharded checkpoint of a multi-process run; write one model "
+                                  f"folder with `anyseek export {folder} --out DIR` and start from DIR")
         if not (folder / "config.json").is_file():
             raise CheckpointError(f"--init {folder}: no config.json (a Hugging Face model folder or a step-N folder)")
+        verified = None
+        if (folder / MARKER).is_file():  # a training checkpoint: its files as recorded, or nothing
+            try:
+                verify(folder)
+            except CheckpointDamaged as e:
+                raise CheckpointDamaged(f"--init {e}") from None
+            files = json.loads((folder / MARKER).read_text())["files"]
+            verified = {name: rec["sha256"] for name, rec in files.items() if isinstance(rec, dict) and "sha256" in rec}
         from anyseek.hf.config import read_config_json
 
         try:
             config = read_config_json(folder / "config.json")
         except ValueError as e:
             raise CheckpointError(f"--init {folder}: {e}") from e
-        return cls(folder, config)
+        return cls(folder, config, verified)
 
     @property
     def tokenizer_file(self) -> Path | None:
         f = self.path / "tokenizer.json"
         return f if f.is_file() else None
 
-    def reference(self) -> dict[str, str]:
-        return reference(self.path)
+    def reference(self, log=None) -> dict[str, str]:
+        """{"path", "sha256", "hashed"} of the folder (`anyseek.checkpoint.identity`; a step-N's files are not read
+        again: verified against checkpoint.json just before); `log` hears of a long hash."""
+        return reference(self.path, log, self.verified)
 
 
 def model_config(init: InitSource, section) -> Any:
@@ -106,7 +125,7 @@ def prepare_data(data, init: InitSource) -> Path:
 def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print) -> None:
     """Prepared data must come from the folder's tokenizer (same file, or the same vocabulary), and its ids must fit
     the model's embedding."""
-    from anyseek.data.tokenizer import sha256_file, tokenizer_files
+    from anyseek.data.tokenizer import tokenized_with, tokenizer_files
 
     vocab = int(manifest["vocab_size"])
     if vocab > init.config.vocab_size:
@@ -117,9 +136,7 @@ def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print)
         log(f"warning: --init {init.path} has no tokenizer.json; cannot check that {data_dir} uses its tokenizer")
         return
     theirs = tokenizer_files(data_dir)[0]
-    used = {manifest.get("tokenizer_sha256"), *((manifest.get("inputs") or {}).get("tokenizer", {})
-                                                 .get("files", {}).values())}
-    if sha256_file(mine) in used or _same_vocab(mine, theirs):
+    if tokenized_with(mine, data_dir, manifest):
         return
     described = manifest.get("tokenizer", {}).get("path") or manifest.get("tokenizer", {}).get("kind", "its own")
     raise ConfigError(
@@ -128,8 +145,3 @@ def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print)
         "have it prepared automatically"
     )
 
-
-def _same_vocab(a: Path, b: Path) -> bool:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(a)).get_vocab(True) == Tokenizer.from_file(str(b)).get_vocab(True)

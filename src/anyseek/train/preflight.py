@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from anyseek.data.shards import MANIFEST, missing_files
-from anyseek.storage import recover_staging
+from anyseek.storage import FolderLock, lock_folder, recover_staging
 
 REPREPARE = "re-prepare it: delete the folder and run `anyseek prepare --source ... --out {dir}` again"
 
@@ -26,7 +26,7 @@ def check_prepared(data_dir: Path, manifest: dict, log: Callable[[str], None]) -
     try:
         splits = manifest["splits"]
         int(manifest["vocab_size"])
-        for name, split in splits.items():
+        for split in splits.values():
             for shard in split["shards"]:
                 shard["tokens"], shard["offsets"], int(shard["num_tokens"]), int(shard["documents"])
         bad = missing_files(data_dir, manifest)
@@ -54,8 +54,28 @@ def check_vocab(data_dir: Path, manifest: dict, model_vocab: int) -> None:
         )
 
 
+def claim_out_dir(out_dir: Path, log: Callable[[str], None]) -> FolderLock:
+    """Make `out_dir` and take it for this run (`anyseek.storage.lock_folder`: FolderInUse, naming the other run's pid
+    and host, when a live run holds it; a crashed or killed run's lock is gone with it), then `check_writable`.
+    Release the returned lock when the run ends."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_folder(out_dir)
+    except OSError as e:
+        raise OSError(e.errno, f"{out_dir} is not writable: {describe_os_error(e)}") from None
+    if not lock.held:
+        log(f"warning: {out_dir} is on a filesystem without file locks: a second run into it would not be stopped")
+    try:
+        check_writable(out_dir, log)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
 def check_writable(out_dir: Path, log: Callable[[str], None]) -> None:
-    """Make `out_dir`, clean up what interrupted saves left there, and make sure a file can be written in it."""
+    """Make `out_dir`, clean up what interrupted saves left there (only the run holding the folder may: a live
+    run's staging folder is not debris), and make sure a file can be written in it."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for line in recover_staging(out_dir):

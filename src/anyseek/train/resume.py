@@ -29,6 +29,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from anyseek.checkpoint.identity import same_content
+
 # Keys whose change does not make the resumed run a different run.
 FREE_KEYS = frozenset({
     "train.max_steps", "train.log_every", "train.eval_every", "train.eval_tokens", "train.save_every",
@@ -103,9 +105,9 @@ def check_resume(ckpt: Path, run_config: dict[str, Any], data_identity: dict[str
         for key in sorted(set(saved_data) | set(data_identity)):
             if saved_data.get(key) != data_identity.get(key) and f"data.{key}" not in allowed:
                 blocking[f"data {key}"] = (saved_data.get(key), data_identity.get(key))
-    saved_init, now_init = (state.get("init") or {}).get("sha256"), (init_identity or {}).get("sha256")
-    if saved_init != now_init and "train.init" not in allowed:
-        blocking["init content (sha256)"] = (saved_init, now_init)
+    saved_init, now_init = state.get("init"), init_identity
+    if not same_content(saved_init, now_init) and "train.init" not in allowed:  # (older checkpoints: sampled hashes)
+        blocking["init content (sha256)"] = ((saved_init or {}).get("sha256"), (now_init or {}).get("sha256"))
     if blocking:
         lines = [f"  {k}: checkpoint {old!r}, this run {new!r}" for k, (old, new) in blocking.items()]
         raise ResumeMismatch(

@@ -30,7 +30,7 @@ class Start:
         t = cfg.train
         self.cfg, self.device, self.log = cfg, device, log
         self.init = init_lib.InitSource.open(t.init) if t.init else None
-        self.ref = self.init.reference() if self.init else None
+        self.ref = self.init.reference(log) if self.init else None  # every byte hashed (cached for large files)
         self.transforms = transforms.for_run(t, autocast_dtype)  # LoRA (anyseek.transforms)
         lora = next((x for x in self.transforms if isinstance(x, transforms.LoRA)), None)
         self.spec = lora.spec if lora is not None else None

@@ -23,6 +23,7 @@ count (the schedules), and every rank must agree on a stop before it queues anot
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import signal
@@ -41,7 +42,7 @@ from anyseek.train.config import ConfigError, RunConfig
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
 from anyseek.train.optim import build_optimizer
 from anyseek.train.parallel import Parallel, Silent
-from anyseek.train.preflight import check_prepared, check_vocab, check_writable, describe_os_error
+from anyseek.train.preflight import check_prepared, check_vocab, claim_out_dir, describe_os_error
 from anyseek.train.resume import check_resume
 from anyseek.train.start import Start
 from anyseek.train.step import Outcome, StepEngine, TrainingDiverged
@@ -192,12 +193,14 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to train.max_steps (or a stop request), evaluating, saving and logging on the config's cadence;
         returns the summary (validation loss, the last checkpoint, the sample)."""
-        with registry.using(**self.backends):
+        with registry.using(**self.backends), contextlib.ExitStack() as held:
+            # rank 0 takes the folder for the run's life (another live run there: FolderInUse on every rank) and
+            # cleans up what killed saves left; a crash or kill -9 releases it with the process
+            self.par.on_main(lambda: held.callback(claim_out_dir(self.out_dir, self.log).release))
             return self._run()
 
     def _run(self) -> dict[str, Any]:
         t = self.cfg.train
-        self.par.on_main(lambda: check_writable(self.out_dir, self.log))  # rank 0 cleans up; every rank learns
         if self.resume:
             self._resume()
         elif checkpoint.checkpoints(self.out_dir):
@@ -329,9 +332,10 @@ class Trainer:
         return loss
 
     def _save(self, periodic: bool = False) -> Path | None:
-        """Write step-N. A periodic save that fails (full disk, read-only folder) is reported in one line and
-        training goes on (the staging folder is already gone) until MAX_FAILED_SAVES fail in a row; any other
-        failed save raises SaveFailed."""
+        """Write step-N. A periodic save that fails (full disk, read-only folder: an OSError, whichever library
+        wrote, `anyseek.storage.os_error`) is reported in one line and training goes on (the staging folder is
+        already gone) until MAX_FAILED_SAVES fail in a row; any other failed save raises SaveFailed. Other errors
+        (a bug, not the disk) propagate as they are."""
         self.engine.settled("a save")
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
                  "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity(), **self.start.record()}
