@@ -46,6 +46,7 @@ from anyseek.checkpoint.folder import (
     load_training_state,
     save_checkpoint,
 )
+from anyseek.checkpoint.folder import verify as verify_folder
 from anyseek.checkpoint.identity import reference
 from anyseek.distributed.env import DistEnv
 from anyseek.storage import CheckpointError
@@ -86,7 +87,6 @@ def verify(ckpt: Path, env=None) -> None:
 
         verify_agreed(ckpt, env)
         return
-    from anyseek.checkpoint.folder import verify as verify_folder
 
     verify_folder(ckpt)
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from anyseek.data.sources import default_cache_dir
 from anyseek.storage import CheckpointError
 
 HASHED = "all"  # a reference's "hashed": every byte of its files (absent: the sampled hash of older versions)
@@ -130,7 +131,6 @@ class _Cache:
     CACHE_MIN_BYTES. Best effort: an unreadable or unwritable cache is no cache."""
 
     def __init__(self):
-        from anyseek.data.sources import default_cache_dir
 
         self.path = default_cache_dir() / CACHE_FILE
         self.entries: dict[str, list] = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from anyseek.data.pieces import assemble, window
+from anyseek.data.pieces import Pieces, assemble, window
 from anyseek.data.shards import open_split, read_manifest
 
 STATE_VERSION = 1
@@ -183,6 +183,5 @@ class PackedLoader:
 
 
 def _concat_pieces(parts):
-    from anyseek.data.pieces import Pieces
 
     return Pieces(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("doc_P", "start_P", "stop_P")))

@@ -32,7 +32,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
+from torch.utils import _pytree
 from torch.utils.checkpoint import checkpoint
+
+from anyseek.model.transformer import ModelOutput
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -105,9 +109,7 @@ def _expose_output_tensors() -> None:
     end-of-backward callback that reduces gradients) from hooks on the tensors it finds in the unit's forward output;
     torch <= 2.11 finds them with pytree, which does not look inside an unregistered dataclass. Without this the root
     unit's gradients were never reduced into the sharded parameters, silently: a one-unit model trained nothing."""
-    from torch.utils import _pytree
 
-    from anyseek.model.transformer import ModelOutput
 
     if ModelOutput not in _pytree.SUPPORTED_NODES:
         _pytree.register_dataclass(ModelOutput)
@@ -175,7 +177,6 @@ class ShardMasters:
     @torch.no_grad()
     def load_full(self, full_sd: dict) -> None:
         """The masters from a full (unsharded) fp32 state dict: each rank its own slice, as FSDP2 shards them."""
-        from torch.distributed.tensor import distribute_tensor
 
         for n, m in self.masters.items():
             local = m.to_local()  # (a view: written in place)

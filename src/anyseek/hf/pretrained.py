@@ -35,6 +35,7 @@ from anyseek.hf.config import transformers_gaps as config_gaps
 from anyseek.hf.fp8 import DEFAULT_BLOCK, dequantize_blockwise
 from anyseek.hf.names import LoadPlan, Piece, expert_names, plan_load, to_hf
 from anyseek.hf.safetensors_io import TensorInfo, TensorReader, nbytes, scan_folder, write_shards
+from anyseek.model.transformer import DeepSeekV3
 from anyseek.storage import CheckpointError, atomic_folder
 
 if TYPE_CHECKING:
@@ -70,7 +71,6 @@ def load_pretrained(
     both); mis-shaped tensors are always an error. A checkpoint without MTP layers (e.g. written by transformers)
     loads with num_nextn_predict_layers lowered to what it holds, with a warning.
     """
-    from anyseek.model.transformer import DeepSeekV3
 
     folder = Path(path)
     if not folder.is_dir():

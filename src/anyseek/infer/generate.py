@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from anyseek.data.tokenizer import KNOWN_EOS
 from anyseek.infer.engine import Engine
 from anyseek.infer.sampling import Sampler, SamplingParams
 
@@ -281,7 +282,6 @@ def _tokenizer_eos(tokenizer) -> int | None:
     if eos is not None:
         return eos
     if hasattr(tokenizer, "token_to_id"):  # tokenizers.Tokenizer: try the usual names
-        from anyseek.data.tokenizer import KNOWN_EOS
 
         return next((tokenizer.token_to_id(t) for t in KNOWN_EOS if tokenizer.token_to_id(t) is not None), None)
     return None

@@ -9,8 +9,10 @@ import json
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from anyseek import checkpoint
+from anyseek.hf import load_pretrained
 from anyseek.storage import CheckpointError
 
 
@@ -30,7 +32,6 @@ def resolve(path: str | Path) -> Path:
 def load_model(folder: Path, device: str | None = None, dtype: str | None = None):
     """DeepSeekV3 from `folder` in eval mode on `device` (default: the GPU if any) in `dtype` (default: bf16 on a
     GPU, fp32 on the CPU)."""
-    from anyseek.hf import load_pretrained
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -56,7 +57,6 @@ def load_tokenizer(folder: Path):
     if not file.is_file():
         raise CLIError(f"{folder}: no tokenizer.json (copy the tokenizer files of the data the model was trained on "
                        "into the folder)")  # fmt: skip
-    from tokenizers import Tokenizer
 
     try:
         tok = Tokenizer.from_file(str(file))

@@ -30,6 +30,10 @@ import torch
 from anyseek.checkpoint.adapters import is_lora
 from anyseek.checkpoint.folder import MARKER, CheckpointDamaged, is_sharded, verify
 from anyseek.checkpoint.identity import reference
+from anyseek.data.prepare import default_out, ensure_prepared
+from anyseek.data.tokenizer import sha256_file, tokenized_with, tokenizer_files
+from anyseek.hf import load_pretrained
+from anyseek.hf.config import read_config_json
 from anyseek.model.config import TRAINING_KNOBS
 from anyseek.storage import CheckpointError
 from anyseek.train.config import ConfigError
@@ -64,7 +68,6 @@ class InitSource:
                 raise CheckpointDamaged(f"--init {e}") from None
             files = json.loads((folder / MARKER).read_text())["files"]
             verified = {name: rec["sha256"] for name, rec in files.items() if isinstance(rec, dict) and "sha256" in rec}
-        from anyseek.hf.config import read_config_json
 
         try:
             config = read_config_json(folder / "config.json")
@@ -98,7 +101,6 @@ def model_config(init: InitSource, section) -> Any:
 def load_model(init: InitSource, cfg, device: torch.device, dtype: torch.dtype = torch.float32):
     """The folder's weights in a DeepSeekV3 on `device` (built on meta, filled tensor by tensor), in train mode,
     with `cfg`'s training knobs."""
-    from anyseek.hf import load_pretrained
 
     model = load_pretrained(init.path, dtype=dtype, device=device)
     knobs = {k: getattr(cfg, k) for k in TRAINING_KNOBS}
@@ -111,8 +113,6 @@ def load_model(init: InitSource, cfg, device: torch.device, dtype: torch.dtype =
 
 def prepare_data(data, init: InitSource) -> Path:
     """A data.source prepared with the folder's tokenizer, into a cache folder named by that tokenizer's hash."""
-    from anyseek.data.prepare import default_out, ensure_prepared
-    from anyseek.data.tokenizer import sha256_file
 
     if init.tokenizer_file is None:
         raise CheckpointError(f"--init {init.path}: no tokenizer.json, so data.source {data.source!r} cannot be "
@@ -125,7 +125,6 @@ def prepare_data(data, init: InitSource) -> Path:
 def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print) -> None:
     """Prepared data must come from the folder's tokenizer (same file, or the same vocabulary), and its ids must fit
     the model's embedding."""
-    from anyseek.data.tokenizer import tokenized_with, tokenizer_files
 
     vocab = int(manifest["vocab_size"])
     if vocab > init.config.vocab_size:

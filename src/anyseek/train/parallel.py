@@ -10,6 +10,7 @@ what must be global: target counts, losses, expert loads, the gradient norm.
 
 from __future__ import annotations
 
+import datetime
 import math
 from typing import Any
 
@@ -17,7 +18,9 @@ import torch
 from torch import nn
 
 from anyseek import kernels
-from anyseek.distributed.env import DistEnv, all_reduce_sum, init_from_torchrun
+from anyseek.distributed.env import DistEnv, agree, all_reduce_sum, init_from_torchrun
+from anyseek.infer.generate import generate
+from anyseek.infer.sampling import Sampler, SamplingParams
 
 
 class Silent:
@@ -119,7 +122,6 @@ class Parallel:
         if not self.active or self.env.world_size == 1:
             return [float(v) for v in values]
         if self._host_group is None:  # (collective: every rank reaches the first call at the same step)
-            import datetime
 
             import torch.distributed as dist
 
@@ -208,12 +210,10 @@ class Parallel:
         cache-free forward per token in lockstep, rank 0 draws the token with generate's sampler (its defaults and
         its noise keys, so the draws are those of one process) and broadcasts it, so no rank's sequence differs."""
         if not self.active:
-            from anyseek.infer.generate import generate
 
             return generate(model, prompt, max_new_tokens, eos_token_id=eos_token_id, seed=seed)
         import torch.distributed as dist
 
-        from anyseek.infer.sampling import Sampler, SamplingParams
 
         vocab, context = model.config.vocab_size, model.config.max_position_embeddings
         sampler = Sampler(SamplingParams(seed=seed), vocab, 1, self.device)
@@ -238,7 +238,6 @@ class Parallel:
     def on_main(self, fn) -> None:
         """fn() on rank 0 only (say, cleaning up the output folder), the others waiting; an exception raised there is
         raised on every rank (`env.agree`)."""
-        from anyseek.distributed.env import agree
 
         if not self.active:
             fn()

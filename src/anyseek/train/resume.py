@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from anyseek.checkpoint.identity import same_content
+from anyseek.train.config import DataConfig, ParallelConfig, TrainConfig
 
 # Keys whose change does not make the resumed run a different run.
 FREE_KEYS = frozenset({
@@ -78,7 +79,6 @@ def check_resume(ckpt: Path, run_config: dict[str, Any], data_identity: dict[str
         raise ResumeMismatch(f"{ckpt}: cannot read its run_config.json / train_state.json ({e})") from e
     # keys added since the checkpoint was written ([parallel], train.init, train.lora_*, ...) count as their defaults
     # (for [parallel]: one process)
-    from anyseek.train.config import DataConfig, ParallelConfig, TrainConfig
 
     for section, cls in (("data", DataConfig), ("train", TrainConfig), ("parallel", ParallelConfig)):
         saved[section] = {**dataclasses.asdict(cls()), **(saved.get(section) or {})}

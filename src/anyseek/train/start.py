@@ -22,6 +22,7 @@ from anyseek import transforms
 from anyseek.checkpoint.adapters import Adapters
 from anyseek.train import init as init_lib
 from anyseek.train.config import RunConfig
+from anyseek.train.memory import report
 
 
 class Start:
@@ -51,7 +52,6 @@ class Start:
         return self.model_cfg
 
     def report_memory(self, model_cfg) -> None:
-        from anyseek.train.memory import report
 
         report(model_cfg, self.cfg, self.device, self.spec, self.base_dtype, self.log)
 

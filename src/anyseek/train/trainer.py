@@ -36,12 +36,20 @@ import torch
 
 from anyseek import checkpoint
 from anyseek.constants import IGNORE_INDEX
+from anyseek.data.loader import PackedLoader
+from anyseek.data.prepare import ensure_prepared
+from anyseek.data.shards import read_manifest
+from anyseek.data.tokenizer import load_tokenizer, tokenizer_files
 from anyseek.kernels import registry
+from anyseek.model.transformer import DeepSeekV3
+from anyseek.runtime import tune_cpu_allocator
 from anyseek.train import precision
 from anyseek.train.config import ConfigError, RunConfig
-from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops
+from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops, read_metrics
 from anyseek.train.optim import build_optimizer
 from anyseek.train.parallel import Parallel, Silent
+from anyseek.train.plot import write_loss_curve
+from anyseek.train.precision import build_flat_adamw
 from anyseek.train.preflight import check_prepared, check_vocab, claim_out_dir, describe_os_error
 from anyseek.train.resume import check_resume
 from anyseek.train.start import Start
@@ -70,7 +78,6 @@ class Trainer:
         self.device = self.par.device if self.par.active else _pick_device(t.device)
         self.allocator = "allocator left as is"
         if self.device.type == "cpu" and t.tune_allocator:
-            from anyseek.runtime import tune_cpu_allocator
 
             self.allocator = tune_cpu_allocator()
         self.autocast_dtype = precision.compute_dtype(t.dtype, self.device)
@@ -86,15 +93,12 @@ class Trainer:
                               "sharded ones the whole model); launch without torchrun / --nproc-per-node")
         self.start = Start(cfg, self.device, self.autocast_dtype, self.log)  # --init and LoRA (train/start.py)
         self.data_dir = self._prepare_data()
-        from anyseek.data.shards import read_manifest
-        from anyseek.data.tokenizer import load_tokenizer, tokenizer_files
 
         self.manifest = read_manifest(self.data_dir)  # first: its error says how to prepare the folder
         self.has_val = check_prepared(self.data_dir, self.manifest, self.log)
         self.tokenizer = load_tokenizer(self.data_dir)
         self.tokenizer_files = tokenizer_files(self.data_dir)
 
-        from anyseek.model.transformer import DeepSeekV3
 
         self.model_cfg = self.start.model_config(self.data_dir, self.manifest)  # --init: the folder's config
         if self.model_cfg is None:
@@ -109,7 +113,6 @@ class Trainer:
         self.model.train()
         self.working, self.working_note = self._working_copy()  # before the optimizer and graphs: its buffers
         if self.working is not None:
-            from anyseek.train.precision import build_flat_adamw
 
             self.optimizer = build_flat_adamw(self.working, t)
         else:
@@ -138,12 +141,10 @@ class Trainer:
             return Path(d.path)  # read_manifest below says so if it is not a prepared folder
         if self.start.init is not None:
             return self.start.prepare_data(d)
-        from anyseek.data.prepare import ensure_prepared
 
         return Path(ensure_prepared(source=d.source, vocab_size=d.vocab_size))
 
     def _loader(self, split: str, loop: bool):
-        from anyseek.data.loader import PackedLoader
 
         d = self.cfg.data
         share = self.par.loader_args() if loop else {}  # every rank validates on the same batches
@@ -357,8 +358,6 @@ class Trainer:
     def _finish(self, metrics: MetricsLog) -> dict[str, Any]:
         val_loss = self._evaluate(metrics) if self.has_val else float("nan")
         path = self._save()
-        from anyseek.train.metrics import read_metrics
-        from anyseek.train.plot import write_loss_curve
 
         rows = read_metrics(metrics.path) if self.par.env.is_main else []
         curve = write_loss_curve(
