@@ -101,11 +101,12 @@ def test_round_trip_is_exact_and_keeps_our_knobs(tmp_path):
     ids=["bias", "norm_topk_prob", "rope_layout"],
 )
 def test_export_refuses_what_transformers_would_compute_differently(tmp_path, overrides, bias, reason):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("mine")
+    out = tmp_path / "out"
+    hf.save_pretrained(v2_model(3), out)  # an earlier model that save_pretrained may replace
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(CheckpointError, match=reason):
-        hf.save_pretrained(v2_model(4, bias=bias, **overrides), tmp_path / "out")
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]  # untouched
+        hf.save_pretrained(v2_model(4, bias=bias, **overrides), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # refused before anything was written
 
 
 def test_checkpoint_keeps_trained_bias_with_a_note_and_loads_exactly(tmp_path):
