@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_loop import data_dir, tiny_cfg  # noqa: F401  (data_dir is a fixture)
+from helpers import tiny_cfg
 
 from anyseek.train.metrics import read_metrics
 from anyseek.train.trainer import Trainer
@@ -317,7 +317,7 @@ def _one_rank_reduce(result: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory):  # noqa: F811
+def runs(data_dir, tmp_path_factory):
     """The N-step run on 2 ranks (DP), the same with EP=2, and 1 process x 2 micro-batches on the same data."""
     root = tmp_path_factory.mktemp("dist")
     assert spawn(_train, str(data_dir), str(root / "dp"), STEPS, False) == [0, 0]
@@ -342,7 +342,7 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(runs):
     assert len(rngs) == 2 and all(len(r["cpu"]) > 1000 and r["python"] for r in rngs)  # every rank's streams
 
 
-def test_expert_parallel_run_equals_data_parallel(runs, data_dir):  # noqa: F811
+def test_expert_parallel_run_equals_data_parallel(runs, data_dir):
     out = runs / "ep"
     assert spawn(_train, str(data_dir), str(out), [*STEPS, "--parallel.ep=2"], False) == [0, 0]
     dp, ep = train_losses(runs / "dp"), train_losses(out)
@@ -350,7 +350,7 @@ def test_expert_parallel_run_equals_data_parallel(runs, data_dir):  # noqa: F811
         assert ep[step] == pytest.approx(dp[step], rel=1e-5), step
 
 
-def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):  # noqa: F811
+def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns(LAST))
     (out / "metrics.jsonl").unlink()
@@ -367,7 +367,7 @@ def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):  #
         assert resumed[step] == pytest.approx(dp[step], rel=1e-5), step
 
 
-def test_sharded_checkpoint_records_hashes_and_a_damaged_one_falls_back(runs, data_dir, tmp_path):  # noqa: F811
+def test_sharded_checkpoint_records_hashes_and_a_damaged_one_falls_back(runs, data_dir, tmp_path):
     out = tmp_path / "damaged"
     shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns(LAST))
     files = json.loads((out / PREV / "checkpoint.json").read_text())["files"]
@@ -424,7 +424,7 @@ def test_resume_allows_other_layouts_and_rank_counts_with_the_same_global_batch(
         assert all("overlap_steps" in line for line in changes), changes
 
 
-def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path):  # noqa: F811
+def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(runs / "one", out, ignore=shutil.ignore_patterns(LAST))
     assert spawn(_resume_from_one_process, str(data_dir), str(out), STEPS) == [0, 0]
@@ -471,7 +471,7 @@ def test_release_frees_what_a_forward_outside_the_step_gathered(tmp_path):
     assert json.loads(result.read_text()) == {"gathered": True, "released": True, "same": True}
 
 
-def test_two_ranks_overlapped_equal_the_loop_with_a_bad_step_on_one_rank(data_dir, tmp_path):  # noqa: F811
+def test_two_ranks_overlapped_equal_the_loop_with_a_bad_step_on_one_rank(data_dir, tmp_path):
     """train.overlap_steps=true under torchrun (fused AdamW gated on the device, the token count and stop requests
     summed on the host): the same rows, checkpoints' steps and final weights as the loop that reads each verdict
     first, with NaN batches on rank 1 only (every rank skips them, and the step queued behind runs again)."""
@@ -500,7 +500,7 @@ def test_one_rank_reduces_in_the_shard_dtype_without_a_copy(tmp_path):
     assert r["same"] and r["fp32"] and r["n"] > 20 and r["aliased"] == [1, 0], r
 
 
-def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_dir, tmp_path):  # noqa: F811
+def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_dir, tmp_path):
     """bf16 compute under torchrun (one gloo rank): FSDP2's shards are bf16 with their fp32 masters beside them (the
     default, parallel.shard_dtype=auto), and the run is the one-process working-copy run bit for bit: every loss,
     and the fp32 weights its sharded checkpoint holds (the masters, not the bf16 shards). Resumed from a sharded
@@ -528,7 +528,7 @@ def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_d
         assert list(c) == list(range(N - EVERY + 1, N + 1)) and all(c[s] == a[s] for s in c), source
 
 
-def test_two_ranks_with_bf16_shards_train_save_masters_and_resume_exactly(data_dir, tmp_path):  # noqa: F811
+def test_two_ranks_with_bf16_shards_train_save_masters_and_resume_exactly(data_dir, tmp_path):
     """2 gloo ranks in bf16 (bf16 shards gathered as they are, gradients reduce-scattered in fp32, each rank's fp32
     masters): the loss falls, the checkpoint holds fp32 weights, and a resume on 2 ranks gives the same losses."""
     from anyseek.checkpoint.sharded import load_consolidated
@@ -590,7 +590,7 @@ def val_losses(out: Path) -> dict[int, float]:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("graphs,overlap", [("auto", "auto"), ("false", "auto"), ("auto", "false")])
-def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs, overlap):  # noqa: F811
+def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs, overlap):
     """torchrun with one rank on a GPU (NCCL, FSDP2 with fp32 compute copies) follows the plain one-process run step
     by step, with its step in CUDA graphs (the default: FSDP2's gathers and reductions replay inside)
     and without; so do its evaluations between steps (with graphs no eager backward frees the weights gathered for
@@ -628,7 +628,7 @@ def test_one_gpu_fsdp2_equals_plain_and_resumes_plain(data_dir, tmp_path, graphs
 
 
 @pytest.mark.cuda
-def test_one_gpu_bf16_shards_follow_the_working_copy_and_resume(data_dir, tmp_path):  # noqa: F811
+def test_one_gpu_bf16_shards_follow_the_working_copy_and_resume(data_dir, tmp_path):
     """torchrun with one rank on a GPU in bf16 (the defaults: bf16 shards with fp32 masters, graphed, overlapped)
     follows the plain run's working copy step by step (within bf16's drift: the two optimizer kernels round their
     bias corrections differently, so they are not bit for bit as on the CPU, where both run the reference twin), and
@@ -654,7 +654,7 @@ def test_one_gpu_bf16_shards_follow_the_working_copy_and_resume(data_dir, tmp_pa
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")
-def test_two_gpus_graphed_equal_eager_and_exit(data_dir, tmp_path):  # noqa: F811
+def test_two_gpus_graphed_equal_eager_and_exit(data_dir, tmp_path):
     """torchrun with 2 ranks on 2 GPUs (NCCL, fp32): the step in CUDA graphs (the default; the collectives replay
     inside) gives the eager step's losses and evaluations, and both runs exit (the graphs are released before the
     process group is destroyed: with them alive NCCL's teardown hung)."""
@@ -677,7 +677,7 @@ def test_two_gpus_graphed_equal_eager_and_exit(data_dir, tmp_path):  # noqa: F81
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")
-def test_two_gpus_bf16_shards_train_and_resume(data_dir, tmp_path):  # noqa: F811
+def test_two_gpus_bf16_shards_train_and_resume(data_dir, tmp_path):
     """torchrun with 2 ranks on 2 GPUs in bf16, the defaults (bf16 shards gathered over NCCL, gradients
     reduce-scattered in fp32, fp32 masters; graphed, overlapped): the loss falls and a resume on 2 ranks continues
     the same losses."""
@@ -725,7 +725,7 @@ def test_shutdown_gives_up_on_a_teardown_that_hangs(monkeypatch):
         shutdown_process_group(timeout_s=5)
 
 
-def test_train_leaves_with_its_code_when_the_teardown_hangs(data_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_train_leaves_with_its_code_when_the_teardown_hangs(data_dir, tmp_path, monkeypatch, capsys):
     """`anyseek train` whose process-group teardown does not return: the run's outputs are written, a warning says
     why, and the process ends with the run's own exit code (os._exit: a normal exit would wait on the teardown)."""
     from anyseek.cli import main
