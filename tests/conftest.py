@@ -43,7 +43,8 @@ def data_dir(tmp_path_factory) -> Path:
     lines = []
     for i in range(400):
         n = rng.randint(3, 12)
-        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "." for _ in range(n)]
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "."
+                     for _ in range(n)]
         lines.append(json.dumps({"text": f"Document {i}. " + " ".join(sentences)}))
     src = root / "docs.jsonl"
     src.write_text("\n".join(lines) + "\n")

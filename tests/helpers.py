@@ -30,10 +30,12 @@ from anyseek.train.config import load_run_config
 from anyseek.train.metrics import read_metrics
 from anyseek.train.trainer import Trainer
 
-# ---------------------------------------------------------------------------------------------- training runs
+# ----------------------------------------------------------------------------------------------------- training runs
 
 # the words of the `data_dir` corpus (conftest.py)
-WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "flew", "on", "over", "under", "a", "mat", "tree", "roof", "quickly", "slowly", "and", "then", "it", "was", "red", "blue", "green", "small", "big", "river", "stone", "city", "king", "queen", "north", "south"]  # fmt: skip
+WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "flew", "on", "over", "under", "a", "mat", "tree", "roof", "quickly",
+         "slowly", "and", "then", "it", "was", "red", "blue", "green", "small", "big", "river", "stone", "city", "king",
+         "queen", "north", "south"]  # fmt: skip
 
 
 def tiny_cfg(data_dir: Path, *overrides: str):
@@ -63,7 +65,7 @@ def train_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
 
 
-# ---------------------------------------------------------------------------------------------- ranks as processes
+# ------------------------------------------------------------------------------------------------ ranks as processes
 
 
 def _free_port() -> int:
@@ -120,8 +122,8 @@ LAST, PREV = f"step-{N}", f"step-{N - EVERY}"
 # Without clipping: the sharded and the one-process runs sum the gradient norm in different orders, and over N steps
 # that rounding in the clip factor can flip a near-tied top-k choice, far beyond rel 1e-5 (seen with train.seed=2, and
 # with seed 0 once the balance loss became the step's segment mean); unclipped, 2 ranks and 1 process are bit-identical.
-STEPS = [f"--train.max_steps={N}", f"--train.save_every={EVERY}", "--train.keep_last=3", "--model.bias_update_speed=0.01",
-         "--train.grad_clip=0"]
+STEPS = [f"--train.max_steps={N}", f"--train.save_every={EVERY}", "--train.keep_last=3",
+         "--model.bias_update_speed=0.01", "--train.grad_clip=0"]
 
 
 def train_ranks(data: str, out: str, overrides: list[str], resume: bool) -> None:
@@ -139,7 +141,7 @@ def train_ranks(data: str, out: str, overrides: list[str], resume: bool) -> None
     trainer.close()  # as `anyseek train` does: the graphs before the process group (`_entry` destroys it)
 
 
-# ---------------------------------------------------------------------------------------------- the overlap's instruments
+# ----------------------------------------------------------------------------------------- the overlap's instruments
 
 
 def batch_key(ids: torch.Tensor) -> tuple:
@@ -187,7 +189,7 @@ def fused_adamw(model, cfg, device, masters=None):
                              eps=cfg.eps, fused=True)  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------- Hugging Face round trip
+# ------------------------------------------------------------------------------------------- Hugging Face round trip
 
 TINY = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
@@ -238,10 +240,11 @@ def hf_load(folder):
     return model.eval(), info
 
 
-# ---------------------------------------------------------------------------------------------- from a base model
+# ------------------------------------------------------------------------------------------------- from a base model
 
 # the words of the `base_data` corpus (conftest.py); its batches
-BASE_WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "on", "over", "a", "mat", "tree", "roof", "and", "then", "it", "was", "red", "blue", "small", "big", "river", "stone"]  # fmt: skip
+BASE_WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "on", "over", "a", "mat", "tree", "roof", "and", "then", "it",
+              "was", "red", "blue", "small", "big", "river", "stone"]  # fmt: skip
 TOKENS, SEQ = 256, 64
 
 

@@ -20,6 +20,7 @@ from anyseek.train.metrics import read_metrics
 from anyseek.train.step import StepEngine
 from anyseek.train.trainer import SaveFailed, Trainer, TrainingDiverged
 
+
 def test_smoke_loss_falls_and_writes_everything(data_dir, tmp_path):
     summary = run(tiny_cfg(data_dir, "--train.max_steps=20", "--train.save_every=10", "--train.keep_last=1"), tmp_path)
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
