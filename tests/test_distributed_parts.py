@@ -62,7 +62,7 @@ def _collectives(result: str) -> None:
     from anyseek.distributed.env import agree
     from anyseek.train.config import ParallelConfig
     from anyseek.train.parallel import Parallel
-    from anyseek.train.trainer import StepStats
+    from anyseek.train.step import StepStats
 
     par = Parallel.from_torchrun(ParallelConfig(timeout_s=5), "cpu")
     _expert_parallel_equals_local()
