@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from helpers import spawn, tiny_cfg
 
 from anyseek.data.loader import Batch
 from anyseek.model.layout import PackedLayout
 from anyseek.model.mtp import count_segments
 from anyseek.train.trainer import Trainer
-from helpers import spawn, tiny_cfg
 
 # 8 micro-batches of different numbers and lengths of documents (1-token documents have no MTP term)
 SKEWED = [[37], [3, 2, 1, 5], [20, 1], [1, 1, 1, 1, 1, 1], [12, 9, 7], [2], [30, 3], [5, 5, 5, 5, 1]]

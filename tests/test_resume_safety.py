@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run, tiny_cfg
 
 from anyseek.checkpoint import folder as ckpt_lib
 from anyseek.train.preflight import DataError
 from anyseek.train.resume import ResumeMismatch
 from anyseek.train.trainer import Trainer, TrainingDiverged
-from helpers import run, tiny_cfg
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:

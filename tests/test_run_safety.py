@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run, spawn, tiny_cfg
 from safetensors import SafetensorError
 
 from anyseek import hf
@@ -28,7 +29,6 @@ from anyseek.model.config import ModelConfig
 from anyseek.model.transformer import DeepSeekV3
 from anyseek.storage import LOCK_FILE, CheckpointError, FolderInUse, lock_folder
 from anyseek.train.trainer import Trainer
-from helpers import run, spawn, tiny_cfg
 
 TRAIN_ARGS = ["--data.tokens_per_batch=256", "--data.max_seqlen=64", "--model.num_hidden_layers=2",
               "--train.log_every=1", "--train.threads=1", "--train.tensorboard=false", "--train.eval_tokens=256",

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_cfg
 
 from anyseek.data.loader import Batch
 from anyseek.model.mtp import count_targets
 from anyseek.train.config import ConfigError, load_run_config, piecewise
 from anyseek.train.trainer import Trainer
-from helpers import tiny_cfg
 
 
 def _batch(lengths: list[int], vocab: int, seed: int, ignore_every: int = 0) -> Batch:
