@@ -89,6 +89,7 @@ def interp_results():
     return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", [c[0] for c in INTERP_CASES + SCALED_CASES] + ["int64_path", "compile", "joint_kv_grad", "registry"]
 )

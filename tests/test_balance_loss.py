@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import spawn, tiny_cfg
 
@@ -139,6 +140,7 @@ def _two_ranks(data: str, out: str) -> None:
         save_file({**weights, **grads, "sums": sums}, str(Path(out) / "two_ranks.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_ranks_of_four_micro_batches_give_the_gradients_of_one_batch(data_dir, tmp_path):
     """The segment counts are summed over the ranks: 2 gloo ranks x 4 of the skewed micro-batches equal one
     forward over all 8 micro-batches' documents (FSDP2 sums the ranks' gradients)."""

@@ -79,6 +79,7 @@ def test_bf16_moments_need_the_working_copy(data_dir, tmp_path):
                 log=lambda s: None)
 
 
+@pytest.mark.slow
 def test_trainer_with_bf16_moments_learns_checkpoints_and_resumes_bit_identical(data_dir, tmp_path):
     common = (*CPU_BF16, "--train.moments_dtype=bf16")  # (the default warmup: steps 1-3 on the same schedule)
     cfg = tiny_cfg(data_dir, *common, "--train.max_steps=6", "--train.save_every=3", "--train.keep_last=5")

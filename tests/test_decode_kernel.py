@@ -65,6 +65,7 @@ def interp_results():
     return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES + SCALED_CASES] + ["registry"])
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(out, err, err_pt)")

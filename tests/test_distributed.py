@@ -80,6 +80,7 @@ def runs(data_dir, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_with_two_micro_batches(runs):
     dp, one = train_losses(runs / "dp"), train_losses(runs / "one")
     assert list(dp) == list(range(1, N + 1))
@@ -92,6 +93,7 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(runs):
     assert len(rngs) == 2 and all(len(r["cpu"]) > 1000 and r["python"] for r in rngs)  # every rank's streams
 
 
+@pytest.mark.slow
 def test_expert_parallel_run_equals_data_parallel(runs, data_dir):
     out = runs / "ep"
     assert spawn(train_ranks, str(data_dir), str(out), [*STEPS, "--parallel.ep=2"], False) == [0, 0]
@@ -100,6 +102,7 @@ def test_expert_parallel_run_equals_data_parallel(runs, data_dir):
         assert ep[step] == pytest.approx(dp[step], rel=1e-5), step
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns(LAST))
@@ -117,6 +120,7 @@ def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):
         assert resumed[step] == pytest.approx(dp[step], rel=1e-5), step
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_records_hashes_and_a_damaged_one_falls_back(runs, data_dir, tmp_path):
     out = tmp_path / "damaged"
     shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns(LAST))
@@ -174,6 +178,7 @@ def test_resume_allows_other_layouts_and_rank_counts_with_the_same_global_batch(
         assert all("overlap_steps" in line for line in changes), changes
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(runs / "one", out, ignore=shutil.ignore_patterns(LAST))
@@ -182,6 +187,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(runs, data_dir, tmp_path):
     assert max(train_losses(out)) == N
 
 
+@pytest.mark.slow
 def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
     import anyseek
     from anyseek.checkpoint.exporter import export_sharded
@@ -195,6 +201,7 @@ def test_export_of_a_sharded_checkpoint_loads_with_equal_logits(runs, tmp_path):
     assert (folder / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_export_command_takes_run_folders_of_both_kinds(runs, tmp_path, capsys):
     import anyseek
     from anyseek.cli import main

@@ -163,6 +163,7 @@ def _one_rank_reduce(result: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow
 def test_expert_dispatch_equals_local_experts_nan_verdicts_agree_dead_rank_fails(tmp_path):
     result = tmp_path / "result.txt"
     codes = spawn(_collectives, str(result), timeout=60)
@@ -170,12 +171,14 @@ def test_expert_dispatch_equals_local_experts_nan_verdicts_agree_dead_rank_fails
     assert result.read_text() != "no error"
 
 
+@pytest.mark.slow
 def test_release_frees_what_a_forward_outside_the_step_gathered(tmp_path):
     result = tmp_path / "release.json"
     assert spawn(_release_after_forward, str(result), timeout=120) == [0, 0]
     assert json.loads(result.read_text()) == {"gathered": True, "released": True, "same": True}
 
 
+@pytest.mark.slow
 def test_one_rank_reduces_in_the_shard_dtype_without_a_copy(tmp_path):
     result = tmp_path / "reduce.json"
     assert spawn(_one_rank_reduce, str(result), world=1, timeout=120) == [0]
@@ -184,6 +187,7 @@ def test_one_rank_reduces_in_the_shard_dtype_without_a_copy(tmp_path):
     assert r["same"] and r["fp32"] and r["n"] > 20 and r["aliased"] == [1, 0], r
 
 
+@pytest.mark.slow
 def test_ep_benchmark_runs_on_two_cpu_ranks():
     """benchmarks/ep.py (issue 12's dispatch benchmark, for multi-GPU machines) runs end to end on 2 gloo ranks: the
     dispatch with passthrough experts returns every token's weighted sum, and the table is printed."""

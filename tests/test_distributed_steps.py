@@ -58,6 +58,7 @@ def _train_overlapped(data: str, out: str, overrides: list[str], poisoned: list[
 
 
 # ---------------------------------------------------------------------------------------------- on CPU ranks
+@pytest.mark.slow
 def test_two_ranks_overlapped_equal_the_loop_with_a_bad_step_on_one_rank(data_dir, tmp_path):
     """train.overlap_steps=true under torchrun (fused AdamW gated on the device, the token count and stop requests
     summed on the host): the same rows, checkpoints' steps and final weights as the loop that reads each verdict
@@ -79,6 +80,7 @@ def test_two_ranks_overlapped_equal_the_loop_with_a_bad_step_on_one_rank(data_di
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+@pytest.mark.slow
 def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_dir, tmp_path):
     """bf16 compute under torchrun (one gloo rank): FSDP2's shards are bf16 with their fp32 masters beside them (the
     default, parallel.shard_dtype=auto), and the run is the one-process working-copy run bit for bit: every loss,
@@ -107,6 +109,7 @@ def test_one_rank_bf16_shards_are_the_working_copy_bit_for_bit_and_resume(data_d
         assert list(c) == list(range(N - EVERY + 1, N + 1)) and all(c[s] == a[s] for s in c), source
 
 
+@pytest.mark.slow
 def test_two_ranks_with_bf16_shards_train_save_masters_and_resume_exactly(data_dir, tmp_path):
     """2 gloo ranks in bf16 (bf16 shards gathered as they are, gradients reduce-scattered in fp32, each rank's fp32
     masters): the loss falls, the checkpoint holds fp32 weights, and a resume on 2 ranks gives the same losses."""

@@ -126,6 +126,7 @@ def interp_results():
     return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [f"adamw_{c[0]}" for c in ADAMW_CASES]
                          + [f"adamw_tensors_{c[0]}" for c in ADAMW_TENSORS_CASES])
 def test_interpreter(interp_results, name):

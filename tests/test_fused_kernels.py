@@ -236,6 +236,7 @@ def interp_results():
     return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES]
                          + [f"rope_{c[0]}" for c in ROPE_CASES] + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES]
                          + [f"swiglu_{c[0]}" for c in SWIGLU_CASES])

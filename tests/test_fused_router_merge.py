@@ -101,6 +101,7 @@ def interp_results():
     return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [f"router_{c[0]}" for c in ROUTER_CASES] + ["router_nan_rows_stay_valid"]
                          + [f"merge_{c[0]}" for c in MERGE_CASES])
 def test_interpreter(interp_results, name):

@@ -202,6 +202,7 @@ print(json.dumps({"peak": status("VmHWM") - base, "model": sum(t.nbytes for t in
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_fp8_init_needs_the_dequantized_model_plus_less_than_one_tensor(tmp_path):
     """Issue 16's target: loading an FP8 folder takes no more than the dequantized model plus one tensor. Measured

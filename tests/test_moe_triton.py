@@ -177,6 +177,7 @@ def interp_results():
     return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
                          + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_addend",
                             "deterministic",

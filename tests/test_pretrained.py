@@ -160,6 +160,7 @@ def _finished(codes: list[int], out: Path) -> list[str]:
     return results
 
 
+@pytest.mark.slow
 def test_init_trains_sharded_and_lora_is_refused_on_two_ranks(base_data, base_dir, tmp_path):
     from anyseek.checkpoint.exporter import export_sharded
 

@@ -260,6 +260,7 @@ def _anyseek(*args: str, stdin=None, env=None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_ordinary_mistakes_print_one_error_line(data_dir, tmp_path):
     base = ["train", "--out", str(tmp_path / "r"), f"--data.path={data_dir}", "--train.max_steps=1"]
     cases = {

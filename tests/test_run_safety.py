@@ -181,6 +181,7 @@ def test_folder_lock_names_its_holder_and_goes_with_it(tmp_path):
     lock_folder(tmp_path).release()
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_busy_folder_fails_at_once_and_a_killed_run_resumes(data_dir, tmp_path):
     out = tmp_path / "run"
     args = ["train", "--out", out, f"--data.path={data_dir}", "--train.max_steps=4", "--train.save_every=2",
@@ -237,6 +238,7 @@ def _train_into_busy_folder(data: str, out: str) -> None:
     (Path(out).parent / f"rank{rank}.txt").write_text(message)
 
 
+@pytest.mark.slow
 def test_under_torchrun_every_rank_gets_the_refusal(data_dir, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -294,6 +296,7 @@ def _limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_a_real_write_failure_during_saves_is_one_line_each(data_dir, trained, tmp_path):
     """safetensors itself fails to write (the process may not write files past half the model's size): the periodic
     save is one warning and training goes on; the final save is one error line; no traceback, nothing left."""
@@ -344,6 +347,7 @@ def _train_sharded(data: str, out: str) -> None:
     Trainer(tiny_cfg(Path(data), "--train.max_steps=2"), Path(out), log=lambda s: None).run()
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_is_refused_with_the_export_command(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert spawn(_train_sharded, str(data_dir), str(out), world=1, timeout=300) == [0]

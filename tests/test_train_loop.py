@@ -39,6 +39,7 @@ def test_smoke_loss_falls_and_writes_everything(data_dir, tmp_path):
     assert json.loads((ckpt / "run_config.json").read_text())["train"]["max_steps"] == 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch, overlap):
     """overlap: a bf16 working copy on the CPU, so that the host queues a step before it settles the last one (the
@@ -114,6 +115,7 @@ def test_corrupt_checkpoint_is_reported_and_previous_used(data_dir, tmp_path):
     assert any("resumed from" in m and "step-2" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_kill_9_during_save_keeps_previous_checkpoint(data_dir, tmp_path):
     out = tmp_path / "run"
     args = [f"--data.path={data_dir}", "--data.tokens_per_batch=256", "--data.max_seqlen=64",

@@ -78,6 +78,7 @@ def _compare(data, tmp_path, monkeypatch, poisoned, *extra: str) -> None:
     assert float(b.engine._halt) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("poisoned", [(), (2,), (1, 2), (5, 6), (3, 7, 8, 11)])
 def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, poisoned):
     """poisoned: indices of the loader's batches whose loss is NaN. (2,): one skip, read while the step behind it,
@@ -86,6 +87,7 @@ def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, pois
     _compare(data_dir, tmp_path, monkeypatch, poisoned)
 
 
+@pytest.mark.slow
 def test_overlap_with_micro_batches_and_lora(data_dir, tmp_path, monkeypatch):
     """Two micro-batches per step (fp32 gradients added up, zeroed before each step), then LoRA on a base of the
     same run (adapters only in the checkpoints), each with a step run again behind a bad one."""
@@ -96,6 +98,7 @@ def test_overlap_with_micro_batches_and_lora(data_dir, tmp_path, monkeypatch):
              "--train.lora_rank=4", "--train.bias_update_speed_schedule=[]")
 
 
+@pytest.mark.slow
 def test_overlap_stops_a_diverging_run_like_the_loop(data_dir, tmp_path, monkeypatch):
     keys = _batch_keys(data_dir, 20)
     poison(monkeypatch, set(keys[6:]))

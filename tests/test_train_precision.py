@@ -167,6 +167,7 @@ def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):
     assert losses[-1] < losses[0] - 0.3, losses
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_the_fp32_masters_and_resume_is_bit_identical(data_dir, tmp_path):
     cfg = tiny_cfg(data_dir, *CPU_BF16, "--train.working_copy=true", "--train.max_steps=6", "--train.save_every=3",
                    "--train.keep_last=5")
