@@ -5,7 +5,7 @@ set -x
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT/new8k $OUT/base8k $OUT/new32k
 NEW_SRC=$PWD/src; BASE_SRC=${BASE_SRC:-$PWD/base/src}
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
-[ -n "$GPU_TESTS" ] && PYTHONPATH=$NEW_SRC timeout 150 python3 -m pytest -q -m cuda tests/test_fused_kernels.py 2>&1 | tail -5
+[ -n "$GPU_TESTS" ] && PYTHONPATH=$NEW_SRC timeout 150 python3 -m pytest -q -m cuda tests/test_fused_*.py 2>&1 | tail -5
 DATA=${DATA:-$PWD/data32k}
 B="python3 benchmarks/train_step.py --device cuda --flavor small --seqlen 2048 --dtype bf16 --vocab 32000 --data $DATA --skip-eager --steps ${STEPS:-20} --warmup 5"
 # the 8k target against a peer whose speed follows the host: the two take turns three times (each round's ratio printed)

@@ -1,4 +1,14 @@
+"""Shared fixtures (the plain helpers are in helpers.py), and the `cuda` marker's skip without a GPU.
+
+The corpora are module-scoped, as they were when each test module defined its own: a module that damages its copy
+(a truncated shard, a malformed manifest) never reaches another module's tests.
+"""
+
+import json
 import os
+import random
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -19,3 +29,59 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A prepared corpus of 400 generated documents with a 512-token BPE (the training tests' `tiny_cfg` data)."""
+    from helpers import WORDS
+
+    from anyseek.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    lines = []
+    for i in range(400):
+        n = rng.randint(3, 12)
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "."
+                     for _ in range(n)]
+        lines.append(json.dumps({"text": f"Document {i}. " + " ".join(sentences)}))
+    src = root / "docs.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = root / "prepared"
+    prepare(source=str(src), out=out, vocab_size=512, val_fraction=0.05, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_data(tmp_path_factory) -> Path:
+    """A prepared corpus of 200 generated documents with a 400-token BPE: the data of the runs from `base_dir`."""
+    from helpers import write_docs
+
+    from anyseek.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("corpus")
+    prepare(source=str(write_docs(root, 200, 0)), out=root / "prepared", vocab_size=400, val_fraction=0.05,
+            progress=False)
+    return root / "prepared"
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, base_data) -> Path:
+    """A random tiny model (MTP included, routing biases non-zero) saved with `base_data`'s tokenizer."""
+    import torch
+    from helpers import base_model_cfg, vocab_of
+
+    from anyseek import hf
+    from anyseek.model.transformer import DeepSeekV3
+
+    folder = tmp_path_factory.mktemp("base") / "model"
+    torch.manual_seed(3)
+    model = DeepSeekV3(base_model_cfg(vocab_of(base_data)))
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            moe.gate.e_score_correction_bias.normal_(0, 0.05)
+    hf.save_pretrained(model, folder)
+    for f in (base_data / "tokenizer").iterdir():
+        shutil.copy2(f, folder / f.name)
+    return folder

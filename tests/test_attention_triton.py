@@ -5,11 +5,7 @@ The rule (flash-attention's): max|kernel - fp32 ref| <= 2 * max|PyTorch in the l
 small atol for fp32), for the output and every gradient.
 """
 
-import json
-import os
-import subprocess
-import sys
-
+import interpreter
 import pytest
 import torch
 
@@ -85,24 +81,20 @@ def _worker() -> None:
 
     registry.set_backend("attention", "triton")
     results["registry"] = {"pass": registry.choose("mla_attention", x[0])[1] == "triton", "table": []}
-    print("RESULTS " + json.dumps(results))
+    interpreter.report(results)
 
 
 @pytest.fixture(scope="module")
 def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", [c[0] for c in INTERP_CASES + SCALED_CASES] + ["int64_path", "compile", "joint_kv_grad", "registry"]
 )
 def test_interpreter(interp_results, name):
-    r = interp_results[name]
-    assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"
+    interpreter.check(interp_results, name, "(grad, err, err_pt)")
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from test_distributed import spawn
+from helpers import spawn, tiny_cfg
 
 from anyseek.data.loader import Batch
 from anyseek.model.layout import PackedLayout
 from anyseek.model.mtp import count_segments
 from anyseek.train.trainer import Trainer
-from tests.test_train_loop import data_dir, tiny_cfg  # noqa: F401  (the module-scoped prepared corpus)
 
 # 8 micro-batches of different numbers and lengths of documents (1-token documents have no MTP term)
 SKEWED = [[37], [3, 2, 1, 5], [20, 1], [1, 1, 1, 1, 1, 1], [12, 9, 7], [2], [30, 3], [5, 5, 5, 5, 1]]
@@ -107,7 +107,7 @@ def test_balance_loss_sums_over_segments_and_divides_by_the_given_count():
             torch.testing.assert_close(got, torch.tensor(total / (docs + 9), dtype=torch.float32))
 
 
-def test_eight_micro_batches_give_the_gradients_of_one_batch_of_the_same_documents(data_dir, tmp_path):  # noqa: F811
+def test_eight_micro_batches_give_the_gradients_of_one_batch_of_the_same_documents(data_dir, tmp_path):
     """8 skewed micro-batches (1 to 6 documents each, 1 to 37 tokens long) through the trainer's accumulation equal
     one forward over all their documents: same loss, same balance loss metric, same gradient for every parameter
     (the main and the MTP routers included), at the report's alpha 1e-4. A mean of per-micro-batch means weighs a
@@ -140,7 +140,8 @@ def _two_ranks(data: str, out: str) -> None:
         save_file({**weights, **grads, "sums": sums}, str(Path(out) / "two_ranks.safetensors"))
 
 
-def test_two_ranks_of_four_micro_batches_give_the_gradients_of_one_batch(data_dir, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_two_ranks_of_four_micro_batches_give_the_gradients_of_one_batch(data_dir, tmp_path):
     """The segment counts are summed over the ranks: 2 gloo ranks x 4 of the skewed micro-batches equal one
     forward over all 8 micro-batches' documents (FSDP2 sums the ranks' gradients)."""
     from safetensors.torch import load_file

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train_loop import data_dir, final_state, run, tiny_cfg  # noqa: F401 - the module's corpus fixture
+from helpers import final_state, run, tiny_cfg
 
 from anyseek.kernels.reference import adamw as ref
 from anyseek.train.config import ConfigError, load_run_config
@@ -73,13 +73,14 @@ def test_config_checks():
         load_run_config("tiny", ["--train.moments_dtype=fp16"])
 
 
-def test_bf16_moments_need_the_working_copy(data_dir, tmp_path):  # noqa: F811
+def test_bf16_moments_need_the_working_copy(data_dir, tmp_path):
     with pytest.raises(ConfigError, match="train.moments_dtype=bf16 needs the working copy's optimizer"):
         Trainer(tiny_cfg(data_dir, "--train.device=cpu", "--train.moments_dtype=bf16"), tmp_path / "a",
                 log=lambda s: None)
 
 
-def test_trainer_with_bf16_moments_learns_checkpoints_and_resumes_bit_identical(data_dir, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_trainer_with_bf16_moments_learns_checkpoints_and_resumes_bit_identical(data_dir, tmp_path):
     common = (*CPU_BF16, "--train.moments_dtype=bf16")  # (the default warmup: steps 1-3 on the same schedule)
     cfg = tiny_cfg(data_dir, *common, "--train.max_steps=6", "--train.save_every=3", "--train.keep_last=5")
     straight = tmp_path / "straight"

@@ -7,7 +7,7 @@ import sys
 import types
 
 import pytest
-from test_data_fixtures import corpus, dump_pages, write_dump
+from data_fixtures import corpus, dump_pages, write_dump
 
 from anyseek.cli import main
 from anyseek.data.shards import read_manifest

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_data_fixtures import corpus
+from data_fixtures import corpus
 
 from anyseek.data.loader import PackedLoader
 from anyseek.data.pieces import IGNORE_INDEX, segment_bounds

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from test_data_fixtures import corpus, dump_pages, write_dump, write_jsonl_with_bad_lines
+from data_fixtures import corpus, dump_pages, write_dump, write_jsonl_with_bad_lines
 
 from anyseek.data import shards
 from anyseek.data.prepare import PrepareError, ensure_prepared, prepare

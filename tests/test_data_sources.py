@@ -6,7 +6,7 @@ import json
 from collections import Counter
 
 import pytest
-from test_data_fixtures import (
+from data_fixtures import (
     dump_pages,
     page,
     write_dump,
@@ -30,7 +30,7 @@ def collect(spec, **kw):
 
 
 def test_clean_wikitext_keeps_prose_drops_markup():
-    from test_data_fixtures import ARTICLE
+    from data_fixtures import ARTICLE
 
     text = clean_wikitext(ARTICLE)
     assert text.startswith("The Quillow River is a short river in the republic of Examplestan. It flows north.")
@@ -268,3 +268,10 @@ def test_clean_wikitext_inline_templates_and_parentheses():
         "Ada Example (Ada Exemple; 1 May 1900 – 2 June 1980) was a Deutsch-speaking road builder. "
         "She walked 12 km in c. 1920."
     )
+
+
+def test_fixture_dump_is_valid_xml(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(write_dump(tmp_path / "d.xml", dump_pages(2))).getroot()
+    assert len([e for e in root if e.tag.endswith("page")]) == 8

@@ -1,11 +1,7 @@
 """The Triton MLA decode kernel against its reference: on CPU under TRITON_INTERPRET=1 (in a subprocess, so the
 variable never leaks into other tests), and on a GPU (marked cuda). The 2x rule of kernels/accuracy.py."""
 
-import json
-import os
-import subprocess
-import sys
-
+import interpreter
 import pytest
 import torch
 
@@ -61,22 +57,18 @@ def _worker() -> None:
 
     registry.set_backend("mla_decode", "triton")
     results["registry"] = {"pass": registry.choose("mla_decode", torch.empty(1, 4, 48))[1] == "triton", "table": []}
-    print("RESULTS " + json.dumps(results))
+    interpreter.report(results)
 
 
 @pytest.fixture(scope="module")
 def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES + SCALED_CASES] + ["registry"])
 def test_interpreter(interp_results, name):
-    r = interp_results[name]
-    assert r["pass"], f"{name}: (out, err, err_pt) = {r['table']}"
+    interpreter.check(interp_results, name, "(out, err, err_pt)")
 
 
 def test_reference_matches_dense_attention():

@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from anyseek import doctor
 
 
@@ -10,6 +12,7 @@ def test_report_names_the_machine_and_backends():
         assert word in text
 
 
+@pytest.mark.slow
 def test_check_passes_on_cpu():
     out = subprocess.run(
         [sys.executable, "-m", "anyseek", "doctor", "--check", "--device", "cpu"],

@@ -13,61 +13,19 @@ import sys
 
 import pytest
 import torch
+from helpers import TINY, assert_logits_close, hf_load, our_logits, tiny_model, token_ids
 
 from anyseek import hf
 from anyseek.hf.fp8 import quantize_blockwise
 from anyseek.hf.safetensors_io import SINGLE_FILE, TensorReader, scan_folder
-from anyseek.model.config import ModelConfig
-from anyseek.model.transformer import DeepSeekV3
 from anyseek.storage import CheckpointError
 
 transformers = pytest.importorskip("transformers")
-
-TINY = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-    "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_attention_heads": 4, "q_lora_rank": 32,
-    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
-    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "num_nextn_predict_layers": 1, "init_std": 0.1,
-}  # fmt: skip
-
-
-def tiny_model(seed: int = 0, **overrides) -> DeepSeekV3:
-    """Random tiny model with non-trivial norms and routing biases (so a dropped tensor changes the logits)."""
-    torch.manual_seed(seed)
-    model = DeepSeekV3(ModelConfig(**{**TINY, **overrides}))
-    with torch.no_grad():
-        for moe in model.moe_layers():
-            moe.gate.e_score_correction_bias.normal_(0, 0.1)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
-
-
-def ids(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, TINY["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_logits_close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> None:
-    err, scale = (a.float() - b.float()).abs().max().item(), b.abs().max().item()
-    assert err <= rel * scale, f"max |diff| {err:.3g} > {rel} * max |logit| {scale:.3g}"
-
-
-@torch.no_grad()
-def our_logits(model: DeepSeekV3, x: torch.Tensor) -> torch.Tensor:
-    return model(x).logits
 
 
 @torch.no_grad()
 def hf_logits(model, x: torch.Tensor) -> torch.Tensor:
     return model(x).logits
-
-
-def hf_load(folder):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, output_loading_info=True
-    )
-    return model.eval(), info
 
 
 def test_save_then_transformers_load_same_logits(tmp_path):
@@ -77,7 +35,7 @@ def test_save_then_transformers_load_same_logits(tmp_path):
     assert not info["missing_keys"] and not info["mismatched_keys"]
     # transformers has no MTP modules: layer N's tensors are "unexpected" for it, nothing else
     assert info["unexpected_keys"] and all(k.startswith("model.layers.3.") for k in info["unexpected_keys"])
-    x = ids()
+    x = token_ids()
     assert_logits_close(our_logits(model, x), hf_logits(ref, x))
     cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v3" and cfg["dtype"] == "float32"
@@ -100,7 +58,7 @@ def test_transformers_save_then_our_load_same_logits(tmp_path, fused):
     with pytest.warns(UserWarning, match="MTP layers but the checkpoint holds 0"):
         model = hf.load_pretrained(tmp_path / "theirs", dtype=torch.float32)
     assert len(model.mtp) == 0
-    x = ids(2)
+    x = token_ids(2)
     assert_logits_close(our_logits(model, x), hf_logits(ref, x))
 
 
@@ -110,7 +68,7 @@ def test_sharded_round_trip_both_ways(tmp_path):
     index = json.loads((tmp_path / "sh" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     assert index["weight_map"]["model.layers.3.shared_head.head.weight"].startswith("model-")
-    x = ids(3)
+    x = token_ids(3)
     loaded = hf.load_pretrained(tmp_path / "sh", dtype=torch.float32)
     for (name, a), (name_b, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert name == name_b and torch.equal(a, b), name
@@ -211,7 +169,7 @@ def test_softmax_routing_checkpoint_without_selection_bias(tmp_path):
     assert not any("e_score_correction_bias" in n for n in scan_folder(tmp_path / "v2"))
     loaded = hf.load_pretrained(tmp_path / "v2", dtype=torch.float32)
     assert loaded.mtp[0].mlp.gate.e_score_correction_bias.abs().sum() == 0
-    x = ids(6)
+    x = token_ids(6)
     assert_logits_close(our_logits(loaded, x), our_logits(model, x), rel=0)
 
 
@@ -244,6 +202,7 @@ print(json.dumps({"peak": status("VmHWM") - base, "model": sum(t.nbytes for t in
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_fp8_init_needs_the_dequantized_model_plus_less_than_one_tensor(tmp_path):
     """Issue 16's target: loading an FP8 folder takes no more than the dequantized model plus one tensor. Measured

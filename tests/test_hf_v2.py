@@ -13,8 +13,7 @@ import warnings
 
 import pytest
 import torch
-from test_hf_roundtrip import TINY, assert_logits_close, hf_load, ids, our_logits, tiny_model
-from test_train_loop import data_dir, run, tiny_cfg  # noqa: F401 - the module's corpus fixture
+from helpers import TINY, assert_logits_close, hf_load, our_logits, run, tiny_cfg, tiny_model, token_ids
 
 from anyseek import hf
 from anyseek.hf.config import config_from_hf, config_to_hf
@@ -55,7 +54,7 @@ def test_save_then_transformers_deepseek_v2_same_logits(tmp_path, method):
     assert not info["missing_keys"] and not info["mismatched_keys"]
     # nothing but the MTP module (layer 3) is left over: the all-zero routing bias is not written
     assert info["unexpected_keys"] and all(k.startswith("model.layers.3.") for k in info["unexpected_keys"])
-    x = ids()
+    x = token_ids()
     assert_logits_close(our_logits(model, x), ref(x).logits.detach())
 
 
@@ -74,7 +73,7 @@ def test_transformers_deepseek_v2_save_then_our_load_same_logits(tmp_path, metho
     model = hf.load_pretrained(tmp_path / "theirs", dtype=torch.float32)
     assert model.config.scoring_func == "softmax" and not model.config.norm_topk_prob
     assert (model.config.n_group, model.config.topk_group) == (ROUTINGS[method]["n_group"], 1)
-    x = ids(2)
+    x = token_ids(2)
     assert_logits_close(our_logits(model, x), ref(x).logits.detach())
 
 
@@ -124,11 +123,11 @@ def test_checkpoint_keeps_trained_bias_with_a_note_and_loads_exactly(tmp_path):
         assert torch.equal(a, b), name
     ref, info = hf_load(tmp_path / "ckpt")
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in info["unexpected_keys"]
-    x = ids(5)
+    x = token_ids(5)
     assert not torch.allclose(our_logits(model, x), ref(x).logits.detach(), rtol=0, atol=1e-3)
 
 
-def test_training_run_checkpoints_a_biased_v2_model_that_export_refuses(data_dir, tmp_path, capsys):  # noqa: F811
+def test_training_run_checkpoints_a_biased_v2_model_that_export_refuses(data_dir, tmp_path, capsys):
     """A softmax run whose routing bias trains: its step-N (the resume state) is written (deepseek_v2, bias kept),
     `anyseek export` says why it will not write it; with bias_update_speed 0 the export loads in transformers."""
     from anyseek.cli import main
@@ -159,7 +158,7 @@ def test_generate_and_eval_load_a_deepseek_v2_folder(tmp_path):
     model = v2_model(6)
     hf.save_pretrained(model, tmp_path / "v2")
     loaded = load_model(tmp_path / "v2", device="cpu")
-    x = ids(6)
+    x = token_ids(6)
     assert_logits_close(our_logits(loaded, x), our_logits(model, x), rel=0)
 
 

@@ -1,5 +1,6 @@
 """The package's import structure: no import loops (counting imports inside functions too), and the layering rules
-of docs/architecture.md (the model never imports Triton, torch.distributed or the Hugging Face code)."""
+of docs/architecture.md (the model never imports Triton, torch.distributed or the Hugging Face code). And the tests':
+no test module imports another (shared code lives in plain modules beside them, fixtures in conftest.py)."""
 
 from __future__ import annotations
 
@@ -193,3 +194,41 @@ def test_layer_rule_catches_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", fake)
     assert _layer_violations() == ["anyseek.model.bad -> anyseek.train.loop: model (layer 2) may not import train "
                                    "(layer 7)"]
+
+
+# ---------------------------------------------------------------------------------------------------- the tests
+TESTS = Path(__file__).parent
+
+
+def _test_module_imports(folder: Path) -> list[str]:
+    """Imports, anywhere in folder/*.py, of a test module (test_*.py, conftest) or of anything under the name `tests.`:
+    either loads a module a second time under another name (pytest imports each test file as its own top-level
+    module), fixtures included. Shared code is imported from the plain modules beside the tests (`from helpers
+    import ...`), fixtures come from conftest.py without an import."""
+    tests = {p.stem for p in folder.glob("test_*.py")} | {"conftest"}
+    bad = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in tests | {"tests"}]
+    return bad
+
+
+def test_no_test_module_imports_another():
+    bad = _test_module_imports(TESTS)
+    assert not bad, ("test modules importing test modules (shared code goes in helpers.py, fixtures in conftest.py):\n"
+                     + "\n".join(bad))
+
+
+def test_test_import_rule_catches_one(tmp_path):
+    (tmp_path / "test_a.py").write_text("def helper():\n    pass\n")
+    (tmp_path / "test_b.py").write_text("import os\n\n\ndef test_x():\n    from test_a import helper\n")
+    (tmp_path / "test_c.py").write_text("from tests.helpers import run\nimport conftest\nfrom helpers import run\n")
+    (tmp_path / "helpers.py").write_text("import json\n")
+    assert _test_module_imports(tmp_path) == ["test_b.py:5 imports test_a", "test_c.py:1 imports tests.helpers",
+                                              "test_c.py:2 imports conftest"]

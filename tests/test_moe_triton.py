@@ -5,11 +5,9 @@ The rule (flash-attention's): max|kernel - fp32 ref| <= 2 * max|reference in the
 small atol), for the output and the gradients of x, the routing weights, gate_up_proj and down_proj.
 """
 
-import json
 import os
-import subprocess
-import sys
 
+import interpreter
 import pytest
 import torch
 
@@ -171,25 +169,21 @@ def _worker() -> None:
     picked = [registry.choose(op, x) for op in ("routed_experts", "lora_routed_experts")]
     ok = [name == "triton" for _, name, _ in picked] + [picked[1][0] is moe.lora_routed_experts]
     results["registry"] = {"pass": all(ok), "table": ok}
-    print("RESULTS " + json.dumps(results))
+    interpreter.report(results)
 
 
 @pytest.fixture(scope="module")
 def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter.run_worker(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
                          + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):
-    r = interp_results[name]
-    assert r["pass"], f"{name}: (grad, err, err_pt) = {r['table']}"
+    interpreter.check(interp_results, name, "(grad, err, err_pt)")
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -264,9 +258,6 @@ def test_gpu_no_recompile_and_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(outs[2], outs[3]))
     assert n_compiled() == first
 
-if __name__ == "__main__":
-    _worker()
-
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -292,3 +283,7 @@ def test_gpu_addend_in_the_combine(dtype):
     plain = [t.detach().clone().requires_grad_() for t in low[:3]]
     (moe.routed_experts(plain[0], ids, w, plain[1], plain[2]) * dy.to(dtype)).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(low[:3], plain))
+
+
+if __name__ == "__main__":
+    _worker()

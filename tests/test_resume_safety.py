@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run, tiny_cfg
 
 from anyseek.checkpoint import folder as ckpt_lib
 from anyseek.train.preflight import DataError
 from anyseek.train.resume import ResumeMismatch
 from anyseek.train.trainer import Trainer, TrainingDiverged
-from tests.test_train_loop import data_dir, run, tiny_cfg  # noqa: F401  (the module-scoped prepared corpus)
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -26,7 +26,7 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def trained(data_dir, tmp_path_factory) -> Path:  # noqa: F811
+def trained(data_dir, tmp_path_factory) -> Path:
     """A finished 4-step run with checkpoints at steps 2 and 4."""
     out = tmp_path_factory.mktemp("trained") / "run"
     run(tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2"), out)
@@ -39,7 +39,7 @@ def _copy(trained: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def test_resume_with_another_config_is_an_error_that_changes_nothing(data_dir, trained, tmp_path):  # noqa: F811
+def test_resume_with_another_config_is_an_error_that_changes_nothing(data_dir, trained, tmp_path):
     out = _copy(trained, tmp_path)
     before = _snapshot(out)
     cfg = tiny_cfg(data_dir, "--train.max_steps=6", "--train.save_every=2", "--model.num_hidden_layers=3",
@@ -52,7 +52,7 @@ def test_resume_with_another_config_is_an_error_that_changes_nothing(data_dir, t
     assert _snapshot(out) == before  # nothing loaded, pruned or overwritten
 
 
-def test_resume_override_allows_a_deliberate_change(data_dir, trained, tmp_path):  # noqa: F811
+def test_resume_override_allows_a_deliberate_change(data_dir, trained, tmp_path):
     out = _copy(trained, tmp_path)
     cfg = tiny_cfg(data_dir, "--train.max_steps=6", "--train.save_every=2", "--train.lr=1e-3")
     with pytest.raises(ResumeMismatch, match="train.lr"):
@@ -63,7 +63,7 @@ def test_resume_override_allows_a_deliberate_change(data_dir, trained, tmp_path)
     assert any("resumed from" in m and "train.lr: 0.003 -> 0.001" in m for m in messages)
 
 
-def test_resume_on_other_data_is_an_error(data_dir, trained, tmp_path):  # noqa: F811
+def test_resume_on_other_data_is_an_error(data_dir, trained, tmp_path):
     from anyseek.data.prepare import prepare
 
     other = tmp_path / "other"
@@ -76,7 +76,7 @@ def test_resume_on_other_data_is_an_error(data_dir, trained, tmp_path):  # noqa:
         run(cfg, out, resume=True)
 
 
-def test_flipped_bytes_are_found_and_the_previous_checkpoint_used(data_dir, trained, tmp_path):  # noqa: F811
+def test_flipped_bytes_are_found_and_the_previous_checkpoint_used(data_dir, trained, tmp_path):
     out = _copy(trained, tmp_path)
     weights = out / "step-4" / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -100,7 +100,7 @@ def test_pruning_reads_no_tensor_data_and_keeps_the_newest(trained, tmp_path, mo
     assert sorted(p.name for p in out.glob("step-*")) == ["step-4"]
 
 
-def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(data_dir, trained, tmp_path):  # noqa: F811
+def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(data_dir, trained, tmp_path):
     out = _copy(trained, tmp_path)
     for step in (2, 4):
         (out / f"step-{step}" / "checkpoint.json").unlink()
@@ -110,7 +110,7 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(data_dir, traine
     assert _snapshot(out) == before
 
 
-def test_a_verified_checkpoint_that_does_not_load_is_an_error(data_dir, trained, tmp_path):  # noqa: F811
+def test_a_verified_checkpoint_that_does_not_load_is_an_error(data_dir, trained, tmp_path):
     out = _copy(trained, tmp_path)
     ckpt = out / "step-4"
     (ckpt / "optimizer.json").write_text("{not json")
@@ -124,13 +124,13 @@ def test_a_verified_checkpoint_that_does_not_load_is_an_error(data_dir, trained,
     assert (out / "step-2").is_dir() and (out / "step-4").is_dir()
 
 
-def test_resume_without_any_checkpoint_starts_fresh_and_says_so(data_dir, tmp_path):  # noqa: F811
+def test_resume_without_any_checkpoint_starts_fresh_and_says_so(data_dir, tmp_path):
     messages: list[str] = []
     Trainer(tiny_cfg(data_dir, "--train.max_steps=1"), tmp_path / "new", resume=True, log=messages.append).run()
     assert any("holds no checkpoint yet; starting from scratch" in m for m in messages)
 
 
-def test_a_full_disk_during_a_periodic_save_warns_and_training_goes_on(data_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_a_full_disk_during_a_periodic_save_warns_and_training_goes_on(data_dir, tmp_path, monkeypatch):
     from anyseek.checkpoint import folder as optim  # (the one-process writer calls its save_optimizer)
 
     real, calls = optim.save_optimizer, {"n": 0}
@@ -153,14 +153,14 @@ def test_a_full_disk_during_a_periodic_save_warns_and_training_goes_on(data_dir,
     assert not [p.name for p in out.iterdir() if p.name.startswith(".step")]
 
 
-def test_an_unwritable_output_folder_fails_at_start(data_dir, tmp_path):  # noqa: F811
+def test_an_unwritable_output_folder_fails_at_start(data_dir, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OSError, match="is not writable"):
         run(tiny_cfg(data_dir, "--train.max_steps=1"), blocker / "run")
 
 
-def test_staging_left_by_a_killed_save_is_cleaned_at_start(data_dir, trained, tmp_path):  # noqa: F811
+def test_staging_left_by_a_killed_save_is_cleaned_at_start(data_dir, trained, tmp_path):
     out = _copy(trained, tmp_path)
     (out / ".step-6.tmp-999999999").mkdir()
     shutil.copytree(out / "step-4", out / ".step-4.old-999999999")
@@ -180,7 +180,7 @@ def _copy_data(prepared: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def test_truncated_shard_is_named_at_start(data_dir, tmp_path):  # noqa: F811
+def test_truncated_shard_is_named_at_start(data_dir, tmp_path):
     data = _copy_data(data_dir, tmp_path)
     shard = data / "train-00000.bin"
     shard.write_bytes(shard.read_bytes()[:1000])
@@ -188,7 +188,7 @@ def test_truncated_shard_is_named_at_start(data_dir, tmp_path):  # noqa: F811
         Trainer(tiny_cfg(data, "--train.max_steps=1"), tmp_path / "run", log=lambda s: None)
 
 
-def test_malformed_manifest_is_named_at_start(data_dir, tmp_path):  # noqa: F811
+def test_malformed_manifest_is_named_at_start(data_dir, tmp_path):
     data = _copy_data(data_dir, tmp_path)
     manifest = json.loads((data / "manifest.json").read_text())
     del manifest["splits"]["train"]["shards"][0]["num_tokens"]
@@ -197,7 +197,7 @@ def test_malformed_manifest_is_named_at_start(data_dir, tmp_path):  # noqa: F811
         Trainer(tiny_cfg(data, "--train.max_steps=1"), tmp_path / "run", log=lambda s: None)
 
 
-def test_empty_train_split_is_an_error_at_start(data_dir, tmp_path):  # noqa: F811
+def test_empty_train_split_is_an_error_at_start(data_dir, tmp_path):
     data = _copy_data(data_dir, tmp_path)
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["splits"]["train"].update(shards=[], documents=0)
@@ -207,7 +207,7 @@ def test_empty_train_split_is_an_error_at_start(data_dir, tmp_path):  # noqa: F8
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("step-*"))
 
 
-def test_vocab_larger_than_the_model_is_an_error_naming_both(data_dir, tmp_path):  # noqa: F811
+def test_vocab_larger_than_the_model_is_an_error_naming_both(data_dir, tmp_path):
     with pytest.raises(DataError, match=r"use \d+ token ids but the model has vocab_size 100; drop --model.vocab_size"):
         Trainer(tiny_cfg(data_dir, "--model.vocab_size=100"), tmp_path / "run", log=lambda s: None)
 
@@ -260,7 +260,8 @@ def _anyseek(*args: str, stdin=None, env=None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
-def test_ordinary_mistakes_print_one_error_line(data_dir, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_ordinary_mistakes_print_one_error_line(data_dir, tmp_path):
     base = ["train", "--out", str(tmp_path / "r"), f"--data.path={data_dir}", "--train.max_steps=1"]
     cases = {
         "--train.device=cuda:7": "sees no CUDA GPU",
@@ -275,7 +276,7 @@ def test_ordinary_mistakes_print_one_error_line(data_dir, tmp_path):  # noqa: F8
     assert "Traceback" in r.stderr
 
 
-def test_broken_pipe_is_quiet(data_dir):  # noqa: F811
+def test_broken_pipe_is_quiet(data_dir):
     p = subprocess.Popen([sys.executable, "-m", "anyseek", "data", "inspect", str(data_dir), "--json"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.read(10)
@@ -285,7 +286,7 @@ def test_broken_pipe_is_quiet(data_dir):  # noqa: F811
     assert "Traceback" not in err and "BrokenPipe" not in err
 
 
-def test_nan_run_without_checkpoint_does_not_claim_one(data_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_nan_run_without_checkpoint_does_not_claim_one(data_dir, tmp_path, monkeypatch):
     from anyseek.model.transformer import DeepSeekV3
 
     real = DeepSeekV3.forward

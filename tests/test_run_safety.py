@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run, spawn, tiny_cfg
 from safetensors import SafetensorError
 
 from anyseek import hf
@@ -28,7 +29,6 @@ from anyseek.model.config import ModelConfig
 from anyseek.model.transformer import DeepSeekV3
 from anyseek.storage import LOCK_FILE, CheckpointError, FolderInUse, lock_folder
 from anyseek.train.trainer import Trainer
-from tests.test_train_loop import data_dir, run, tiny_cfg  # noqa: F401  (the module-scoped prepared corpus)
 
 TRAIN_ARGS = ["--data.tokens_per_batch=256", "--data.max_seqlen=64", "--model.num_hidden_layers=2",
               "--train.log_every=1", "--train.threads=1", "--train.tensorboard=false", "--train.eval_tokens=256",
@@ -36,7 +36,7 @@ TRAIN_ARGS = ["--data.tokens_per_batch=256", "--data.max_seqlen=64", "--model.nu
 
 
 @pytest.fixture(scope="module")
-def trained(data_dir, tmp_path_factory) -> Path:  # noqa: F811
+def trained(data_dir, tmp_path_factory) -> Path:
     """A finished 4-step run with checkpoints at steps 2 and 4."""
     out = tmp_path_factory.mktemp("trained") / "run"
     run(tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2"), out)
@@ -181,7 +181,8 @@ def test_folder_lock_names_its_holder_and_goes_with_it(tmp_path):
     lock_folder(tmp_path).release()
 
 
-def test_a_second_run_into_a_busy_folder_fails_at_once_and_a_killed_run_resumes(data_dir, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_a_second_run_into_a_busy_folder_fails_at_once_and_a_killed_run_resumes(data_dir, tmp_path):
     out = tmp_path / "run"
     args = ["train", "--out", out, f"--data.path={data_dir}", "--train.max_steps=4", "--train.save_every=2",
             *TRAIN_ARGS]
@@ -237,9 +238,8 @@ def _train_into_busy_folder(data: str, out: str) -> None:
     (Path(out).parent / f"rank{rank}.txt").write_text(message)
 
 
-def test_under_torchrun_every_rank_gets_the_refusal(data_dir, tmp_path):  # noqa: F811
-    from tests.test_distributed import spawn
-
+@pytest.mark.slow
+def test_under_torchrun_every_rank_gets_the_refusal(data_dir, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     lock = lock_folder(out)
@@ -268,7 +268,7 @@ def _fail_first_rng_save(monkeypatch, error: Exception) -> None:
     monkeypatch.setattr(ckpt_lib, "save_file", save_file)  # (the one-process writer's rng.safetensors)
 
 
-def test_safetensors_full_disk_during_a_periodic_save_is_one_warning(data_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_safetensors_full_disk_during_a_periodic_save_is_one_warning(data_dir, tmp_path, monkeypatch):
     full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     _fail_first_rng_save(monkeypatch, full)
     messages: list[str] = []
@@ -282,7 +282,7 @@ def test_safetensors_full_disk_during_a_periodic_save_is_one_warning(data_dir, t
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
 
-def test_a_safetensors_error_that_is_not_a_failed_write_is_raised(data_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_a_safetensors_error_that_is_not_a_failed_write_is_raised(data_dir, tmp_path, monkeypatch):
     _fail_first_rng_save(monkeypatch, SafetensorError("Error while serializing: a programming error"))
     with pytest.raises(SafetensorError, match="a programming error"):
         run(tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2"), tmp_path / "run")
@@ -296,7 +296,8 @@ def _limit_file_size(limit: int):
     return apply
 
 
-def test_a_real_write_failure_during_saves_is_one_line_each(data_dir, trained, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_a_real_write_failure_during_saves_is_one_line_each(data_dir, trained, tmp_path):
     """safetensors itself fails to write (the process may not write files past half the model's size): the periodic
     save is one warning and training goes on; the final save is one error line; no traceback, nothing left."""
     out = tmp_path / "run"
@@ -317,7 +318,7 @@ def test_a_real_write_failure_during_saves_is_one_line_each(data_dir, trained, t
 # ------------------------------------------------------------------------------------------ damaged inputs
 
 
-def test_generate_and_eval_refuse_flipped_bytes_naming_the_file(data_dir, trained, tmp_path, capsys):  # noqa: F811
+def test_generate_and_eval_refuse_flipped_bytes_naming_the_file(data_dir, trained, tmp_path, capsys):
     run_dir = _copy(trained, tmp_path)
     _flip(run_dir / "step-4" / "model.safetensors")
     for command in (["generate", run_dir / "step-4", "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"],
@@ -334,7 +335,7 @@ def test_generate_and_eval_refuse_flipped_bytes_naming_the_file(data_dir, traine
     assert rc == 0 and out.strip()
 
 
-def test_init_from_a_damaged_step_folder_is_refused(data_dir, trained, tmp_path):  # noqa: F811
+def test_init_from_a_damaged_step_folder_is_refused(data_dir, trained, tmp_path):
     run_dir = _copy(trained, tmp_path)
     _flip(run_dir / "step-4" / "model.safetensors")
     with pytest.raises(ckpt_lib.CheckpointDamaged, match=r"--init .*step-4: model\.safetensors does not match"):
@@ -346,9 +347,8 @@ def _train_sharded(data: str, out: str) -> None:
     Trainer(tiny_cfg(Path(data), "--train.max_steps=2"), Path(out), log=lambda s: None).run()
 
 
-def test_sharded_checkpoint_is_refused_with_the_export_command(data_dir, tmp_path, capsys):  # noqa: F811
-    from tests.test_distributed import spawn
-
+@pytest.mark.slow
+def test_sharded_checkpoint_is_refused_with_the_export_command(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert spawn(_train_sharded, str(data_dir), str(out), world=1, timeout=300) == [0]
     step = out / "step-2"
@@ -367,7 +367,7 @@ def test_sharded_checkpoint_is_refused_with_the_export_command(data_dir, tmp_pat
     assert rc == 0 and text.strip(), err
 
 
-def test_eval_refuses_data_of_another_tokenizer_naming_both(data_dir, trained, tmp_path, capsys):  # noqa: F811
+def test_eval_refuses_data_of_another_tokenizer_naming_both(data_dir, trained, tmp_path, capsys):
     from anyseek.data.prepare import prepare
 
     step = trained / "step-4"
@@ -467,7 +467,7 @@ def test_init_from_a_step_folder_reads_its_files_once(trained, monkeypatch):
     assert ref["sha256"] == want and read == []
 
 
-def test_a_lora_base_damaged_in_place_is_refused_by_resume_and_export(data_dir, trained, tmp_path, capsys):  # noqa: F811
+def test_a_lora_base_damaged_in_place_is_refused_by_resume_and_export(data_dir, trained, tmp_path, capsys):
     """Bytes flipped where the older sampled hash did not look: the adapters' base is no longer what they were
     trained on, and both --resume and the merged export say so instead of computing another model."""
     from anyseek.train.resume import ResumeMismatch

@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from test_train_loop import data_dir, tiny_cfg  # noqa: F401 - the module's corpus fixture
+from helpers import tiny_cfg
 
 from anyseek.data.loader import Batch
 from anyseek.train import graphs
@@ -34,7 +34,7 @@ def test_reasons_graphs_are_unavailable():
     assert "grad_accum" in graphs.unavailable(cuda, False, torchrun=True, grad_accum=2)
 
 
-def test_cpu_run_says_why_graphs_are_off_and_true_is_an_error(data_dir, tmp_path):  # noqa: F811
+def test_cpu_run_says_why_graphs_are_off_and_true_is_an_error(data_dir, tmp_path):
     lines = []
     tr = Trainer(tiny_cfg(data_dir, "--train.device=cpu", "--train.max_steps=1"), tmp_path / "a", log=lines.append)
     assert tr.graphs is None
@@ -85,7 +85,7 @@ def _losses(data, tmp_path, mode: str, steps: int, accum: int, free_grads_at: in
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("accum", [1, 2])
-def test_graphed_step_matches_eager(data_dir, tmp_path, accum):  # noqa: F811
+def test_graphed_step_matches_eager(data_dir, tmp_path, accum):
     """accum 1: each graph writes gradients of its own; 2: graphs and eager micro-batches add into kept tensors
     (and a caller freeing them mid-run is repaired)."""
     eager, _ = _losses(data_dir, tmp_path, "false", 12, accum)
@@ -104,7 +104,7 @@ def test_graphed_step_matches_eager(data_dir, tmp_path, accum):  # noqa: F811
     assert ok and loss == loss and g.replays == replays
 
 
-def test_clip_folded_into_fused_adamw_matches_clip_then_step(data_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_clip_folded_into_fused_adamw_matches_clip_then_step(data_dir, tmp_path, monkeypatch):
     """One process with fused AdamW: the clip factor goes into the optimizer kernel (grad_scale) instead of a pass
     over the gradients; the steps are those of clip-then-step (CPU, fused AdamW forced; clipping active)."""
     import anyseek.train.trainer as trainer_mod

@@ -5,61 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import final_state, run, tiny_cfg
 
 import anyseek
 from anyseek.checkpoint import folder as ckpt_lib
-from anyseek.train.config import load_run_config
 from anyseek.train.metrics import read_metrics
 from anyseek.train.step import StepEngine
 from anyseek.train.trainer import SaveFailed, Trainer, TrainingDiverged
-
-WORDS = ["the", "cat", "dog", "bird", "sat", "ran", "flew", "on", "over", "under", "a", "mat", "tree", "roof", "quickly", "slowly", "and", "then", "it", "was", "red", "blue", "green", "small", "big", "river", "stone", "city", "king", "queen", "north", "south"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    """A prepared corpus of 400 generated documents with a 512-token BPE."""
-    from anyseek.data.prepare import prepare
-
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    lines = []
-    for i in range(400):
-        n = rng.randint(3, 12)
-        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "." for _ in range(n)]
-        lines.append(json.dumps({"text": f"Document {i}. " + " ".join(sentences)}))
-    src = root / "docs.jsonl"
-    src.write_text("\n".join(lines) + "\n")
-    out = root / "prepared"
-    prepare(source=str(src), out=out, vocab_size=512, val_fraction=0.05, progress=False)
-    return out
-
-
-def tiny_cfg(data_dir: Path, *overrides: str):
-    base = [f"--data.path={data_dir}", "--data.tokens_per_batch=256", "--data.max_seqlen=64",
-            "--model.num_hidden_layers=2", "--train.warmup_steps=2", "--train.lr=3e-3", "--train.log_every=1",
-            "--train.eval_every=1000", "--train.eval_tokens=512", "--train.sample_tokens=5", "--train.threads=1",
-            "--train.tensorboard=false"]
-    return load_run_config("tiny", base + list(overrides))
-
-
-def run(cfg, out: Path, resume: bool = False) -> dict:
-    return Trainer(cfg, out, resume=resume, log=lambda s: None).run()
-
-
-def final_state(out: Path, step: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(out / f"step-{step}" / "model.safetensors"))
 
 
 def test_smoke_loss_falls_and_writes_everything(data_dir, tmp_path):
@@ -80,6 +39,7 @@ def test_smoke_loss_falls_and_writes_everything(data_dir, tmp_path):
     assert json.loads((ckpt / "run_config.json").read_text())["train"]["max_steps"] == 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch, overlap):
     """overlap: a bf16 working copy on the CPU, so that the host queues a step before it settles the last one (the
@@ -155,6 +115,7 @@ def test_corrupt_checkpoint_is_reported_and_previous_used(data_dir, tmp_path):
     assert any("resumed from" in m and "step-2" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_kill_9_during_save_keeps_previous_checkpoint(data_dir, tmp_path):
     out = tmp_path / "run"
     args = [f"--data.path={data_dir}", "--data.tokens_per_batch=256", "--data.max_seqlen=64",

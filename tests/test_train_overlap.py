@@ -9,48 +9,16 @@ import json
 
 import pytest
 import torch
+from helpers import batch_key, count_halts, fused_adamw, poison, tiny_cfg
 from safetensors.torch import load_file
-from test_train_loop import data_dir, tiny_cfg  # noqa: F401 - the module's corpus fixture
 
 from anyseek.checkpoint import folder as ckpt_lib
-from anyseek.model.transformer import DeepSeekV3
 from anyseek.train.config import ConfigError
 from anyseek.train.metrics import read_metrics
-from anyseek.train.step import StepEngine
 from anyseek.train.trainer import Trainer, TrainingDiverged
 
 KEYS = ("kind", "step", "loss", "lr", "grad_norm", "lm_loss", "mtp_loss", "balance_loss", "tokens_seen",
         "mtp_loss_weight", "in_a_row", "perplexity")
-
-
-def _key(ids: torch.Tensor) -> tuple:
-    return tuple(ids[:48].tolist())
-
-
-def _poison(monkeypatch, keys: set) -> None:
-    """A NaN loss (and so NaN gradients) for the training micro-batches whose first tokens are in `keys`."""
-    real = DeepSeekV3.forward
-
-    def forward(self, input_ids, *args, **kwargs):
-        out = real(self, input_ids, *args, **kwargs)
-        if self.training and _key(input_ids) in keys:
-            out.lm_loss = out.lm_loss * float("nan")
-        return out
-
-    monkeypatch.setattr(DeepSeekV3, "forward", forward)
-
-
-def _count_halts(monkeypatch) -> list[bool]:
-    """The `halted` flag of every step the trainer settles from now on (True: a step queued behind a bad one, run
-    again), appended to the returned list."""
-    real_settle, halts = StepEngine._settle, []
-
-    def settle(self, item, halted=False):
-        halts.append(halted)
-        return real_settle(self, item, halted)
-
-    monkeypatch.setattr(StepEngine, "_settle", settle)
-    return halts
 
 
 def _same_checkpoints(oa, ob) -> None:
@@ -80,7 +48,7 @@ def _rows(out) -> list[dict]:
 def _batch_keys(data, n: int) -> list[tuple]:
     tr = Trainer(_cfg(data, False, "--train.max_steps=1"), data.parent / "keys", log=lambda s: None)
     batches = iter(tr.train_loader)
-    keys = [_key(next(batches).input_ids) for _ in range(n)]
+    keys = [batch_key(next(batches).input_ids) for _ in range(n)]
     assert len(set(keys)) == n  # each batch recognisable by its first tokens
     return keys
 
@@ -88,8 +56,8 @@ def _batch_keys(data, n: int) -> list[tuple]:
 def _compare(data, tmp_path, monkeypatch, poisoned, *extra: str) -> None:
     """Both loops on the same config, `poisoned` batches NaN: the same logs, checkpoints and final state."""
     keys = _batch_keys(data, 20)
-    _poison(monkeypatch, {keys[i] for i in poisoned})
-    halts = _count_halts(monkeypatch)
+    poison(monkeypatch, {keys[i] for i in poisoned})
+    halts = count_halts(monkeypatch)
     runs = {}
     for overlap in (False, True):
         out = tmp_path / f"overlap{overlap}"
@@ -110,15 +78,17 @@ def _compare(data, tmp_path, monkeypatch, poisoned, *extra: str) -> None:
     assert float(b.engine._halt) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("poisoned", [(), (2,), (1, 2), (5, 6), (3, 7, 8, 11)])
-def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, poisoned):  # noqa: F811
+def test_overlap_is_the_one_at_a_time_loop(data_dir, tmp_path, monkeypatch, poisoned):
     """poisoned: indices of the loader's batches whose loss is NaN. (2,): one skip, read while the step behind it,
     which would be saved, is in flight; (1, 2): two in a row, the second the step run again; (5, 6): two in a row
     settled at once (evaluation boundaries); (3, 7, 8, 11): a boundary step, then two in a row."""
     _compare(data_dir, tmp_path, monkeypatch, poisoned)
 
 
-def test_overlap_with_micro_batches_and_lora(data_dir, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.slow
+def test_overlap_with_micro_batches_and_lora(data_dir, tmp_path, monkeypatch):
     """Two micro-batches per step (fp32 gradients added up, zeroed before each step), then LoRA on a base of the
     same run (adapters only in the checkpoints), each with a step run again behind a bad one."""
     _compare(data_dir, tmp_path / "accum", monkeypatch, (1, 2), "--train.grad_accum=2")
@@ -128,9 +98,10 @@ def test_overlap_with_micro_batches_and_lora(data_dir, tmp_path, monkeypatch):  
              "--train.lora_rank=4", "--train.bias_update_speed_schedule=[]")
 
 
-def test_overlap_stops_a_diverging_run_like_the_loop(data_dir, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.slow
+def test_overlap_stops_a_diverging_run_like_the_loop(data_dir, tmp_path, monkeypatch):
     keys = _batch_keys(data_dir, 20)
-    _poison(monkeypatch, set(keys[6:]))
+    poison(monkeypatch, set(keys[6:]))
     for overlap in (False, True):
         out = tmp_path / f"overlap{overlap}"
         with pytest.raises(TrainingDiverged, match="3 non-finite steps in a row at step 7"):
@@ -140,7 +111,7 @@ def test_overlap_stops_a_diverging_run_like_the_loop(data_dir, tmp_path, monkeyp
     assert _rows(tmp_path / "overlapFalse") == _rows(tmp_path / "overlapTrue")
 
 
-def test_overlap_off_without_a_working_copy(data_dir, tmp_path):  # noqa: F811
+def test_overlap_off_without_a_working_copy(data_dir, tmp_path):
     tr = Trainer(tiny_cfg(data_dir, "--train.max_steps=2"), tmp_path / "run", log=lambda s: None)
     assert tr.working is None and not tr.overlap and "working copy" in tr.engine.overlap_note
     tr = Trainer(_cfg(data_dir, False, "--train.max_steps=2"), tmp_path / "run2", log=lambda s: None)
@@ -151,18 +122,8 @@ def test_overlap_off_without_a_working_copy(data_dir, tmp_path):  # noqa: F811
                 log=lambda s: None)  # fmt: skip
 
 
-def fused_adamw(model, cfg, device, masters=None):
-    """build_optimizer's groups, fused (the CUDA optimizer; torch has a fused CPU kernel too)."""
-    assert masters is None, "fused AdamW updates the weights themselves (fp32 shards)"
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, fused=True)  # fmt: skip
-
-
 @pytest.mark.parametrize("poisoned", [(1,), (1, 2), (3, 7)])
-def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, poisoned):  # noqa: F811
+def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, poisoned):
     """Without a working copy, fused AdamW skips a step on the device through its found_inf (its step count taken
     back there too): with train.overlap_steps=true the run is the loop's, bit for bit (rows, checkpoints, weights,
     moments and step counts), with a bad step alone, two in a row, one before a save and one just before the end,
@@ -171,8 +132,8 @@ def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, p
 
     monkeypatch.setattr(trainer_mod, "build_optimizer", fused_adamw)
     keys = _batch_keys(data_dir, 12)
-    _poison(monkeypatch, {keys[i] for i in poisoned})
-    halts = _count_halts(monkeypatch)
+    poison(monkeypatch, {keys[i] for i in poisoned})
+    halts = count_halts(monkeypatch)
     runs = []
     for mode in ("auto", "true"):
         out = tmp_path / mode
@@ -196,7 +157,7 @@ def test_overlap_with_fused_adamw_is_the_loop(data_dir, tmp_path, monkeypatch, p
 
 
 @pytest.mark.cuda
-def test_overlap_on_the_gpu_matches_the_loop(data_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_overlap_on_the_gpu_matches_the_loop(data_dir, tmp_path, monkeypatch):
     """Graphed steps with the overlap: the same losses as one at a time; then eager steps with a poisoned batch:
     the same steps skipped."""
     if not torch.cuda.is_available():
@@ -213,7 +174,7 @@ def test_overlap_on_the_gpu_matches_the_loop(data_dir, tmp_path, monkeypatch):  
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=0)
 
     keys = _batch_keys(data_dir, 12)
-    _poison(monkeypatch, {keys[3], keys[4]})
+    poison(monkeypatch, {keys[3], keys[4]})
     rows = {}
     for overlap in (False, True):
         cfg = tiny_cfg(data_dir, "--train.device=cuda", f"--train.overlap_steps={str(overlap).lower()}", "--train.max_steps=8",

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from test_train_loop import data_dir, final_state, run, tiny_cfg  # noqa: F401 - the module's corpus fixture
+from helpers import final_state, run, tiny_cfg
 
 from anyseek.train import precision
 from anyseek.train.config import ConfigError, load_run_config
@@ -33,7 +33,7 @@ def test_reasons_a_working_copy_is_unavailable():
     assert precision.unavailable(torch.device("cuda"), False, torch.bfloat16) is None
 
 
-def test_off_by_default_on_cpu_and_true_needs_a_low_precision(data_dir, tmp_path):  # noqa: F811
+def test_off_by_default_on_cpu_and_true_needs_a_low_precision(data_dir, tmp_path):
     lines = []
     tr = Trainer(tiny_cfg(data_dir, "--train.device=cpu"), tmp_path / "a", log=lines.append)
     assert tr.working is None
@@ -50,7 +50,7 @@ def _trainer(data, out, *extra):
 
 
 @pytest.mark.parametrize("accum", [1, 2])
-def test_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, accum):  # noqa: F811
+def test_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, accum):
     """The flat gradients equal, bit for bit, the gradients of a bf16 copy of the model run without autocast on the
     same micro-batches (one micro-batch: kept in bf16; several: summed in fp32); the parameters are fp32 again after
     the step's forward and backward, without `.grad`."""
@@ -149,7 +149,7 @@ def _steps(tr, n: int, each=lambda: None) -> list[float]:
     return losses
 
 
-def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):  # noqa: F811
+def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):
     tr = _trainer(data_dir, tmp_path / "w")
     w = tr.working
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
@@ -167,7 +167,8 @@ def test_master_weights_stay_fp32_and_the_copy_follows_them(data_dir, tmp_path):
     assert losses[-1] < losses[0] - 0.3, losses
 
 
-def test_checkpoints_hold_the_fp32_masters_and_resume_is_bit_identical(data_dir, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_checkpoints_hold_the_fp32_masters_and_resume_is_bit_identical(data_dir, tmp_path):
     cfg = tiny_cfg(data_dir, *CPU_BF16, "--train.working_copy=true", "--train.max_steps=6", "--train.save_every=3",
                    "--train.keep_last=5")
     straight = tmp_path / "straight"
@@ -183,7 +184,7 @@ def test_checkpoints_hold_the_fp32_masters_and_resume_is_bit_identical(data_dir,
         assert torch.equal(state[k], other[k]), k
 
 
-def test_lora_frozen_fp32_tensors_held_in_low_precision_and_unchanged(data_dir, tmp_path):  # noqa: F811
+def test_lora_frozen_fp32_tensors_held_in_low_precision_and_unchanged(data_dir, tmp_path):
     """LoRA: the base matrices are bf16 already; the frozen fp32 embedding and norms are converted too (no autocast
     would make their products mixed; nothing writes them, so no fp32 copy is kept), get no gradient, and are
     unchanged; only the adapters train."""
@@ -217,7 +218,7 @@ def _losses(data, tmp_path, working: str, graphs: str, steps: int):
 
 
 @pytest.mark.cuda
-def test_working_copy_on_cuda_follows_autocast_and_graphs_replay_it(data_dir, tmp_path):  # noqa: F811
+def test_working_copy_on_cuda_follows_autocast_and_graphs_replay_it(data_dir, tmp_path):
     """On a GPU the working copy is on by default; its losses follow autocast's within bf16 noise, and its graphed
     step matches its eager step."""
     auto, _ = _losses(data_dir, tmp_path, "false", "false", 12)
@@ -231,7 +232,7 @@ def test_working_copy_on_cuda_follows_autocast_and_graphs_replay_it(data_dir, tm
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("graphs", ["false", "true"])
-def test_gpu_flat_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, graphs):  # noqa: F811
+def test_gpu_flat_gradients_are_those_of_the_bf16_model(data_dir, tmp_path, graphs):
     """On a GPU (Triton kernels; the routed experts write their weight gradients straight into the flat buffer, the
     other weights are copied there): the flat gradients match a bf16 copy of the model run on the same batch, eager
     or graphed (not bit for bit: the attention backward sums with atomics)."""

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_cfg
 
 from anyseek.data.loader import Batch
 from anyseek.model.mtp import count_targets
 from anyseek.train.config import ConfigError, load_run_config, piecewise
 from anyseek.train.trainer import Trainer
-from tests.test_train_loop import data_dir, tiny_cfg  # noqa: F401  (the module-scoped prepared corpus)
 
 
 def _batch(lengths: list[int], vocab: int, seed: int, ignore_every: int = 0) -> Batch:
@@ -38,7 +38,7 @@ def test_count_targets_counts_next_token_and_every_mtp_depth():
     assert count_targets(targets.view(1, 7), None, 1) == [6, 5]
 
 
-def test_grad_accumulation_is_the_token_mean_of_the_whole_step(data_dir, tmp_path):  # noqa: F811
+def test_grad_accumulation_is_the_token_mean_of_the_whole_step(data_dir, tmp_path):
     """Two micro-batches with 64 and 10 valid targets must give the gradient of one forward over both (the mean
     over all 74 targets), not the mean of the two micro-batch means (which weighs the 10 targets 6.4x more)."""
     cfg = tiny_cfg(data_dir, "--train.grad_accum=2", "--model.aux_loss_alpha=0.0", "--model.num_hidden_layers=2")
@@ -71,7 +71,7 @@ def test_piecewise_schedules_by_tokens():
             load_run_config("tiny", [f"--train.mtp_loss_weight_schedule={bad!r}".replace("'", '"')])
 
 
-def test_trainer_follows_the_report_schedules(data_dir, tmp_path):  # noqa: F811
+def test_trainer_follows_the_report_schedules(data_dir, tmp_path):
     cfg = tiny_cfg(data_dir, "--train.mtp_loss_weight_schedule=[[0, 0.3], [1000, 0.1]]",
                    "--train.bias_update_speed_schedule=[[0, 0.001], [2000, 0.0]]")
     trainer = Trainer(cfg, tmp_path / "run", log=lambda s: None)
@@ -85,7 +85,7 @@ def test_trainer_follows_the_report_schedules(data_dir, tmp_path):  # noqa: F811
     assert all(torch.equal(b, m.gate.e_score_correction_bias) for b, m in zip(biases, trainer.model.moe_layers()))
 
 
-def test_resume_restores_bad_steps_in_a_row(data_dir, tmp_path):  # noqa: F811
+def test_resume_restores_bad_steps_in_a_row(data_dir, tmp_path):
     cfg = tiny_cfg(data_dir, "--train.max_steps=3")
     trainer = Trainer(cfg, tmp_path / "run", log=lambda s: None)
     trainer.engine.bad_in_a_row = 2

@@ -168,10 +168,3 @@ def corpus(n: int, seed: int = 0) -> list[str]:
         body = " ".join(rng.choice(words) for _ in range(k))
         docs.append(f"Document {i}: {body.capitalize()}. Ünïcode ✓ {i * 7}.")
     return docs
-
-
-def test_fixture_dump_is_valid_xml(tmp_path):
-    import xml.etree.ElementTree as ET
-
-    root = ET.parse(write_dump(tmp_path / "d.xml", dump_pages(2))).getroot()
-    assert len([e for e in root if e.tag.endswith("page")]) == 8

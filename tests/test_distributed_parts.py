@@ -1,0 +1,313 @@
+"""The parts distributed training rests on, on gloo ranks on the CPU: expert parallelism equals the local experts
+(outputs and gradients, a rank that receives nothing included), NaN verdicts and failures agree across ranks, a dead
+rank makes the other fail instead of hanging; FSDP2's gathered root is released, one rank reduces without a copy;
+the process group's teardown cannot hang a run; activation checkpointing, the EP benchmark, the parallel plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import spawn
+
+
+# ---------------------------------------------------------------------------------------------- workers (per rank)
+def _expert_parallel_equals_local() -> None:
+    import torch.distributed as dist
+
+    from anyseek import kernels
+    from anyseek.distributed.expert_parallel import dispatch_combine
+
+    rank = dist.get_rank()
+    E, D, I, K = 6, 16, 8, 2
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(E, 2 * I, D, generator=gen) * 0.2
+    down = torch.randn(E, D, I, generator=gen) * 0.2
+    gen.manual_seed(1 + rank)
+    for T, only_rank0_experts in ((13 + 4 * rank, False), (5, True)):
+        x = torch.randn(T, D, generator=gen)
+        scores = torch.rand(T, E, generator=gen)
+        if only_rank0_experts:  # rank 1 receives no rows at all
+            scores[:, E // 2:] = -1
+        ids = scores.topk(K, dim=-1)[1]
+        w = torch.rand(T, K, generator=gen)
+        (x_ref, w_ref, gu_ref, d_ref), (x_ep, w_ep) = [
+            [t.clone().requires_grad_() for t in ts] for ts in ((x, w, gate_up, down), (x, w))]
+        gu_ep = gate_up[rank * 3:(rank + 1) * 3].clone().requires_grad_()
+        d_ep = down[rank * 3:(rank + 1) * 3].clone().requires_grad_()
+        y_ref = kernels.routed_experts(x_ref, ids, w_ref, gu_ref, d_ref)
+        y_ep = dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD)
+        g = torch.randn(T, D, generator=gen)
+        (y_ref * g).sum().backward()
+        (y_ep * g).sum().backward()
+        torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w_ep.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+        for full_grad, mine in ((gu_ref.grad, gu_ep.grad), (d_ref.grad, d_ep.grad)):
+            dist.all_reduce(full_grad)  # the expert's gradient sums every rank's tokens
+            torch.testing.assert_close(mine, full_grad[rank * 3:(rank + 1) * 3], rtol=1e-5, atol=1e-6)
+
+
+def _collectives(result: str) -> None:
+    """EP dispatch vs local experts, NaN and stop agreement, a failure on one rank raised on both, then rank 1 dies
+    and rank 0 must fail, not hang."""
+    import errno
+
+    from anyseek.distributed.env import agree
+    from anyseek.train.config import ParallelConfig
+    from anyseek.train.parallel import Parallel
+    from anyseek.train.step import StepStats
+
+    par = Parallel.from_torchrun(ParallelConfig(timeout_s=5), "cpu")
+    _expert_parallel_equals_local()
+    rank = par.env.rank
+    stats = StepStats(loss=torch.tensor(float("nan") if rank == 1 else 2.0), tokens=10,
+                      expert_load=torch.tensor([[1.0, 2.0]]) * (rank + 1), stop_requested=rank == 0)
+    par.sum_step(stats)
+    assert torch.isnan(stats.loss) and stats.global_counts.tolist() == [20.0, 1.0]  # rank 0 skips too; rank 1
+    assert stats.expert_load.tolist() == [[3.0, 6.0]]                                  # stops with rank 0
+    # the overlap's way: the counts summed on the host at once, the rest on the device as before
+    stats = StepStats(loss=torch.tensor(1.0), tokens=7 + rank, expert_load=torch.tensor([[1.0, 2.0]]),
+                      stop_requested=rank == 1)
+    par.sum_step(stats, counts_on_host=True)
+    assert (stats.tokens, stats.stop_requested, stats.global_counts) == (15, True, None)
+    assert stats.loss.item() == 2.0 and stats.expert_load.tolist() == [[2.0, 4.0]]
+    agree(None, par.env)  # nobody failed: nothing raised
+    try:  # a full disk on rank 1 only: both see the same OSError
+        agree(OSError(errno.ENOSPC, "No space left on device") if rank == 1 else None, par.env)
+        raise AssertionError("agree did not raise")
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    if rank == 1:
+        os._exit(0)  # dies without a word
+    t0 = time.monotonic()
+    try:
+        par.sum_(torch.ones(1))
+        outcome = "no error"
+    except Exception as e:  # gloo: connection closed or timed out
+        outcome = f"{type(e).__name__} after {time.monotonic() - t0:.1f}s"
+    Path(result).write_text(outcome)
+
+
+def _release_after_forward(result: str) -> None:
+    """A forward outside the training step leaves FSDP2's root unit gathered (it reshards only in backward);
+    `Parallel.release` frees it: the parameters are DTensor shards again, and the next forward gathers afresh."""
+    from torch.distributed.tensor import DTensor
+
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.config import ParallelConfig
+    from anyseek.train.parallel import Parallel
+
+    par = Parallel.from_torchrun(ParallelConfig(timeout_s=30), "cpu")
+    torch.manual_seed(0)
+    model = par.parallelize(DeepSeekV3(ModelConfig.from_name("tiny", num_hidden_layers=2, vocab_size=64)), None)
+    ids = torch.arange(16) % 64
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    model.eval()
+    with torch.no_grad():
+        first = model(ids, cu_seqlens=cu, max_seqlen=16).logits
+    gathered = not isinstance(model.lm_head.weight, DTensor)
+    par.release(model)
+    released = isinstance(model.lm_head.weight, DTensor)
+    with torch.no_grad():
+        again = model(ids, cu_seqlens=cu, max_seqlen=16).logits
+    if par.env.is_main:
+        Path(result).write_text(json.dumps({"gathered": gathered, "released": released,
+                                            "same": bool(torch.equal(first, again))}))
+
+
+def _one_rank_reduce(result: str) -> None:
+    """One rank with bf16 compute copies: the reduction runs in the shards' dtype (fp32 or bf16) whatever
+    parallel.reduce_dtype says, several ranks keep the configured one; the one-rank reduction's output is its input
+    (`OneRankReduce`), and the gradients are those of a reduction that copies (fp32 shards: a bf16 reduction cast
+    after it, as before), bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from anyseek.distributed.fsdp import OneRankReduce, apply_fsdp, mixed_precision
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.config import ParallelConfig
+    from anyseek.train.parallel import Parallel
+
+    class Copies(OneRankReduce):  # FSDP2's own behaviour: an output buffer of its own, copied into
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+    Parallel.from_torchrun(ParallelConfig(timeout_s=30), "cpu")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    ids, cu = torch.arange(64) % 64, torch.tensor([0, 40, 64], dtype=torch.int32)
+    picked = [str(mixed_precision("bf16", "bf16", None, w, s).reduce_dtype) for w, s in
+              ((1, torch.float32), (1, torch.bfloat16), (2, torch.float32), (2, torch.bfloat16))]
+    grads, aliased = [], []
+    for policy, comm in ((mixed_precision("bf16", "bf16", None, 1), None), (mixed_precision("bf16", "bf16", None, 2),
+                                                                             Copies())):
+        torch.manual_seed(0)
+        model = apply_fsdp(DeepSeekV3(ModelConfig.from_name("tiny", num_hidden_layers=2, vocab_size=64)), mesh, policy)
+        if comm is not None:
+            model.set_custom_reduce_scatter(comm)
+        model(ids, cu_seqlens=cu, max_seqlen=40).logits.float().square().mean().backward()
+        grads.append({n: p.grad.to_local() for n, p in model.named_parameters() if p.grad is not None})
+        aliased.append(model._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm.aliased)
+    same = grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k].float())
+                                                      for k in grads[0])  # fmt: skip
+    fp32 = all(g.dtype == torch.float32 for g in grads[0].values())
+    Path(result).write_text(json.dumps({"picked": picked, "same": same, "fp32": fp32, "n": len(grads[0]),
+                                        "aliased": aliased}))
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow
+def test_expert_dispatch_equals_local_experts_nan_verdicts_agree_dead_rank_fails(tmp_path):
+    result = tmp_path / "result.txt"
+    codes = spawn(_collectives, str(result), timeout=60)
+    assert codes == [0, 0], codes
+    assert result.read_text() != "no error"
+
+
+@pytest.mark.slow
+def test_release_frees_what_a_forward_outside_the_step_gathered(tmp_path):
+    result = tmp_path / "release.json"
+    assert spawn(_release_after_forward, str(result), timeout=120) == [0, 0]
+    assert json.loads(result.read_text()) == {"gathered": True, "released": True, "same": True}
+
+
+@pytest.mark.slow
+def test_one_rank_reduces_in_the_shard_dtype_without_a_copy(tmp_path):
+    result = tmp_path / "reduce.json"
+    assert spawn(_one_rank_reduce, str(result), world=1, timeout=120) == [0]
+    r = json.loads(result.read_text())
+    assert r["picked"] == ["torch.float32", "torch.bfloat16", "torch.bfloat16", "torch.bfloat16"], r
+    assert r["same"] and r["fp32"] and r["n"] > 20 and r["aliased"] == [1, 0], r
+
+
+@pytest.mark.slow
+def test_ep_benchmark_runs_on_two_cpu_ranks():
+    """benchmarks/ep.py (issue 12's dispatch benchmark, for multi-GPU machines) runs end to end on 2 gloo ranks: the
+    dispatch with passthrough experts returns every token's weighted sum, and the table is printed."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "ep.py"
+    out = subprocess.run([sys.executable, str(script), "--cpu-ranks", "2", "--tokens", "48", "--shapes", "16B",
+                          "--reps", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| 16B (E 64, K 6, D 2048) | 48 | skewed |" in out.stdout
+
+
+def test_a_step_whose_gradients_never_reached_the_parameters_is_an_error():
+    """The FSDP2 root-unit bug (gradients dropped, AdamW skipping every parameter) must not pass silently again."""
+    from anyseek.train.config import ParallelConfig
+    from anyseek.train.parallel import Parallel
+
+    par = Parallel.from_torchrun(ParallelConfig(), "cpu")
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(RuntimeError, match="no trainable parameter received a gradient"):
+        par.clip_grad_norm_(model, 1.0)
+    model(torch.ones(1, 3)).sum().backward()
+    assert float(par.clip_grad_norm_(model, 1.0)) > 0
+
+
+def test_plan_counts_parameters_and_suggests_a_degree_that_fits():
+    from anyseek.model.config import ModelConfig
+    from anyseek.train.plan import candidates, parameter_counts, plan
+
+    config = ModelConfig.from_name("16B")
+    dense, experts = parameter_counts(config)
+    assert 15e9 < dense + experts < 17e9 and experts > 8 * dense
+    one, eight = plan(config, 8, 1, 4096), plan(config, 8, 8, 4096)
+    assert eight.weights_gb < one.weights_gb / 4 and eight.all_to_all_gb > 0 == one.all_to_all_gb
+    assert candidates(config, 8) == [1, 2, 4, 8]
+
+
+def test_shutdown_gives_up_on_a_teardown_that_hangs(monkeypatch):
+    """NCCL's teardown can hang (CUDA graphs holding its communicators: pytorch/pytorch#115388): the shutdown gives up
+    after its timeout instead of waiting forever; a teardown that returns gives True, one that fails raises its
+    error in the caller."""
+    import threading
+
+    import torch.distributed as dist
+
+    from anyseek.distributed.env import shutdown_process_group
+
+    release = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))
+    t0 = time.monotonic()
+    assert shutdown_process_group(timeout_s=0.2) is False
+    assert time.monotonic() - t0 < 5
+    release.set()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    assert shutdown_process_group(timeout_s=5) is True
+
+    def fails():
+        raise RuntimeError("teardown failed")
+
+    monkeypatch.setattr(dist, "destroy_process_group", fails)
+    with pytest.raises(RuntimeError, match="teardown failed"):
+        shutdown_process_group(timeout_s=5)
+
+
+def test_train_leaves_with_its_code_when_the_teardown_hangs(data_dir, tmp_path, monkeypatch, capsys):
+    """`anyseek train` whose process-group teardown does not return: the run's outputs are written, a warning says
+    why, and the process ends with the run's own exit code (os._exit: a normal exit would wait on the teardown)."""
+    from anyseek.cli import main
+    from anyseek.distributed import env as env_mod
+
+    class Left(Exception):
+        pass
+
+    def leave(code):
+        raise Left(code)
+
+    monkeypatch.setattr(env_mod, "shutdown_process_group", lambda: False)
+    monkeypatch.setattr(os, "_exit", leave)
+    extra = [f"--data.path={data_dir}", "--data.tokens_per_batch=256", "--data.max_seqlen=64",
+             "--model.num_hidden_layers=2", "--train.max_steps=2", "--train.eval_tokens=256", "--train.sample_tokens=2",
+             "--train.threads=1", "--train.tensorboard=false"]
+    with pytest.raises(Left) as left:
+        main(["train", "--config", "tiny", "--out", str(tmp_path / "run"), *extra])
+    assert left.value.args == (0,)
+    err = capsys.readouterr().err
+    assert "did not shut down" in err and "outputs are complete" in err
+    assert (tmp_path / "run" / "step-2").is_dir()
+
+
+# ------------------------------------------------------------------------------------------ activation checkpointing
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_same_loss_and_gradients(mode):
+    """Applied from outside to a built model: the same loss and gradients as without, fewer saved activations;
+    selective recomputes every other decoder layer, full every layer and MTP module."""
+    from anyseek.distributed.fsdp import apply_activation_checkpointing
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("tiny", num_hidden_layers=4, vocab_size=64)
+    plain = DeepSeekV3(cfg)
+    ckpt = DeepSeekV3(cfg)
+    ckpt.load_state_dict(plain.state_dict())
+    chosen = apply_activation_checkpointing(ckpt, mode)
+    units = len(ckpt.model.layers) + len(ckpt.mtp)
+    assert chosen == ([0, 2] if mode == "selective" else list(range(units)))
+    ids = torch.randint(0, 64, (40,))
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    tgt = torch.randint(0, 64, (40,))
+    results = []
+    for model in (plain, ckpt):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = model(ids, cu_seqlens=cu, targets=tgt, return_logits=False)
+            loss = out.lm_loss + (out.mtp_loss if out.mtp_loss is not None else 0)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                        sum(saved)))
+    (l0, g0, s0), (l1, g1, s1) = results
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert s1 < s0, (s1, s0)
