@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from anyseek.cli import main
@@ -34,3 +36,55 @@ def test_plan_refuses_numbers_that_make_no_sense(capsys, args, needle):
 def test_plan_still_plans(capsys):
     rc, out, err = cli(capsys, "plan", "--gpus", "2", "--tokens-per-gpu", "128")
     assert rc == 0 and "on 2 GPUs" in out and "128 tokens/GPU" in out and "suggested" in out, err
+
+
+WORDS = ["the", "cat", "dog", "sat", "ran", "on", "over", "a", "mat", "tree", "and", "then", "it", "was", "red",
+         "blue", "small", "big", "river", "king"]  # fmt: skip
+CONTEXT = 96  # the trained model's max_position_embeddings: small, so a prompt can fill it
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(run folder, data folder) after 2 steps of a 2-layer tiny model with a 96-token context."""
+    import random
+
+    from anyseek.data.prepare import prepare
+    from anyseek.train.config import load_run_config
+    from anyseek.train.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("new_user")
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) + "." for _ in range(150)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data = root / "prepared"
+    prepare(source=str(root / "docs.jsonl"), out=data, vocab_size=300, val_fraction=0.1, progress=False)
+    cfg = load_run_config("tiny", [f"--data.path={data}", "--data.tokens_per_batch=256", "--data.max_seqlen=64",
+                                   "--model.num_hidden_layers=2", f"--model.max_position_embeddings={CONTEXT}",
+                                   "--train.max_steps=2", "--train.eval_every=1000", "--train.eval_tokens=300",
+                                   "--train.sample_tokens=2", "--train.threads=1", "--train.tensorboard=false"])
+    Trainer(cfg, root / "run", log=lambda s: None).run()
+    return root / "run", data
+
+
+def test_generate_says_when_the_context_ends_it(trained, capsys, tmp_path):
+    from tokenizers import Tokenizer
+
+    run, _ = trained
+    prompt = "the cat sat on a mat " * 8
+    n = len(Tokenizer.from_file(str(run / "step-2" / "tokenizer.json")).encode(prompt).ids)
+    assert 50 < n < CONTEXT - 10, n
+    rc, _, err = cli(capsys, "generate", str(run), "--prompt", prompt, "--temperature", "0",
+                     "--max-new-tokens", "50")  # fmt: skip
+    assert rc == 0, err
+    # the model may end early at an end-of-text token; it did not here (checked once: 2 steps of training)
+    want = f"note: stopped after {CONTEXT - n} of --max-new-tokens 50 new tokens"
+    assert want in err and f"context of {CONTEXT} tokens" in err, err
+    rc, _, err = cli(capsys, "generate", str(run), "--prompt", "the cat", "--max-new-tokens", "5")
+    assert rc == 0 and "note:" not in err, err  # ended by --max-new-tokens: nothing to say
+    prompts = tmp_path / "p.jsonl"
+    long = json.dumps({"prompt_ids": [5] * (CONTEXT - 3)})
+    prompts.write_text(long + '\n{"prompt_ids": [5, 6]}\n')
+    rc, _, err = cli(capsys, "generate", str(run), "--prompts", str(prompts), "--max-new-tokens", "4",
+                       "--temperature", "0")  # fmt: skip
+    assert rc == 0 and "note: 1 of 2 prompts stopped before --max-new-tokens 4" in err, err
+    assert "fewest new tokens 3" in err, err

@@ -115,6 +115,22 @@ class _Context:
 
         return _stop_strings(self.tok, self.args.stop) if self.args.stop else None
 
+    def _note_context(self, reqs) -> None:
+        """Say when requests ended at the model's context, not at --max-new-tokens (both finish as "length")."""
+        cut = [r for r in reqs if r.finish_reason == "length" and len(r.tokens) < r.max_new_tokens]
+        if not cut:
+            return
+        context = self.gen.max_len - 2
+        if len(reqs) == 1:
+            r = cut[0]
+            status(f"note: stopped after {len(r.tokens)} of --max-new-tokens {r.max_new_tokens} new tokens: the prompt "
+                   f"({len(r.prompt)} tokens) and the output filled the context of {context} tokens "
+                   f"(max_position_embeddings)")
+        else:
+            status(f"note: {len(cut)} of {len(reqs)} prompts stopped before --max-new-tokens "
+                   f"{self.args.max_new_tokens}: prompt and output filled the context of {context} tokens "
+                   f"(max_position_embeddings; fewest new tokens {min(len(r.tokens) for r in cut)})")
+
     def _report(self, stats) -> None:
         acc = f" | MTP acceptance {stats.acceptance_rate:.0%}" if stats.acceptance_rate is not None else ""
         status(f"[{stats.new_tokens} tokens in {stats.seconds:.2f} s, {stats.tokens_per_second:.1f} tokens/s, "
@@ -143,6 +159,7 @@ class _Context:
         final = cut_at_stop(self.tok.decode(reqs[0].tokens), self.args.stop)
         sys.stdout.write(final[printed[0] :] + "\n")
         sys.stdout.flush()
+        self._note_context(reqs)
         self._report(stats)
 
     def interactive(self) -> None:
@@ -180,4 +197,5 @@ class _Context:
         finally:
             if out:
                 sink.close()
+        self._note_context(reqs)
         self._report(stats)
