@@ -88,3 +88,12 @@ def test_generate_says_when_the_context_ends_it(trained, capsys, tmp_path):
                        "--temperature", "0")  # fmt: skip
     assert rc == 0 and "note: 1 of 2 prompts stopped before --max-new-tokens 4" in err, err
     assert "fewest new tokens 3" in err, err
+
+
+def test_speculation_on_the_cpu_warns_once(trained, capsys):
+    run, _ = trained
+    rc, _, err = cli(capsys, "generate", str(run), "--prompt", "the cat", "--max-new-tokens", "4", "--speculative",
+                     "mtp", "--device", "cpu")  # fmt: skip
+    assert rc == 0 and err.count("--speculative mtp is 3-6x slower on the CPU") == 1, err
+    rc, _, err = cli(capsys, "generate", str(run), "--prompt", "the cat", "--max-new-tokens", "4", "--device", "cpu")
+    assert rc == 0 and "slower" not in err, err
