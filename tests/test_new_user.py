@@ -97,3 +97,34 @@ def test_speculation_on_the_cpu_warns_once(trained, capsys):
     assert rc == 0 and err.count("--speculative mtp is 3-6x slower on the CPU") == 1, err
     rc, _, err = cli(capsys, "generate", str(run), "--prompt", "the cat", "--max-new-tokens", "4", "--device", "cpu")
     assert rc == 0 and "slower" not in err, err
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0), ("NVIDIA H800 PCIe", 756.0),
+    ("NVIDIA H20", 148.0), ("NVIDIA B200", 2250.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA A10", 125.0), ("NVIDIA A10G", None), ("NVIDIA L40S", 362.0),
+    ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA GeForce RTX 4090", 165.2),
+    ("NVIDIA GeForce RTX 5090", 209.5), ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", 503.8),
+    ("NVIDIA RTX 6000 Ada Generation", 364.2), ("NVIDIA RTX A6000", 154.8), ("Tesla T4", None),
+])  # fmt: skip
+def test_mfu_peak_is_the_skus_dense_bf16_peak(name, tflops):
+    """Datasheet dense bf16 tensor-core figures (half the sparse one); not the SXM H100's for a PCIe or NVL card."""
+    from anyseek.train.metrics import peak_tflops
+
+    assert peak_tflops(name) == tflops
+
+
+def test_tensorboard_asked_for_but_missing_is_said_once(tmp_path, monkeypatch):
+    import sys
+
+    from anyseek.train.metrics import MetricsLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as where tensorboard is not installed
+    said: list[str] = []
+    log = MetricsLog(tmp_path, tensorboard=True, log=said.append)
+    log.write("train", 1, {"loss": 1.0})
+    log.close()
+    assert len(said) == 1 and "tensorboard is not installed" in said[0] and "--train.tensorboard=false" in said[0]
+    MetricsLog(tmp_path, tensorboard=False, log=said.append).close()
+    assert len(said) == 1  # not asked for: nothing to say
