@@ -128,3 +128,33 @@ def test_tensorboard_asked_for_but_missing_is_said_once(tmp_path, monkeypatch):
     assert len(said) == 1 and "tensorboard is not installed" in said[0] and "--train.tensorboard=false" in said[0]
     MetricsLog(tmp_path, tensorboard=False, log=said.append).close()
     assert len(said) == 1  # not asked for: nothing to say
+
+
+def test_init_names_the_output_folder_after_the_model(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    from anyseek.train import trainer
+    from anyseek.train.cli import default_out
+
+    class Recorder:  # stands in for the Trainer: where `anyseek train` would write
+        def __init__(self, cfg, out, **kw):
+            seen.append(out)
+
+        def run(self):
+            return {}
+
+        def close(self):
+            pass
+
+    seen: list[Path] = []
+    monkeypatch.setattr(trainer, "Trainer", Recorder)
+    monkeypatch.chdir(tmp_path)
+
+    (tmp_path / "Moonlight-16B-A3B").mkdir()
+    (tmp_path / "r1" / "step-1500").mkdir(parents=True)
+    assert default_out("tiny", None) == Path("runs/tiny")
+    assert default_out("configs/mine.toml", None) == Path("runs/mine")
+    assert default_out("tiny", str(tmp_path / "Moonlight-16B-A3B") + "/") == Path("runs/Moonlight-16B-A3B")
+    assert default_out("tiny", str(tmp_path / "r1" / "step-1500")) == Path("runs/r1-step-1500")
+    rc, _, err = cli(capsys, "train", "--init", "Moonlight-16B-A3B")
+    assert rc == 0 and seen == [Path("runs/Moonlight-16B-A3B")], err
