@@ -158,3 +158,21 @@ def test_init_names_the_output_folder_after_the_model(tmp_path, monkeypatch, cap
     assert default_out("tiny", str(tmp_path / "r1" / "step-1500")) == Path("runs/r1-step-1500")
     rc, _, err = cli(capsys, "train", "--init", "Moonlight-16B-A3B")
     assert rc == 0 and seen == [Path("runs/Moonlight-16B-A3B")], err
+
+
+def test_a_failed_rank_is_its_own_error_and_one_line(tmp_path):
+    """Two gloo ranks that both refuse the config: each rank's `error:` line, then one line naming the ranks;
+    nothing of torchrun's report (its launcher traceback, its table of failures); the ranks' exit status (2)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = [sys.executable, "-m", "anyseek", "train", "--nproc-per-node", "2", "--parallel.ep=3",
+           "--out", str(tmp_path / "run"), "--train.max_steps=1"]  # fmt: skip
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert lines.count("error: parallel.ep=3 must divide the number of ranks (2)  (--debug shows the traceback)") == 2
+    assert lines[-1].startswith("anyseek train: ranks 0, 1 failed (first: rank"), proc.stderr
+    assert len(lines) == 4 and "Traceback" not in proc.stderr and "Root Cause" not in proc.stderr, proc.stderr
