@@ -176,3 +176,26 @@ def test_a_failed_rank_is_its_own_error_and_one_line(tmp_path):
     assert lines.count("error: parallel.ep=3 must divide the number of ranks (2)  (--debug shows the traceback)") == 2
     assert lines[-1].startswith("anyseek train: ranks 0, 1 failed (first: rank"), proc.stderr
     assert len(lines) == 4 and "Traceback" not in proc.stderr and "Root Cause" not in proc.stderr, proc.stderr
+
+
+def test_a_library_warning_is_one_line_on_the_command_line(trained, tmp_path):
+    """A folder whose config.json asks for more MTP layers than it holds (as every folder transformers saves): the
+    command says so in one `warning:` line, not with Python's source file, line and code echo."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    run, _ = trained
+    folder = tmp_path / "more_mtp"
+    shutil.copytree(run / "step-2", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
+    cmd = [sys.executable, "-m", "anyseek", "generate", str(folder), "--prompt", "the", "--max-new-tokens", "1"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "MTP layers" in line]
+    want = (f"warning: {folder}: config.json asks for 2 MTP layers but the checkpoint holds 1 (no model.layers.3.*); "
+            "loading with num_nextn_predict_layers=1")
+    assert said == [want], proc.stderr
+    assert "UserWarning" not in proc.stderr and ".py:" not in proc.stderr, proc.stderr
