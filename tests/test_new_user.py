@@ -199,3 +199,32 @@ def test_a_library_warning_is_one_line_on_the_command_line(trained, tmp_path):
             "loading with num_nextn_predict_layers=1")
     assert said == [want], proc.stderr
     assert "UserWarning" not in proc.stderr and ".py:" not in proc.stderr, proc.stderr
+
+
+def test_balance_on_the_progress_line_is_per_moe_layer():
+    """The balance loss is 1.0 per MoE layer at a perfectly even load (DeepSeek-V3's sequence-wise loss, worked by
+    hand), the model sums it over its MoE layers (MTP's included: 4.0 for tiny at init), and the line divides."""
+    import io
+
+    import torch
+
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.layout import PackedLayout
+    from anyseek.model.moe import sequence_balance_loss
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.metrics import TrainProgress
+
+    # E=4 experts, K=2, one document of 4 tokens, each expert picked twice, equal scores:
+    # f_e = E / (K L) * hits_e = 4 / 8 * 2 = 1, P_e = 1/4, sum_e f_e P_e = 1
+    layout = PackedLayout.build(torch.tensor([0, 4]), 4)
+    even = sequence_balance_loss(torch.ones(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), layout)
+    assert even.item() == pytest.approx(1.0)
+    cfg = ModelConfig.from_name("tiny", vocab_size=64)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) + cfg.num_nextn_predict_layers
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (256,))
+    out = DeepSeekV3(cfg)(ids, cu_seqlens=torch.tensor([0, 256]), targets=ids.roll(-1), max_seqlen=256)
+    assert n_moe == 4 and out.balance_loss.item() == pytest.approx(n_moe, rel=0.05)  # near-even routing at init
+    stream = io.StringIO()
+    TrainProgress(10, stream=stream, every=1, balance_layers=n_moe).update(1, 5.0, 100.0, {"balance": 4.0044})
+    assert " balance 1.001 " in stream.getvalue(), stream.getvalue()

@@ -98,10 +98,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 class TrainProgress:
-    """One status line: step, loss, tokens/s, ETA. Redrawn in place on a terminal, printed every `every` steps else."""
+    """One status line: step, loss, tokens/s, ETA. Redrawn in place on a terminal, printed every `every` steps else.
 
-    def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, every: int = 10):
+    `balance` (in `parts`) is the sequence-wise balance loss summed over the MoE layers, MTP's included (metrics.jsonl's
+    `balance_loss`, the value the loss adds); with `balance_layers` (that count) the line shows it per layer, where
+    1.0 is a perfectly even load and n_routed_experts / num_experts_per_tok every token on the same experts."""
+
+    def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, every: int = 10,
+                 balance_layers: int = 0):
         self.total, self.start, self.every = total, start, every
+        self.balance_layers = balance_layers
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.first: tuple[int, float] | None = None  # (step, time) of the first update: the ETA starts after warm-up
@@ -115,7 +121,7 @@ class TrainProgress:
         eta = _hms((now - self.first[1]) / done * (self.total - step)) if done > 0 else "--:--"
         width = 24
         filled = int(width * step / max(self.total, 1))
-        extra = "".join(f" {name} {value:.4f}" for name, value in (parts or {}).items())
+        extra = "".join(f" {self._part(name, value)}" for name, value in (parts or {}).items())
         line = (
             f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} lm loss {loss:.4f}{extra} "
             f"{tokens_per_s:,.0f} tok/s ETA {eta}"
@@ -125,6 +131,13 @@ class TrainProgress:
             self.stream.flush()
         elif step % self.every == 0 or step == self.total:
             self.stream.write(line + "\n")
+
+    def _part(self, name: str, value: float) -> str:
+        if name != "balance":
+            return f"{name} {value:.4f}"
+        if self.balance_layers:  # per MoE layer: 1.0 is even
+            return f"balance {value / self.balance_layers:.3f}"
+        return f"balance(sum) {value:.4f}"  # a sum over layers whose count this line was not given
 
     def close(self) -> None:
         if self.tty:
