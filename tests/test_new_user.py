@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -228,3 +229,31 @@ def test_balance_on_the_progress_line_is_per_moe_layer():
     stream = io.StringIO()
     TrainProgress(10, stream=stream, every=1, balance_layers=n_moe).update(1, 5.0, 100.0, {"balance": 4.0044})
     assert " balance 1.001 " in stream.getvalue(), stream.getvalue()
+
+
+def test_loss_plot_axes_are_linear_with_room_and_the_title_is_short(tmp_path, monkeypatch):
+    import sys
+
+    from anyseek.train import plot
+
+    assert plot.short_title("tiny on /home/me/data/enwiki/") == "tiny on enwiki"
+    assert plot.short_title("small on corpus/*.jsonl") == "small on corpus"
+    assert plot.short_title("tiny on wiki-sample") == "tiny on wiki-sample"
+    train = [(s, 4.0 + 8.0 / s) for s in range(10, 1001, 10)]
+    val = [(250, 4.1), (500, 4.05), (1000, 3.9)]  # the last validation point is the lowest and the last
+    img = plot._draw(train, val, "")
+    red = [(x, y) for y in range(plot.MARGIN_T + 40, plot.H) for x in range(plot.W)
+           if img[y][3 * x: 3 * x + 3] == bytes((214, 39, 40))]  # fmt: skip
+    last = [(x, y) for x, y in red if x > plot.W - plot.MARGIN_R - 40]
+    assert len(last) == 49, last  # the whole 7x7 square ...
+    assert max(y for _, y in last) < plot.H - plot.MARGIN_B - 1 and max(x for x, _ in last) < plot.W - plot.MARGIN_R
+    # ... inside the frame; the x axis is linear: tick marks at 0, 250, ..., 1000 evenly spaced
+    assert plot.ticks(0, 1000) == [0, 250, 500, 750, 1000]
+    marks = [x for x in range(plot.W) if img[plot.H - plot.MARGIN_B + 3][3 * x] == 0]
+    gaps = [b - a for a, b in itertools.pairwise(marks)]
+    assert len(marks) == 5 and marks[0] == plot.MARGIN_L and max(gaps) - min(gaps) <= 1, marks
+    titles = []
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the built-in drawing, as on a fresh machine
+    monkeypatch.setattr(plot, "_draw", lambda t, v, title: titles.append(title) or [bytearray(3 * plot.W)])
+    plot.write_loss_curve(tmp_path / "loss.png", train, val, "tiny on /home/me/data/enwiki")
+    assert titles == ["tiny on enwiki"]
