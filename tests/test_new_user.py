@@ -257,3 +257,20 @@ def test_loss_plot_axes_are_linear_with_room_and_the_title_is_short(tmp_path, mo
     monkeypatch.setattr(plot, "_draw", lambda t, v, title: titles.append(title) or [bytearray(3 * plot.W)])
     plot.write_loss_curve(tmp_path / "loss.png", train, val, "tiny on /home/me/data/enwiki")
     assert titles == ["tiny on enwiki"]
+
+
+def test_the_python_snippet_in_docs_inference_runs(trained, capsys, tmp_path):
+    """docs/inference.md's Python block, run as written on a tiny checkpoint in place of runs/tiny/step-1000."""
+    import re
+    import runpy
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "inference.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", doc, flags=re.DOTALL)
+    assert "runs/tiny/step-1000" in code
+    run, _ = trained
+    script = tmp_path / "snippet.py"
+    script.write_text(code.replace("runs/tiny/step-1000", str(run / "step-2")))
+    runpy.run_path(str(script))
+    tokens_per_second, acceptance = capsys.readouterr().out.split()
+    assert float(tokens_per_second) > 0 and 0 <= float(acceptance) <= 1
