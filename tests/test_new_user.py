@@ -274,3 +274,56 @@ def test_the_python_snippet_in_docs_inference_runs(trained, capsys, tmp_path):
     runpy.run_path(str(script))
     tokens_per_second, acceptance = capsys.readouterr().out.split()
     assert float(tokens_per_second) > 0 and 0 <= float(acceptance) <= 1
+
+
+_PEAK_SCRIPT = """
+import json, resource, sys
+from pathlib import Path
+from anyseek.train.config import load_run_config
+from anyseek.train.trainer import Trainer
+said = []
+cfg = load_run_config("tiny", sys.argv[2:])
+Trainer(cfg, Path(sys.argv[1]), log=said.append).run()
+print(json.dumps({"said": said, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_cpu_memory_estimate_is_within_10_percent_of_the_peak_rss(trained, tmp_path):
+    """Two steps of the tiny flavor at its 4,096 tokens per step, in a process of their own (the CPU trainer's
+    first steps, an evaluation, a checkpoint and a sample): its peak resident memory against what the run printed
+    first. Before the CPU terms the estimate said 0.30 GiB for what peaks at ~0.76 (the process itself, the CPU
+    kernels' saved tensors, the optimizer step's buffer)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    _, data = trained
+    args = [f"--data.path={data}", "--data.tokens_per_batch=4096", "--data.max_seqlen=512", "--train.max_steps=2",
+            "--train.eval_tokens=2048", "--train.sample_tokens=2", "--train.tensorboard=false"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "run"), *args], check=False,
+                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    said = "\n".join(result["said"])
+    estimate = float(re.search(r"expected peak memory ([\d.]+) GiB", said).group(1))
+    peak = result["peak_kib"] / 2**20
+    assert abs(estimate / peak - 1) < 0.10, (estimate, peak, said)
+    assert re.search(r"^time: about \d+ (s|min) for 2 steps on this CPU", said, flags=re.MULTILINE), said
+
+
+def test_a_run_of_days_on_the_cpu_is_said_before_it_starts():
+    """`small`'s 5,000 steps of 8,192 tokens at ~0.9 GFLOP per token (6 x its ~150M active weights) on a CPU
+    matmul of 150 GFLOP/s at 40%: ~8 days, a warning; `tiny`'s 1,000 steps: minutes, no warning."""
+    from anyseek.train.config import load_run_config
+    from anyseek.train.memory import duration
+
+    small = load_run_config("small", [])
+    lines = duration(small.model_config(vocab_size=32000), small, 100, 150e9)
+    days = 5000 * 8192 * 0.88e9 / (0.4 * 150e9) / 86400
+    assert len(lines) == 2 and lines[1].startswith("warning: this run would take about"), lines
+    assert abs(float(lines[1].split("about ")[1].split(" days")[0]) / days - 1) < 0.05, (lines, days)
+    tiny = load_run_config("tiny", [])
+    (line,) = duration(tiny.model_config(vocab_size=4096), tiny, 135, 150e9)
+    assert line.startswith("time: about ") and " min for 1,000 steps on this CPU" in line, line
