@@ -327,3 +327,20 @@ def test_a_run_of_days_on_the_cpu_is_said_before_it_starts():
     tiny = load_run_config("tiny", [])
     (line,) = duration(tiny.model_config(vocab_size=4096), tiny, 135, 150e9)
     assert line.startswith("time: about ") and " min for 1,000 steps on this CPU" in line, line
+
+
+def test_the_cpu_report_leaves_the_random_stream_alone():
+    """The report runs before the model is built: drawing from torch's global generator (the matmul it times) would
+    change every CPU run's initial weights, and make a one-process run differ from the same run under torchrun
+    (which skips the report)."""
+    import torch
+
+    from anyseek.train import memory
+    from anyseek.train.config import load_run_config
+
+    cfg = load_run_config("tiny", [])
+    torch.manual_seed(0)
+    memory.report(cfg.model_config(vocab_size=4096), cfg, torch.device("cpu"), None, torch.float32, lambda s: None)
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(4))

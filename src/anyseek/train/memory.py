@@ -318,7 +318,8 @@ def matmul_flops_per_s() -> float:
     rounds of four (~0.1 s on 2 cores). Measured rather than looked up: it includes what else the machine runs."""
     import time
 
-    a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+    g = torch.Generator().manual_seed(0)  # its own: the run's random stream (its weights' init) stays untouched
+    a, b = torch.rand(512, 1024, generator=g), torch.rand(1024, 1024, generator=g)
     a @ b  # warm-up
     best = 0.0
     for _ in range(3):
