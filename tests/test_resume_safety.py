@@ -313,7 +313,7 @@ def test_progress_eta_waits_for_warm_up_and_shows_the_lm_loss():
     p.update(1, 3.5, 1000.0, {"mtp": 3.9, "balance": 1.01})
     p.update(2, 3.4, 1000.0, {"mtp": 3.8})
     first, second = stream.getvalue().splitlines()
-    assert "lm loss 3.5000 mtp 3.9000 balance 1.0100" in first and "ETA --:--" in first
+    assert "lm loss 3.5000 mtp 3.9000 balance(sum) 1.0100" in first and "ETA --:--" in first
     assert "ETA 0:00:00" in second
 
 

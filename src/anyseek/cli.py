@@ -13,6 +13,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -53,10 +54,31 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, OSError, RuntimeError, KeyError, CheckpointError)
 
 
+def _one_line_warnings() -> None:
+    """anyseek's own warnings (warnings.warn, for Python callers) as one `warning: ...` line on the command line:
+    their messages name the file and the problem, and Python's default adds the warning's source file and line
+    (`.../init.py:113: UserWarning: ...` and the line of code), which tells a user nothing. Other packages'
+    warnings keep Python's format."""
+    if getattr(warnings.formatwarning, "anyseek", False):
+        return
+    package = os.path.dirname(os.path.abspath(__file__))
+    python_format = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None) -> str:
+        if os.path.abspath(filename).startswith(package + os.sep):
+            return f"warning: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    formatwarning.anyseek = True
+    warnings.formatwarning = formatwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("ANYSEEK_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    if not debug:
+        _one_line_warnings()
     try:
         return _main(argv)
     except KeyboardInterrupt:

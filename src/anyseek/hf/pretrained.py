@@ -278,7 +278,8 @@ def _drop_absent_mtp(cfg: ModelConfig, ckpt: dict[str, TensorInfo], folder: Path
         return cfg
     warnings.warn(
         f"{folder}: config.json asks for {want} MTP layers but the checkpoint holds {have} "
-        f"(no model.layers.{n + have}.*); loading with num_nextn_predict_layers={have}",
+        f"(no model.layers.{n + have}.*{'; transformers does not save them' if not have else ''}); loading with "
+        f"num_nextn_predict_layers={have}",
         stacklevel=3,
     )
     return dataclasses.replace(cfg, num_nextn_predict_layers=have)

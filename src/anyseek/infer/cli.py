@@ -67,6 +67,8 @@ def _run(args: argparse.Namespace) -> int:
         gen = Generator(model, max_batch=max(1, max_batch), speculative=args.speculative)
     except GenerationError as e:
         raise CLIError(str(e)) from e
+    if args.speculative and gen.engine.cpu is not None:
+        status(SLOW_SPECULATION)
     ctx = _Context(gen, tok, eos, params, args)
     try:
         if jobs is not None:
@@ -78,6 +80,14 @@ def _run(args: argparse.Namespace) -> int:
     except GenerationError as e:
         raise CLIError(str(e)) from e
     return 0
+
+
+# Why --speculative warns on the CPU: with the CPU fast path (`cpu_decode.CpuDecoder`) a plain step
+# is a few ops, while a speculative step verifies two tokens through the general eager path and drafts with the MTP
+# module. Measured (tiny flavor, batch 1, greedy, 1 thread, CPU time): ~1.5 ms per plain step, ~9.5 ms per
+# speculative one, so 6x slower with no draft accepted and still ~3x with every draft accepted (two tokens per step).
+SLOW_SPECULATION = ("warning: --speculative mtp is 3-6x slower on the CPU (plain decoding has a few-op CPU step that "
+                    "verifying drafts cannot use); leave it out for speed")
 
 
 def status(msg: str) -> None:
@@ -115,6 +125,22 @@ class _Context:
 
         return _stop_strings(self.tok, self.args.stop) if self.args.stop else None
 
+    def _note_context(self, reqs) -> None:
+        """Say when requests ended at the model's context, not at --max-new-tokens (both finish as "length")."""
+        cut = [r for r in reqs if r.finish_reason == "length" and len(r.tokens) < r.max_new_tokens]
+        if not cut:
+            return
+        context = self.gen.max_len - 2
+        if len(reqs) == 1:
+            r = cut[0]
+            status(f"note: stopped after {len(r.tokens)} of --max-new-tokens {r.max_new_tokens} new tokens: the prompt "
+                   f"({len(r.prompt)} tokens) and the output filled the context of {context} tokens "
+                   f"(max_position_embeddings)")
+        else:
+            status(f"note: {len(cut)} of {len(reqs)} prompts stopped before --max-new-tokens "
+                   f"{self.args.max_new_tokens}: prompt and output filled the context of {context} tokens "
+                   f"(max_position_embeddings; fewest new tokens {min(len(r.tokens) for r in cut)})")
+
     def _report(self, stats) -> None:
         acc = f" | MTP acceptance {stats.acceptance_rate:.0%}" if stats.acceptance_rate is not None else ""
         status(f"[{stats.new_tokens} tokens in {stats.seconds:.2f} s, {stats.tokens_per_second:.1f} tokens/s, "
@@ -143,6 +169,7 @@ class _Context:
         final = cut_at_stop(self.tok.decode(reqs[0].tokens), self.args.stop)
         sys.stdout.write(final[printed[0] :] + "\n")
         sys.stdout.flush()
+        self._note_context(reqs)
         self._report(stats)
 
     def interactive(self) -> None:
@@ -180,4 +207,5 @@ class _Context:
         finally:
             if out:
                 sink.close()
+        self._note_context(reqs)
         self._report(stats)

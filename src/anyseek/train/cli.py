@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -15,7 +17,8 @@ ACCEPTS_EXTRA = True  # --section.key=value overrides arrive as unknown argument
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="tiny",
                         help="a built-in config (tiny, small) or model flavor (16B, 671B), or a .toml/.json file")
-    parser.add_argument("--out", default=None, help="output folder for checkpoints and logs (default: runs/<config>)")
+    parser.add_argument("--out", default=None, help="output folder for checkpoints and logs (default: runs/<config>; "
+                                                    "with --init runs/<the init folder's name>)")
     parser.add_argument("--init", default=None, metavar="PATH",
                         help="start from a pretrained model: a Hugging Face DeepSeek-V2/V3 folder or a step-N folder "
                              "(its config and tokenizer are used; add --train.lora_rank=16 for LoRA)")
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.resume_override and not args.resume:
         print("anyseek train: error: --resume-override needs --resume", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    out = Path(args.out) if args.out else default_out(args.config, args.init)
     if args.nproc_per_node:
         if cfg.train.lora_rank:
             print("anyseek train: error: LoRA (train.lora_rank) runs in one process for now; drop --nproc-per-node",
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         summary = trainer.run()
         if "val_loss" in summary and os.environ.get("RANK", "0") == "0":
             val = summary["val_loss"]
-            tail = (f"validation loss {val:.4f} (perplexity {summary['val_perplexity']:.2f})" if val == val
+            tail = (f"validation loss {val:.4f} (perplexity {summary['val_perplexity']:.2f})" if not math.isnan(val)
                     else "no validation data")
             print(f"done: {summary['step']} steps, {summary['tokens_seen']:,} tokens in "
                   f"{summary['wall_s'] / 60:.1f} min; {tail}; checkpoint {summary['checkpoint']}")
@@ -104,6 +107,17 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         if not shutdown_process_group():
             _leave_without_process_group(code)
     return code
+
+
+def default_out(config: str, init: str | None) -> Path:
+    """runs/<config name>; with --init runs/<the folder's name> (the model comes from it, not from --config), and
+    runs/<run>-step-N for a run's step-N folder."""
+    if not init:
+        return Path("runs") / Path(config).stem
+    folder = Path(init).expanduser().resolve()
+    if re.fullmatch(r"step-\d+", folder.name) and folder.parent.name:
+        return Path("runs") / f"{folder.parent.name}-{folder.name}"
+    return Path("runs") / folder.name
 
 
 def _leave_without_process_group(code: int) -> None:

@@ -74,6 +74,10 @@ def activation_bytes_per_token(config) -> tuple[float, float]:
 
 
 def plan(config, gpus: int, ep: int, tokens_per_gpu: int) -> Plan:
+    """The per-GPU bytes and traffic of `config` on `gpus` GPUs, EP degree `ep` (a divisor of gpus)."""
+    if gpus < 1 or ep < 1 or gpus % ep or tokens_per_gpu < 0:
+        raise ValueError(f"plan needs gpus >= 1, an EP degree dividing it and tokens >= 0; got gpus={gpus}, ep={ep}, "
+                         f"tokens_per_gpu={tokens_per_gpu}")
     dense, experts = parameter_counts(config)
     full, ckpt = activation_bytes_per_token(config)
     edp = gpus // ep
@@ -98,12 +102,29 @@ def candidates(config, gpus: int) -> list[int]:
     return [e for e in range(1, gpus + 1) if gpus % e == 0 and config.n_routed_experts % e == 0] or [1]
 
 
+def _number(kind: type, least: float, what: str):
+    """An argparse type: a `kind` number >= `least` (finite), else argparse's one-line error naming the flag."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (least <= value < float("inf")):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="tiny", help="a shipped config, a model flavor (16B, 671B) or a TOML")
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs in all (the world size)")
-    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GB of memory per GPU (default 80)")
-    parser.add_argument("--tokens-per-gpu", type=int, default=0,
-                        help="tokens per micro-batch per GPU (default: the config's data.tokens_per_batch)")
+    parser.add_argument("--gpus", type=_number(int, 1, "a whole number of GPUs >= 1"), default=1,
+                        help="GPUs in all (the world size)")
+    parser.add_argument("--gpu-memory", type=_number(float, 1e-9, "a number of GB > 0"), default=80.0,
+                        help="GB of memory per GPU (default 80)")
+    parser.add_argument("--tokens-per-gpu", type=_number(int, 0, "a whole number of tokens >= 1 (0: the config's)"),
+                        default=0, help="tokens per micro-batch per GPU (default: the config's data.tokens_per_batch)")
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:

@@ -210,8 +210,9 @@ class Trainer:
             )
         self._describe()
         main, engine = self.par.env.is_main, self.engine
-        metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard) if main else Silent()
-        progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every) if main else Silent()
+        metrics = MetricsLog(self.out_dir, tensorboard=t.tensorboard, log=self.log) if main else Silent()
+        progress = TrainProgress(t.max_steps, start=self.step, every=t.log_every,
+                                 balance_layers=len(self.model.moe_layers())) if main else Silent()
         old_handlers = self._install_signal_handlers()
         peak = peak_flops(self.device)
         batches = iter(self.train_loader)
