@@ -311,3 +311,20 @@ def test_activation_checkpointing_same_loss_and_gradients(mode):
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=name)
     assert s1 < s0, (s1, s0)
+
+
+def test_plan_and_the_pre_run_report_count_activations_alike():
+    """One activation model: `anyseek plan` (per GPU) and the report printed before a run count the same bytes for
+    the same micro-batch (a bf16 GPU step with a bf16 residual stream: the working copy, or bf16 shards at EP 1)."""
+    from anyseek.train.config import load_run_config
+    from anyseek.train.memory import estimate
+    from anyseek.train.plan import GB, plan
+
+    cfg = load_run_config("small", ["--data.tokens_per_batch=8192"])
+    config = cfg.model_config()
+    report = estimate(config, cfg, autocast=True, working_copy=True, triton_experts=True)
+    for mode, field in (("none", "activations_gb"), ("full", "activations_ckpt_gb")):
+        cfg.parallel.activation_checkpointing = mode
+        want = estimate(config, cfg, autocast=True, working_copy=True, triton_experts=True).activations
+        assert getattr(plan(config, 1, 1, 8192), field) * GB == pytest.approx(want, rel=1e-12), mode
+    assert report.activations > 3 * plan(config, 1, 1, 8192).activations_ckpt_gb * GB  # recomputation saves

@@ -115,16 +115,26 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
         trained = a
     t = run_cfg.data.tokens_per_batch
     mode = getattr(getattr(run_cfg, "parallel", None), "activation_checkpointing", "none")
-    head = _head_chunk_bytes(model_cfg, t, low, "cpu" if cpu else "cuda")
     expert_act = not (lora_spec is not None and triton_experts)  # the LoRA Triton experts recompute it
     docs = min(doc_tokens or run_cfg.data.max_seqlen, run_cfg.data.max_seqlen) if cpu else None
-    acts = t * _activation_bytes_per_token(model_cfg, low, mode, resid, expert_act, docs) + head
-    full = t * _activation_bytes_per_token(model_cfg, low, "full", resid, expert_act, docs) + head
+    acts = activation_bytes(model_cfg, t, mode, low=low, resid=resid, expert_act=expert_act, cpu_docs=docs)
+    full = activation_bytes(model_cfg, t, "full", low=low, resid=resid, expert_act=expert_act, cpu_docs=docs)
     est = Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None, full)
     if cpu and not working_copy:  # foreach AdamW (train/optim.py): one fp32 buffer per trained weight in its step
         head_grad = 4 * model.lm_head.weight.numel() if lora_spec is None else 0
         est.process, est.step_buffers, est.head_grad = process, 4.0 * trained, float(head_grad)
     return est
+
+
+def activation_bytes(c, tokens: int, checkpointing: str = "none", *, low: int = 2, resid: int = 4,
+                     expert_act: bool = True, cpu_docs: float | None = None) -> float:
+    """Bytes autograd keeps for one micro-batch of `tokens` tokens of model config `c`: every layer's saved tensors
+    (`_activation_bytes_per_token`; `checkpointing` none / selective / full as parallel.activation_checkpointing) and
+    the output head's chunk. The one activation model: the pre-run report (`estimate`) and `anyseek plan`
+    (train/plan.py, per GPU) both count with it. low, resid: bytes of a computed activation and of the residual
+    stream (bf16 compute: 2; an fp32 residual beside fp32 weights: 4); cpu_docs: a CPU run's mean document length."""
+    per_token = _activation_bytes_per_token(c, low, checkpointing, resid, expert_act, cpu_docs)
+    return tokens * per_token + _head_chunk_bytes(c, tokens, low, "cuda" if cpu_docs is None else "cpu")
 
 
 def _head_chunk_bytes(c, tokens: int, low: int, device_type: str = "cuda") -> float:

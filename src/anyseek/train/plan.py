@@ -6,8 +6,9 @@ What anyseek does, counted as it does it (docs/distributed.md):
   fp32 moments = 16 bytes/parameter / N (bf16 shards: bf16 weights + fp32 masters + bf16 grads, the same 16; the
   weights column counts 4 bytes and the gradients 4 either way);
   routed experts: split over EP ranks, replicated over N/EP groups (not FSDP-sharded), 16 bytes/parameter / EP;
-  activations: bf16, the tensors each layer keeps for backward (an estimate, within ~30%); with full activation
-  checkpointing only each layer's input plus one layer's working set.
+  activations: bf16, the tensors each layer keeps for backward, counted by the same model as the report printed
+  before a run (`anyseek.train.memory.activation_bytes`; fp32 residual stream where the shards are fp32, i.e. with
+  EP); with activation checkpointing the recomputed layers keep only their inputs, plus one layer's working set.
 Communication per GPU and step: FSDP all-gathers the bf16 dense weights twice (forward, backward) and
 reduce-scatters fp32 gradients; EP sends every routed row's hidden state out and back, forward and backward; the
 expert gradients are all-reduced over the N/EP copies. No pipeline parallelism: a model whose experts do not fit
@@ -31,7 +32,8 @@ class Plan:
     grads_gb: float
     optimizer_gb: float
     activations_gb: float
-    activations_ckpt_gb: float
+    activations_selective_gb: float  # every other layer recomputed (parallel.activation_checkpointing=selective)
+    activations_ckpt_gb: float  # every layer recomputed (full)
     allgather_gb: float
     reduce_scatter_gb: float
     all_to_all_gb: float
@@ -40,7 +42,7 @@ class Plan:
     def total(self, checkpointing: bool | str) -> float:
         """Per-GPU GB with activation checkpointing none (False), "selective" (every other layer) or full (True)."""
         if checkpointing == "selective":
-            act = (self.activations_gb + self.activations_ckpt_gb) / 2
+            act = self.activations_selective_gb
         else:
             act = self.activations_ckpt_gb if checkpointing else self.activations_gb
         return self.weights_gb + self.grads_gb + self.optimizer_gb + act
@@ -56,30 +58,19 @@ def parameter_counts(config) -> tuple[int, int]:
     return model.num_parameters() - experts, experts
 
 
-def activation_bytes_per_token(config) -> tuple[float, float]:
-    """bf16 bytes kept for backward per token: (all layers, with full checkpointing)."""
-    c = config
-    H, D = c.num_attention_heads, c.hidden_size
-    attn = 6 * D + (c.q_lora_rank or 0) * 2 + c.kv_lora_rank * 2 + c.qk_rope_head_dim \
-        + H * (2 * c.qk_head_dim + 2 * c.v_head_dim)
-    dense_mlp = 2 * D + 3 * c.intermediate_size
-    moe = 2 * D + c.num_experts_per_tok * (2 * D + 3 * c.moe_intermediate_size) \
-        + 3 * c.moe_intermediate_size * c.n_shared_experts + 4 * c.n_routed_experts  # router scores in fp32
-    n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers)) + c.num_nextn_predict_layers
-    n_dense = c.num_hidden_layers - sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-    per_layer_max = attn + max(moe if n_moe else 0, dense_mlp)
-    full = 2 * (n_dense * (attn + dense_mlp) + n_moe * (attn + moe))
-    ckpt = 2 * ((n_dense + n_moe) * D + per_layer_max)
-    return full, ckpt
-
-
 def plan(config, gpus: int, ep: int, tokens_per_gpu: int) -> Plan:
     """The per-GPU bytes and traffic of `config` on `gpus` GPUs, EP degree `ep` (a divisor of gpus)."""
     if gpus < 1 or ep < 1 or gpus % ep or tokens_per_gpu < 0:
         raise ValueError(f"plan needs gpus >= 1, an EP degree dividing it and tokens >= 0; got gpus={gpus}, ep={ep}, "
                          f"tokens_per_gpu={tokens_per_gpu}")
+    from anyseek.train.memory import activation_bytes  # (torch: not for `anyseek plan --help`)
+
     dense, experts = parameter_counts(config)
-    full, ckpt = activation_bytes_per_token(config)
+    # bf16 shards (parallel.shard_dtype=auto without EP) carry a bf16 residual stream; fp32 shards under autocast an
+    # fp32 one
+    resid = 2 if ep == 1 else 4
+    acts = {mode: activation_bytes(config, tokens_per_gpu, mode, low=2, resid=resid)
+            for mode in ("none", "selective", "full")}
     edp = gpus // ep
     frac = (gpus - 1) / gpus
     n_moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers)) + config.num_nextn_predict_layers
@@ -89,8 +80,9 @@ def plan(config, gpus: int, ep: int, tokens_per_gpu: int) -> Plan:
         weights_gb=4 * (dense / gpus + experts / ep) / GB,
         grads_gb=4 * (dense / gpus + experts / ep) / GB,
         optimizer_gb=8 * (dense / gpus + experts / ep) / GB,
-        activations_gb=full * tokens_per_gpu / GB,
-        activations_ckpt_gb=ckpt * tokens_per_gpu / GB,
+        activations_gb=acts["none"] / GB,
+        activations_selective_gb=acts["selective"] / GB,
+        activations_ckpt_gb=acts["full"] / GB,
         allgather_gb=2 * 2 * dense * frac / GB,
         reduce_scatter_gb=4 * dense * frac / GB,
         all_to_all_gb=4 * rows * config.hidden_size * 2 * (ep - 1) / ep / GB,
