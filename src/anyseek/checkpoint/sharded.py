@@ -236,7 +236,7 @@ def _saved_groups(ckpt: Path, full: nn.Module, model: nn.Module, optimizer: torc
 
 def load_consolidated(ckpt: Path) -> nn.Module:
     """The whole model of a sharded checkpoint, in one process on the CPU (fp32 master weights, every expert), in
-    eval mode; `anyseek.checkpoint.hf_folder.export_sharded` writes it as a Hugging Face folder."""
+    eval mode; `anyseek.checkpoint.exporter.export_sharded` writes it as a Hugging Face folder."""
 
     ckpt = Path(ckpt)
     verify(ckpt)
