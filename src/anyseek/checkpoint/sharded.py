@@ -64,7 +64,6 @@ def save_sharded(
     masters (`ShardMasters`, with bf16 shards): their fp32 weights are saved under the weights' names.
     A failure on any rank (full disk, read-only folder) raises on every rank, an OSError with the failing rank's
     errno (the trainer's periodic-save logic then takes the same decision everywhere); the staging folder is gone."""
-
     final = Path(out_dir) / f"step-{step}"
     loaders = all_gather_json(train_state["loader"], env)
     rngs = all_gather_json(rng.rank_state(), env)
@@ -141,7 +140,6 @@ def _run(fn) -> BaseException | None:
 def verify_agreed(ckpt: Path, env: DistEnv) -> None:
     """`anyseek.checkpoint.folder.verify` shared out: each rank hashes every world_size-th file, and all raise the same
     CheckpointDamaged when any file is damaged (the ranks must fall back to the same previous checkpoint)."""
-
     try:
         verify(ckpt, part=(env.rank, env.world_size))
         message = None
@@ -195,7 +193,6 @@ def load_full(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, en
     """A one-process checkpoint (a Hugging Face folder plus optimizer.safetensors) into a sharded model: every rank
     reads the full tensors on the CPU and keeps its shards (with bf16 shards: the fp32 weights into their masters).
     The caller has verified the files (`verify_agreed`)."""
-
     ckpt = Path(ckpt)
     try:
         full = load_pretrained(ckpt, device="cpu")
@@ -237,7 +234,6 @@ def _saved_groups(ckpt: Path, full: nn.Module, model: nn.Module, optimizer: torc
 def load_consolidated(ckpt: Path) -> nn.Module:
     """The whole model of a sharded checkpoint, in one process on the CPU (fp32 master weights, every expert), in
     eval mode; `anyseek.checkpoint.exporter.export_sharded` writes it as a Hugging Face folder."""
-
     ckpt = Path(ckpt)
     verify(ckpt)
     try:

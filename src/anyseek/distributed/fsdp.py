@@ -109,8 +109,6 @@ def _expose_output_tensors() -> None:
     end-of-backward callback that reduces gradients) from hooks on the tensors it finds in the unit's forward output;
     torch <= 2.11 finds them with pytree, which does not look inside an unregistered dataclass. Without this the root
     unit's gradients were never reduced into the sharded parameters, silently: a one-unit model trained nothing."""
-
-
     if ModelOutput not in _pytree.SUPPORTED_NODES:
         _pytree.register_dataclass(ModelOutput)
 
@@ -177,7 +175,6 @@ class ShardMasters:
     @torch.no_grad()
     def load_full(self, full_sd: dict) -> None:
         """The masters from a full (unsharded) fp32 state dict: each rank its own slice, as FSDP2 shards them."""
-
         for n, m in self.masters.items():
             local = m.to_local()  # (a view: written in place)
             t = full_sd[n].to(device=local.device, dtype=m.dtype)

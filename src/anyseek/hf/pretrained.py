@@ -71,7 +71,6 @@ def load_pretrained(
     both); mis-shaped tensors are always an error. A checkpoint without MTP layers (e.g. written by transformers)
     loads with num_nextn_predict_layers lowered to what it holds, with a warning.
     """
-
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a folder")

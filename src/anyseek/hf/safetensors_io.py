@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from anyseek.storage import CheckpointError
 
@@ -148,7 +150,6 @@ class TensorReader:
         self._handles: dict[Path, object] = {}
 
     def get(self, info: TensorInfo) -> torch.Tensor:
-        from safetensors import SafetensorError, safe_open
 
         try:
             if info.file not in self._handles:
@@ -192,8 +193,6 @@ def write_shards(
     """Write `entries` (name, nbytes, make tensor) into `folder`: one `model.safetensors` if all fit in
     `max_shard_size`, else `model-0000i-of-0000n.safetensors` shards plus the index. Tensors are made shard by
     shard, so at most one shard is held in memory."""
-    from safetensors.torch import save_file
-
     limit = parse_size(max_shard_size)
     groups: list[list[tuple[str, int, Callable]]] = [[]]
     used = 0

@@ -32,7 +32,6 @@ def resolve(path: str | Path) -> Path:
 def load_model(folder: Path, device: str | None = None, dtype: str | None = None):
     """DeepSeekV3 from `folder` in eval mode on `device` (default: the GPU if any) in `dtype` (default: bf16 on a
     GPU, fp32 on the CPU)."""
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if dtype is not None and dtype not in names:

@@ -101,7 +101,6 @@ def model_config(init: InitSource, section) -> Any:
 def load_model(init: InitSource, cfg, device: torch.device, dtype: torch.dtype = torch.float32):
     """The folder's weights in a DeepSeekV3 on `device` (built on meta, filled tensor by tensor), in train mode,
     with `cfg`'s training knobs."""
-
     model = load_pretrained(init.path, dtype=dtype, device=device)
     knobs = {k: getattr(cfg, k) for k in TRAINING_KNOBS}
     model.config = dataclasses.replace(model.config, **knobs)  # MTP depth as loaded (a folder may hold fewer)
@@ -113,7 +112,6 @@ def load_model(init: InitSource, cfg, device: torch.device, dtype: torch.dtype =
 
 def prepare_data(data, init: InitSource) -> Path:
     """A data.source prepared with the folder's tokenizer, into a cache folder named by that tokenizer's hash."""
-
     if init.tokenizer_file is None:
         raise CheckpointError(f"--init {init.path}: no tokenizer.json, so data.source {data.source!r} cannot be "
                               "tokenized to match it; prepare data with its tokenizer and pass --data.path")
@@ -125,7 +123,6 @@ def prepare_data(data, init: InitSource) -> Path:
 def check_tokenizer(init: InitSource, data_dir: Path, manifest: dict, log=print) -> None:
     """Prepared data must come from the folder's tokenizer (same file, or the same vocabulary), and its ids must fit
     the model's embedding."""
-
     vocab = int(manifest["vocab_size"])
     if vocab > init.config.vocab_size:
         raise ConfigError(f"data {data_dir} has {vocab} token ids but the model in {init.path} embeds "

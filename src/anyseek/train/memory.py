@@ -23,11 +23,21 @@ intermediate products: `_cpu_layer_bytes`), and the optimizer step's buffers (se
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from anyseek.data.prepare import default_out
+from anyseek.model.loss import chunk_rows
+from anyseek.model.transformer import DeepSeekV3
+from anyseek.train import precision
+from anyseek.transforms import lora as lora_lib
+from anyseek.transforms.lora import LoRAExperts
 
 GiB = 1 << 30
 
@@ -83,9 +93,6 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     weights, no SwiGLU output kept). cpu: the run is on a CPU (its kernels' saved tensors, `_cpu_layer_bytes`; the
     phases of `Estimate.total`); doc_tokens: the mean document length of the data (the CPU attention keeps softmax
     probabilities per document; None: documents of max_seqlen); process: bytes the process holds already (CPU)."""
-    from anyseek.model.transformer import DeepSeekV3
-    from anyseek.transforms import lora as lora_lib
-
     model = DeepSeekV3(model_cfg, device="meta")
     # autocast keeps a bf16 copy of every matrix a layer multiplies by; not of the embedding (a lookup) or the output
     # head (cast chunk by chunk inside the loss)
@@ -141,8 +148,6 @@ def _head_chunk_bytes(c, tokens: int, low: int, device_type: str = "cuda") -> fl
     """The output head's loss works on [C, V] logits, chunk by chunk (`model.loss.chunk_rows` rows: thousands on
     GPUs, a few dozen on CPUs): one fp32 chunk and its low-precision gradient are alive at the end of the forward,
     the activations' peak."""
-    from anyseek.model.loss import chunk_rows
-
     rows = min(tokens, chunk_rows(c.vocab_size, device_type, tokens))
     return float(rows * c.vocab_size * (4 + low))
 
@@ -151,8 +156,6 @@ def _merged_elements(model, triton_experts: bool) -> int:
     """Elements of the merged weights a LoRA forward forms and keeps for the backward: the routed experts' where
     they run on the effective weights (not the Triton kernels), counted twice (their backward also forms the full
     gradient of the merged weights)."""
-    from anyseek.transforms.lora import LoRAExperts
-
     if triton_experts:
         return 0
     return sum(2 * (m.base.gate_up_proj.numel() + m.base.down_proj.numel()) for m in model.modules()
@@ -255,8 +258,6 @@ def advice(est: Estimate, run_cfg, have: float) -> list[str]:
 def report(model_cfg, run_cfg, device: torch.device, lora_spec, base_dtype: torch.dtype, log=print) -> Estimate:
     """Print the estimate for a one-process run on `device` (its precision as the trainer decides it); on a CPU also
     how long the run will take (`duration`)."""
-    from anyseek.train import precision
-
     low = precision.compute_dtype(run_cfg.train.dtype, device)
     working = precision.wanted(run_cfg.train.working_copy, device, False, low)
     cpu = device.type == "cpu"
@@ -286,7 +287,6 @@ def resident_bytes() -> float:
             return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
     except (OSError, ValueError, IndexError, AttributeError):
         import resource
-        import sys
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return float(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
@@ -295,10 +295,6 @@ def resident_bytes() -> float:
 def mean_document_tokens(run_cfg) -> float | None:
     """Mean length of the training documents of the run's prepared data (its manifest.json: data.path, or the cache
     folder of data.source); None where there is none yet."""
-    import json
-
-    from anyseek.data.prepare import default_out
-
     d = run_cfg.data
     folder = Path(d.path).expanduser() if d.path else default_out(d.source, d.vocab_size)
     try:
@@ -322,8 +318,6 @@ LONG_RUN_S = 3 * 3600  # longer than this on a CPU: a warning
 def matmul_flops_per_s() -> float:
     """fp32 FLOP/s of this CPU on a [512, 1024] x [1024, 1024] matmul, at torch's thread count: the best of three
     rounds of four (~0.1 s on 2 cores). Measured rather than looked up: it includes what else the machine runs."""
-    import time
-
     g = torch.Generator().manual_seed(0)  # its own: the run's random stream (its weights' init) stays untouched
     a, b = torch.rand(512, 1024, generator=g), torch.rand(1024, 1024, generator=g)
     a @ b  # warm-up
@@ -339,8 +333,6 @@ def matmul_flops_per_s() -> float:
 def duration(model_cfg, run_cfg, doc_tokens: float, flops_per_s: float) -> list[str]:
     """One line with the expected time of the run's training steps on this CPU (FLOPs per token, as the trainer
     counts them for MFU, at CPU_TRAINING_EFFICIENCY of `flops_per_s`), and a warning beyond LONG_RUN_S."""
-    from anyseek.model.transformer import DeepSeekV3
-
     t = run_cfg.train
     per_token = DeepSeekV3(model_cfg, device="meta").flops_per_token(int(doc_tokens))
     tokens_per_s = CPU_TRAINING_EFFICIENCY * flops_per_s / per_token

@@ -238,7 +238,6 @@ class Parallel:
     def on_main(self, fn) -> None:
         """fn() on rank 0 only (say, cleaning up the output folder), the others waiting; an exception raised there is
         raised on every rank (`env.agree`)."""
-
         if not self.active:
             fn()
             return
