@@ -55,14 +55,12 @@ def test_lora_linear_is_base_plus_alpha_over_r(rows):
     torch.testing.assert_close(lin.weight, lin.base.weight + alpha / rank * lin.lora_B @ lin.lora_A)  # for readers
 
 
-@pytest.mark.parametrize("mode", ["adapters", "merged"])
 @pytest.mark.parametrize("specs", [((4, 6.0), (4, 6.0)), ((4, 6.0), (2, 5.0))], ids=["one_spec", "two_specs"])
 @pytest.mark.parametrize("rows", [5, 60])
-def test_fused_pair_adds_each_adapter_with_alpha_over_r(rows, specs, mode, monkeypatch):
+def test_fused_pair_adds_each_adapter_with_alpha_over_r(rows, specs):
     """fused_linear over two adapted layers reading the same x ([16 | 10] outputs): each layer's columns are its own
-    x W_i^T + (alpha_i / r_i) (x A_i^T) B_i^T; with two scales (each B carries its own) too; ANYSEEK_LORA=adapters
-    (the terms joined beside the base weights) and =merged (each layer's merged weight joined)."""
-    monkeypatch.setenv("ANYSEEK_LORA", mode)
+    x W_i^T + (alpha_i / r_i) (x A_i^T) B_i^T, the terms joined beside the base weights; with two scales (each B
+    carries its own) too; 5 rows add the term, 60 go through the merged weight (`merge_wanted`)."""
     g = torch.Generator().manual_seed(1)
     layers = [_lora_linear(24, out, rank, alpha, g) for out, (rank, alpha) in zip((16, 10), specs)]
     x = torch.randn(rows, 24, generator=g, dtype=torch.float64, requires_grad=True)
