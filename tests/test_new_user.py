@@ -188,6 +188,7 @@ def test_a_library_warning_is_one_line_on_the_command_line(trained, tmp_path):
     run, _ = trained
     folder = tmp_path / "more_mtp"
     shutil.copytree(run / "step-2", folder)
+    (folder / "checkpoint.json").unlink()  # a plain model folder (a changed step-N would be refused as damaged)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
     cmd = [sys.executable, "-m", "anyseek", "generate", str(folder), "--prompt", "the", "--max-new-tokens", "1"]
