@@ -134,6 +134,19 @@ def save_checkpoint(
     return final
 
 
+def records(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(run_config.json, train_state.json) of a checkpoint of either form: the config that wrote it and where it
+    stopped (step, tokens, data identity, `--init` identity, world size); CheckpointError naming the file that is
+    missing or unreadable."""
+    out = []
+    for name in ("run_config.json", "train_state.json"):
+        try:
+            out.append(json.loads((Path(ckpt) / name).read_text()))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{ckpt}: cannot read its {name} ({e})") from e
+    return out[0], out[1]
+
+
 def latest_checkpoint(out_dir: Path, log=print) -> Checkpoint | None:
     """The newest complete checkpoint; incomplete or corrupt ones are reported by name and skipped."""
     for ckpt in reversed(list_checkpoints(out_dir)):

@@ -25,11 +25,12 @@ differs from the one its adapters were trained on).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
+from anyseek import checkpoint
 from anyseek.checkpoint.identity import same_content
+from anyseek.storage import CheckpointError
 from anyseek.train.config import DataConfig, ParallelConfig, TrainConfig
 
 # Keys whose change does not make the resumed run a different run.
@@ -73,13 +74,11 @@ def check_resume(ckpt: Path, run_config: dict[str, Any], data_identity: dict[str
     pretrained model (`init_identity`: {"path", "sha256"} of --init, None without); return lines describing the
     allowed changes, for the log."""
     try:
-        saved = json.loads((ckpt / "run_config.json").read_text())
-        state = json.loads((ckpt / "train_state.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ResumeMismatch(f"{ckpt}: cannot read its run_config.json / train_state.json ({e})") from e
+        saved, state = checkpoint.records(ckpt)
+    except CheckpointError as e:
+        raise ResumeMismatch(str(e)) from e
     # keys added since the checkpoint was written ([parallel], train.init, train.lora_*, ...) count as their defaults
     # (for [parallel]: one process)
-
     for section, cls in (("data", DataConfig), ("train", TrainConfig), ("parallel", ParallelConfig)):
         saved[section] = {**dataclasses.asdict(cls()), **(saved.get(section) or {})}
     allowed = set(FREE_KEYS) | set(overrides)
