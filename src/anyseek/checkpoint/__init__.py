@@ -45,6 +45,7 @@ from anyseek.checkpoint.folder import (
     list_checkpoints,
     load_training_state,
     records,
+    run_config,
     save_checkpoint,
 )
 from anyseek.checkpoint.folder import verify as verify_folder
@@ -53,8 +54,8 @@ from anyseek.distributed.env import DistEnv
 from anyseek.storage import CheckpointError
 
 __all__ = ["STEP_DIR", "Adapters", "Checkpoint", "CheckpointDamaged", "CheckpointError", "checkpoints", "export",
-           "find_checkpoint", "is_lora", "is_sharded", "latest", "load", "model_folder", "records", "reference", "save",
-           "verify"]
+           "find_checkpoint", "is_lora", "is_sharded", "latest", "load", "model_folder", "records", "reference",
+           "run_config", "save", "verify"]
 
 checkpoints = list_checkpoints
 latest = latest_checkpoint

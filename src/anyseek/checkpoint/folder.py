@@ -134,6 +134,15 @@ def save_checkpoint(
     return final
 
 
+def run_config(folder: Path) -> dict[str, Any]:
+    """The run config a training checkpoint records (run_config.json); {} for a folder without a readable one (a
+    model folder from elsewhere)."""
+    try:
+        return json.loads((Path(folder) / "run_config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
 def records(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(run_config.json, train_state.json) of a checkpoint of either form: the config that wrote it and where it
     stopped (step, tokens, data identity, `--init` identity, world size); CheckpointError naming the file that is

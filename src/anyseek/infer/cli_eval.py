@@ -36,10 +36,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _run_settings(folder: Path) -> dict:
-    try:
-        cfg = json.loads((folder / "run_config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+    from anyseek import checkpoint  # (torch: not for `anyseek eval --help`)
+
+    cfg = checkpoint.run_config(folder)
     d, t = cfg.get("data", {}), cfg.get("train", {})
     return {
         k: v
