@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("fp32", "bf16", "fp16")  # (names only: torch is imported when the command runs, not for --help)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -22,19 +20,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the folder to write: new, empty, or an earlier export (replaced once the new one is "
                              "complete); never a run folder or anything inside one")
     parser.add_argument("--base", default=None, help="LoRA: the base model folder (default: the one lora.json names)")
-    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
+    parser.add_argument("--dtype", default=None, choices=DTYPES,
                         help="dtype of the written weights (default: as trained; LoRA: the base's config.json dtype)")
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """A missing or damaged checkpoint, or a base that does not match, raises CheckpointError (a ValueError):
     `anyseek.cli` prints it as one `error:` line and exits 2."""
+    import torch
+
     from anyseek.checkpoint.exporter import export, export_merged, export_peft
 
     given = [x for x in (args.checkpoint, args.merge, args.peft) if x]
     if len(given) != 1:
         raise ValueError("anyseek export takes one of RUN_OR_STEP, --merge RUN_OR_STEP or --peft RUN_OR_STEP")
-    dtype = DTYPES.get(args.dtype)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     if args.peft:
         out = export_peft(args.peft, args.out)
     elif args.merge:
