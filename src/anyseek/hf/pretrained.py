@@ -25,7 +25,6 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,12 +34,9 @@ from anyseek.hf.config import transformers_gaps as config_gaps
 from anyseek.hf.fp8 import DEFAULT_BLOCK, dequantize_blockwise
 from anyseek.hf.names import LoadPlan, Piece, expert_names, plan_load, to_hf
 from anyseek.hf.safetensors_io import TensorInfo, TensorReader, nbytes, scan_folder, write_shards
+from anyseek.model.config import ModelConfig
 from anyseek.model.transformer import DeepSeekV3
 from anyseek.storage import CheckpointError, atomic_folder
-
-if TYPE_CHECKING:
-    from anyseek.model.config import ModelConfig
-    from anyseek.model.transformer import DeepSeekV3
 
 __all__ = ["CheckpointError", "load_pretrained", "save_pretrained", "transformers_gaps", "write_model_files"]
 
@@ -332,9 +328,9 @@ def write_model_files(
     for_transformers=True (exports): a model that transformers would compute differently (`transformers_gaps`) is a
     CheckpointError naming why, before anything is written. False (training checkpoints: the resume state, which
     anyseek loads exactly): written all the same, with a warning and the reasons under "anyseek" in config.json."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or not dataclasses.is_dataclass(cfg):
-        raise TypeError(f"save_pretrained needs a model with a ModelConfig at .config, got {type(model).__name__}")
+    if not isinstance(getattr(model, "config", None), ModelConfig):
+        raise TypeError(f"save_pretrained needs a DeepSeekV3 (a ModelConfig at .config), got {type(model).__name__}")
+    cfg = model.config
     gaps = transformers_gaps(model)
     if gaps and for_transformers:
         raise CheckpointError(

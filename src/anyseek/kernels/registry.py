@@ -264,7 +264,8 @@ def _register_defaults() -> None:
     register("routed_experts", Backend("triton", _lazy("anyseek.kernels.ops.moe.routed_experts"),
                                        _lazy_check("anyseek.kernels.triton.check.moe_available"), ("cuda",)),
              before="grouped_mm")  # fmt: skip
-    register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"), _moe_ref_ok))
+    register("routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.routed_experts"),
+                                       _always("pure PyTorch (grouped by expert)")))
     # LoRA's experts: the same backends by name (ANYSEEK_MOE and set_backend("moe", ...) pick for both); triton adds
     # the adapters inside its GEMMs, the others run routed_experts' backend of that name on the effective weights
     register("lora_routed_experts", Backend("triton", _lazy("anyseek.kernels.ops.moe.lora_routed_experts"),
@@ -273,7 +274,7 @@ def _register_defaults() -> None:
         "grouped_mm", _lazy("anyseek.kernels.torch_backends.grouped_mm_lora_routed_experts"),
         _lazy_check("anyseek.kernels.torch_backends.grouped_mm_available"), ("cuda",)))
     register("lora_routed_experts", Backend("reference", _lazy("anyseek.kernels.reference.moe.lora_routed_experts"),
-                                            _moe_ref_ok))
+                                            _always("pure PyTorch (the effective weights, grouped by expert)")))
     # LoRA's linear layers: PyTorch matmuls with their own backward everywhere (no kernel of their own), beside the
     # plain formula through autograd
     register("low_rank_linear", Backend("torch", _lazy("anyseek.kernels.torch_lowrank.low_rank_linear"),
@@ -307,14 +308,6 @@ def _sdpa_ok(example: torch.Tensor) -> tuple[bool, str]:
     from anyseek.kernels.torch_backends import sdpa_available
 
     return sdpa_available(example)
-
-
-def _moe_ref_ok(example: torch.Tensor) -> tuple[bool, str]:
-    try:
-        _import("anyseek.kernels.reference.moe.routed_experts")
-    except (ImportError, AttributeError) as e:
-        return False, f"anyseek.kernels.reference.moe is missing ({e})"
-    return True, "pure PyTorch (grouped by expert)"
 
 
 _register_defaults()
