@@ -2,13 +2,16 @@
 
     python benchmarks/scale.py --data DIR [--config small] [--gpus 1,2,4] [--steps 60] [--tokens 8192]
                                [--variants ",--train.cuda_graphs=false"] [--out DIR]
+    python benchmarks/scale.py --data DIR --config 16B --gpus 4 --no-single --set "--parallel.ep=4" --profile 20:3
 
 Each row is a whole training run (a fresh process group per run, its own output folder under a temporary directory):
 tokens/s is the median of what the trainer itself logs for the steps after the first third (all ranks together: each
 rank takes --tokens per step), the loss is that of the last step. A run that has not ended after --timeout seconds
 gets SIGABRT (Python's faulthandler then prints every thread's stack into its log) and is reported as hung, with the
 log's tail under --out. --variants: override sets tried for every rank count ("" = the defaults), comma-separated,
-each a space-separated list of --section.key=value.
+each a space-separated list of --section.key=value. --set: overrides for every run (e.g. a 16B proxy with fewer
+layers: "--model.num_hidden_layers=8"). --profile START:COUNT: every run also writes `train.profile`'s trace and
+step breakdown (train/profile.py), and the breakdowns of every rank are printed after the table (profiles.md).
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path 
     later = [r for r in train if r["step"] > max(r["step"] for r in train) // 3] if train else []
     return {"name": name, "exit": code, "steps": len(train),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later) if later else float("nan"),
-            "loss": train[-1]["loss"] if train else float("nan")}
+            "loss": train[-1]["loss"] if train else float("nan"),
+            "mfu": statistics.median(r.get("mfu", float("nan")) for r in later) if later else float("nan"),
+            "profiles": {p.stem: p.read_text() for p in sorted((out / "profile").glob("rank*.md"))}}
 
 
 def main() -> None:
@@ -80,14 +85,19 @@ def main() -> None:
     p.add_argument("--variants", default=",--train.cuda_graphs=false")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run before it counts as hung")
     p.add_argument("--out", default=None, help="folder for the table and each run's log tail")
+    p.add_argument("--set", default="", help="space-separated --section.key=value overrides for every run")
+    p.add_argument("--no-single", action="store_true", help="skip the one-process run (a model no GPU holds)")
+    p.add_argument("--profile", default="", help="START:COUNT: profile these steps of every run (train.profile)")
     args = p.parse_args()
 
     common = ["--config", args.config, f"--data.path={args.data}", f"--data.tokens_per_batch={args.tokens}",
               f"--data.max_seqlen={args.seqlen}", f"--train.max_steps={args.steps}", "--train.eval_every=1000000",
               "--train.save_every=1000000", "--train.sample_tokens=0", "--train.tensorboard=false",
-              "--train.log_every=1", f"--train.device={args.device}"]  # fmt: skip
+              "--train.log_every=1", f"--train.device={args.device}", *args.set.split()]  # fmt: skip
+    if args.profile:
+        common.append(f"--train.profile={args.profile}")
     log_dir = Path(args.out) / "logs" if args.out else None
-    runs = [("one process", 0, "", [sys.executable, "-m", "anyseek", "train", *common])]
+    runs = [] if args.no_single else [("one process", 0, "", [sys.executable, "-m", "anyseek", "train", *common])]
     for n in (int(g) for g in args.gpus.split(",")):
         for variant in args.variants.split(","):
             extra = variant.split()
@@ -101,20 +111,24 @@ def main() -> None:
             r.update(label=name, ranks=n)
             results.append(r)
             print(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, exit {r['exit']}", file=sys.stderr, flush=True)
-    base = results[0]["tokens_per_s"]
-    lines = [f"`anyseek train --config {args.config}`, {args.tokens} tokens per rank per step, {args.steps} steps, "
-             f"{env_line(args.device)}", "",
-             "| run | ranks | tokens/s (all ranks) | per rank | vs one process | loss at the last step | exit |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    base = results[0]["tokens_per_s"] if not args.no_single else float("nan")
+    lines = [f"`anyseek train --config {args.config} {args.set}`, {args.tokens} tokens per rank per step, "
+             f"{args.steps} steps, {env_line(args.device)}", "",
+             "| run | ranks | tokens/s (all ranks) | per rank | MFU | vs one process | loss at the last step | exit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in results:
         per = r["tokens_per_s"] / max(r["ranks"], 1)
         lines.append(f"| {r['label']} | {r['ranks'] or '-'} | {r['tokens_per_s']:,.0f} | {per:,.0f} | "
-                     f"{r['tokens_per_s'] / base:.2f}x | {r['loss']:.4f} | {r['exit']} |")
+                     f"{r['mfu']:.1%} | {r['tokens_per_s'] / base:.2f}x | {r['loss']:.4f} | {r['exit']} |")
     table = "\n".join(lines)
-    print(table)
+    profiles = "\n\n".join(f"### {r['label']}, {rank}\n\n{text}" for r in results
+                           for rank, text in r["profiles"].items())  # fmt: skip
+    print(table + ("\n\n" + profiles if profiles else ""))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "scale.md").write_text(table + "\n")
+        if profiles:
+            (Path(args.out) / "profiles.md").write_text(profiles + "\n")
 
 
 if __name__ == "__main__":

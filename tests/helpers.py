@@ -137,7 +137,8 @@ def train_ranks(data: str, out: str, overrides: list[str], resume: bool) -> None
         replays = trainer.graphs.replays if trainer.graphs is not None else 0
         (Path(out) / "graphs.json").write_text(json.dumps({"note": trainer.engine.graphs_note, "replays": replays,
                                                            "overlap": trainer.overlap,
-                                                           "weights": trainer.working_note}))
+                                                           "weights": trainer.working_note,
+                                                           "overflows": trainer.engine.overflows}))
     trainer.close()  # as `anyseek train` does: the graphs before the process group (`_entry` destroys it)
 
 

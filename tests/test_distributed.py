@@ -103,6 +103,21 @@ def test_expert_parallel_run_equals_data_parallel(runs, data_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("factor, overflows", [(0, 0), (0.5, N)])
+def test_fixed_shape_expert_dispatch_equals_data_parallel(runs, data_dir, factor, overflows):
+    """parallel.ep_dispatch=fixed: the worst-case capacity never overflows; half the fair share overflows at every
+    step, which then runs again on the exact dispatch: the steps applied are the same either way."""
+    out = runs / f"ep-fixed-{factor}"
+    overrides = [*STEPS, "--parallel.ep=2", "--parallel.ep_dispatch=fixed", f"--parallel.ep_capacity_factor={factor}"]
+    assert spawn(train_ranks, str(data_dir), str(out), overrides, False) == [0, 0]
+    dp, ep = train_losses(runs / "dp"), train_losses(out)
+    assert list(ep) == list(dp)
+    for step in dp:
+        assert ep[step] == pytest.approx(dp[step], rel=1e-5), step
+    assert json.loads((out / "graphs.json").read_text())["overflows"] == overflows
+
+
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_on_one_process(runs, data_dir, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(runs / "dp", out, ignore=shutil.ignore_patterns(LAST))

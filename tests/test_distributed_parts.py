@@ -22,7 +22,7 @@ def _expert_parallel_equals_local() -> None:
     import torch.distributed as dist
 
     from anyseek import kernels
-    from anyseek.distributed.expert_parallel import dispatch_combine
+    from anyseek.distributed.expert_parallel import capacity_rows, dispatch_combine, dispatch_combine_fixed
 
     rank = dist.get_rank()
     E, D, I, K = 6, 16, 8, 2
@@ -42,16 +42,38 @@ def _expert_parallel_equals_local() -> None:
         gu_ep = gate_up[rank * 3:(rank + 1) * 3].clone().requires_grad_()
         d_ep = down[rank * 3:(rank + 1) * 3].clone().requires_grad_()
         y_ref = kernels.routed_experts(x_ref, ids, w_ref, gu_ref, d_ref)
-        y_ep = dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD)
         g = torch.randn(T, D, generator=gen)
         (y_ref * g).sum().backward()
-        (y_ep * g).sum().backward()
-        torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(w_ep.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
-        for full_grad, mine in ((gu_ref.grad, gu_ep.grad), (d_ref.grad, d_ep.grad)):
-            dist.all_reduce(full_grad)  # the expert's gradient sums every rank's tokens
-            torch.testing.assert_close(mine, full_grad[rank * 3:(rank + 1) * 3], rtol=1e-5, atol=1e-6)
+        for gu_r in (gu_ref.grad, d_ref.grad):
+            dist.all_reduce(gu_r)  # the expert's gradient sums every rank's tokens
+        # exact splits; fixed shapes at the worst case, and at a capacity of exactly the largest pair's rows (the
+        # same on both ranks: each rank's own T differs); every result equal to the local experts'
+        counts = torch.zeros(2, 2, dtype=torch.int64)
+        counts[rank] = torch.bincount(ids.reshape(-1) // 3, minlength=2)
+        dist.all_reduce(counts)
+        tight = int(counts.max())
+        worst = capacity_rows(17, K, 2, 3, factor=0)  # T at most 17 (rank 1)
+        for capacity in (None, worst, tight):
+            x_ep, w_ep = (t.clone().requires_grad_() for t in (x, w))
+            gu_ep = gate_up[rank * 3:(rank + 1) * 3].clone().requires_grad_()
+            d_ep = down[rank * 3:(rank + 1) * 3].clone().requires_grad_()
+            overflow = torch.zeros((), dtype=torch.bool)
+            y_ep = (dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD) if capacity is None else
+                    dispatch_combine_fixed(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, capacity, overflow))
+            (y_ep * g).sum().backward()
+            assert not overflow
+            torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(w_ep.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+            for full_grad, mine in ((gu_ref.grad, gu_ep.grad), (d_ref.grad, d_ep.grad)):
+                torch.testing.assert_close(mine, full_grad[rank * 3:(rank + 1) * 3], rtol=1e-5, atol=1e-6)
+        # one row short of the largest pair: every rank sees the overflow after the step's all-reduce
+        overflow = torch.zeros((), dtype=torch.bool)
+        dispatch_combine_fixed(x, ids, w, gate_up[rank * 3:(rank + 1) * 3], down[rank * 3:(rank + 1) * 3],
+                               dist.group.WORLD, tight - 1, overflow)
+        flag = overflow.float().reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        assert flag.item() == 1.0
 
 
 def _collectives(result: str) -> None:

@@ -81,6 +81,29 @@ def _worker() -> None:
         got, want = moe_plan.build_plan(ids, E, bm), moe_plan.build_plan_torch(ids, E, bm)
         same.append(all(torch.equal(a, b) for a, b in zip(got, want)))
     results["plan_is_stable_sort"] = {"pass": all(same), "table": same}
+    # slots no expert takes (id E: expert parallelism's empty receive rows): placed after every expert, in no tile;
+    # the experts' output and gradients on the other rows as if those slots were not there (the reference's), and
+    # zero routing-weight gradients on them
+    x, _, w, gu, dn, dy = accuracy.moe_inputs(45, 32, 24, 5, 1, "balanced", 11)
+    ids = torch.randint(0, 5, (45, 1), generator=torch.Generator().manual_seed(3))
+    ids[torch.tensor([0, 7, 8, 9, 30, 44])] = 5
+    got = moe_plan.build_plan(ids, 5, 16)
+    same_plan = all(torch.equal(a, b) for a, b in zip(got, moe_plan.build_plan_torch(ids, 5, 16)))
+    sentinel_rows_last = bool(got[2][5] == 39 and (ids.reshape(-1)[got[0][39:].long()] == 5).all())
+    from anyseek.kernels.reference import moe as moe_ref
+
+    def both(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+        y = fn(leaves[0], ids, leaves[1], *leaves[2:])
+        (y * dy).sum().backward()
+        return [y.detach()] + [t.grad for t in leaves]
+
+    tri, ref = both(moe.routed_experts), both(moe_ref.routed_experts)
+    real = ids[:, 0] < 5
+    close = [torch.allclose(tri[i][real], ref[i][real], atol=1e-5) for i in (0, 1, 2)]
+    close += [torch.allclose(a, b, atol=1e-5) for a, b in zip(tri[3:], ref[3:])]
+    close += [bool((tri[2][~real] == 0).all()), same_plan, sentinel_rows_last]
+    results["no_expert_rows"] = {"pass": all(close), "table": close}
     # weight gradients written straight into their destinations (the working copy's flat buffer), same values
     from anyseek import kernels as kernels_mod
 
@@ -179,7 +202,7 @@ def interp_results():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "grad_destination", "lora", "lora_rank20", "lora_addend",
+                         + ["plan", "plan_is_stable_sort", "no_expert_rows", "grad_destination", "lora", "lora_rank20", "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):

@@ -9,7 +9,16 @@ to the rank that holds their expert and back with two `all_to_all_single`s (coun
         outputs [N, D]  --all_to_all (reverse splits)-->  [M, D]  --sum each token's K rows in fp32-->  y [T, D]
 
 Backward is the same exchange with the splits swapped (`_AllToAll`). The one host sync per MoE layer and forward is
-the split sizes: `all_to_all_single` takes them as Python ints. The expert weights are DTensors on the expert
+the split sizes: `all_to_all_single` takes them as Python ints.
+
+Without host syncs (`Dispatch.capacity`, what lets the step replay as a CUDA graph): every (source, destination)
+pair gets a fixed block of C rows, so both exchanges have equal, fixed splits, and the exact counts travel on the
+device (the counts all-to-all, also of fixed size). The received [ep*C, D] rows carry the local expert of each row,
+worked out on the device from the counts; rows past a source's count are marked "no expert" (id E_loc), which the
+routed-experts kernel skips (no work, no tile). A pair with more than C rows is an overflow: the rows past C are
+not sent, and the step's `Dispatch.overflow` flag is set on the device; the training step then runs that step again
+on the exact path (train/step.py), so no token is ever dropped from an applied step. C defaults to the worst case
+(T*min(K, E_loc) rows: no overflow possible) where it fits, or a multiple of the fair share T*K/ep. The expert weights are DTensors on the expert
 mesh ("edp", "ep"): Shard(0) over "ep", Replicate over "edp" (the copies held by the other expert groups); their
 gradients are summed over "edp" by `sync_expert_grads` before clipping (a no-op when ep == world size).
 
@@ -17,6 +26,9 @@ Shape legend: T tokens, K experts per token, M = T*K routed slots, N rows receiv
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -53,6 +65,87 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
+
+
+def dispatch_combine_fixed(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    gate_up_local: torch.Tensor,
+    down_local: torch.Tensor,
+    group,
+    capacity: int,
+    overflow: torch.Tensor,
+) -> torch.Tensor:
+    """`dispatch_combine` in fixed shapes, without a host sync: `capacity` (C) rows for each (source, destination)
+    pair; `overflow` (a device scalar) is raised where a pair needs more (the rows past C are not computed)."""
+    T, K = topk_ids_TK.shape
+    ep, E_loc, C, D = dist.get_world_size(group), gate_up_local.shape[0], capacity, x_TD.shape[1]
+    dev = x_TD.device
+    ids_M = topk_ids_TK.reshape(-1)
+    M = ids_M.numel()
+    order_M = torch.argsort(ids_M, stable=True)  # slots grouped by expert, hence by owning rank
+    counts_E = torch.zeros(ep * E_loc, dtype=torch.int64, device=dev).index_add_(0, ids_M, torch.ones_like(ids_M))
+    recv_counts_E = torch.empty_like(counts_E)  # [ep sources x E_loc of my experts]
+    dist.all_to_all_single(recv_counts_E, counts_E, group=group)  # equal splits: no host sync
+    to_rank_R = counts_E.view(ep, E_loc).sum(1)
+    dest_M = ids_M.index_select(0, order_M) // E_loc  # the owning rank of each sorted slot
+    pos_M = torch.arange(M, device=dev) - (to_rank_R.cumsum(0) - to_rank_R).index_select(0, dest_M)
+    keep_M = pos_M < C
+    overflow.logical_or_(~keep_M.all())
+    at_M = torch.where(keep_M, dest_M * C + pos_M, ep * C)  # a slot past its pair's C rows: the spare row ep*C
+    rows_MD = x_TD.index_select(0, order_M // K)
+    w_M = topk_weights_TK.reshape(-1).index_select(0, order_M)
+    send_SD = rows_MD.new_zeros(ep * C + 1, D).index_copy(0, at_M, rows_MD)[:-1]
+    send_w_S = w_M.new_zeros(ep * C + 1).index_copy(0, at_M, w_M)[:-1]
+    splits = [C] * ep
+    recv_SD, recv_w_S = _AllToAll.apply(splits, splits, group, send_SD, send_w_S)
+    # row j of source s's block: the first local expert whose running count passes j (E_loc: past the count)
+    ends = recv_counts_E.view(ep, E_loc).cumsum(1)
+    local_S = torch.searchsorted(ends, torch.arange(C, device=dev).expand(ep, C).contiguous(), right=True)
+    y_SD = kernels.routed_experts(recv_SD, local_S.view(-1, 1), recv_w_S[:, None], gate_up_local, down_local)
+    (back_SD,) = _AllToAll.apply(splits, splits, group, y_SD)
+    y_MD = torch.cat([back_SD, back_SD.new_zeros(1, D)]).index_select(0, at_M)
+    out_TD = torch.zeros(T, D, dtype=torch.float32, device=dev)
+    return out_TD.index_add(0, order_M // K, y_MD.float()).to(x_TD.dtype)
+
+
+class Dispatch:
+    """How every MoE layer of a model sends its rows (shared by them): inside `fixed_shapes()` (the training step's
+    micro-batches, which C was sized for) `capacity` C rows per (source, destination) pair (`dispatch_combine_fixed`:
+    no host sync); elsewhere (evaluation, sampling, a step run again after an overflow), or with capacity None,
+    exact splits read on the host (`dispatch_combine`). `overflow`: raised on the device by a fixed-shape dispatch
+    that needed more than C rows, until `reset`."""
+
+    def __init__(self, device: torch.device, capacity: int | None = None):
+        self.capacity = capacity
+        self.overflow = torch.zeros((), dtype=torch.bool, device=device)
+        self._on = False
+
+    def reset(self) -> None:
+        self.overflow.zero_()
+
+    @contextlib.contextmanager
+    def fixed_shapes(self):
+        before, self._on = self._on, self.capacity is not None
+        try:
+            yield
+        finally:
+            self._on = before
+
+    @property
+    def fixed(self) -> bool:
+        return self._on
+
+
+def capacity_rows(tokens: int, top_k: int, ep: int, experts_here: int, factor: float) -> int:
+    """C for micro-batches of `tokens` tokens: `factor` times a pair's fair share (tokens*top_k/ep, rounded up to
+    16 rows), at most the worst case tokens*min(top_k, experts_here) (which never overflows). factor <= 0: the
+    worst case."""
+    worst = tokens * min(top_k, experts_here)
+    if factor <= 0:
+        return worst
+    return max(1, min(worst, -(-math.ceil(factor * tokens * top_k / ep) // 16) * 16))
 
 
 def dispatch_combine(
@@ -93,9 +186,11 @@ class ExpertParallelExperts(nn.Module):
     """Drop-in for `model.moe.Experts` (same parameter names, so state dicts and checkpoints keep their keys)
     holding this rank's slice of the experts as DTensors on `mesh` ("edp", "ep")."""
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, mesh: DeviceMesh):
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, mesh: DeviceMesh,
+                 dispatch: Dispatch | None = None):
         super().__init__()
         self.mesh = mesh
+        self.dispatch = dispatch
         placements = [Replicate(), Shard(0)]
         self.gate_up_proj = nn.Parameter(distribute_tensor(gate_up_proj.detach(), mesh, placements))
         self.down_proj = nn.Parameter(distribute_tensor(down_proj.detach(), mesh, placements))
@@ -104,21 +199,26 @@ class ExpertParallelExperts(nn.Module):
                 add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         gate_up = self.gate_up_proj.to_local(grad_placements=self.gate_up_proj.placements)
         down = self.down_proj.to_local(grad_placements=self.down_proj.placements)
-        y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, self.mesh.get_group("ep"))
+        group, d = self.mesh.get_group("ep"), self.dispatch
+        if d is not None and d.fixed:
+            y_TD = dispatch_combine_fixed(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group, d.capacity,
+                                          d.overflow)
+        else:
+            y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group)
         return y_TD if add_TD is None else y_TD + add_TD
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Replace every MoE layer's `experts` with its expert-parallel twin on `mesh` ("edp", "ep"); the model's full
-    expert weights (identical on every rank) are split by `distribute_tensor`. Returns the new expert parameters
-    (for FSDP to leave alone)."""
+def apply_ep(model: nn.Module, mesh: DeviceMesh, dispatch: Dispatch | None = None) -> list[nn.Parameter]:
+    """Replace every MoE layer's `experts` with its expert-parallel twin on `mesh` ("edp", "ep"), all sending their
+    rows as `dispatch` says (None: exact splits); the model's full expert weights (identical on every rank) are split
+    by `distribute_tensor`. Returns the new expert parameters (for FSDP to leave alone)."""
     ep = mesh["ep"].size()
     params: list[nn.Parameter] = []
     for moe in model.moe_layers():
         E = moe.experts.gate_up_proj.shape[0]
         if E % ep:
             raise ValueError(f"parallel.ep={ep} must divide the number of routed experts ({E})")
-        moe.experts = ExpertParallelExperts(moe.experts.gate_up_proj, moe.experts.down_proj, mesh)
+        moe.experts = ExpertParallelExperts(moe.experts.gate_up_proj, moe.experts.down_proj, mesh, dispatch)
         params += [moe.experts.gate_up_proj, moe.experts.down_proj]
     return params
 

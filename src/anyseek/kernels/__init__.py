@@ -75,7 +75,9 @@ def routed_experts(
 ) -> torch.Tensor:
     """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]) (+ add[t]), e = topk_ids[t,k].
 
-    x [T, D], topk_ids int [T, K], topk_weights [T, K] (already normalised and scaled by the router),
+    x [T, D], topk_ids int [T, K] in [0, E] (E: a slot no expert takes, as expert parallelism's empty receive rows
+    are; its output row is unspecified and its gradients are ignored), topk_weights [T, K] (already normalised and
+    scaled by the router),
     gate_up_proj [E, 2*I, D] (rows 0..I-1 the gate projection, I..2I-1 the up projection; nn.Linear layout),
     down_proj [E, D, I]; add_TD [T, D] or None: a term added to the output (the shared experts'; every backend takes
     it, the Triton one sums it with the K experts' rows in one fp32 pass). Returns y [T, D] in x's dtype (promoted

@@ -237,6 +237,7 @@ def grouped_mm_routed_experts(
     if torch.is_autocast_enabled(x_TD.device.type):  # autocast does not cover _grouped_mm: cast as it would
         dtype = torch.get_autocast_dtype(x_TD.device.type)
         x_TD, gate_up_proj_EFD, down_proj_EDI = (t.to(dtype) for t in (x_TD, gate_up_proj_EFD, down_proj_EDI))
+    topk_ids_TK, topk_weights_TK = moe_ref.no_expert_rows(topk_ids_TK, topk_weights_TK, E)
     x_MD, order_M, counts_E = moe_ref.permute(x_TD, topk_ids_TK, E)
     offs_E = counts_E.cumsum(0).to(torch.int32)  # stays on the device
     h_MF = torch._grouped_mm(x_MD, gate_up_proj_EFD.transpose(1, 2), offs=offs_E)

@@ -96,6 +96,9 @@ class TrainConfig:
     sample_prompt: str = "The history of"
     sample_tokens: int = 40
     tensorboard: bool = True  # write event files when tensorboard is installed
+    # "START:COUNT": a torch.profiler trace of COUNT steps from step START on, every rank its own, and a breakdown
+    # of the step (compute, all-to-all, other communication, GPU idle, host syncs) in out_dir/profile/ (train/profile.py)
+    profile: str = ""
     # Piecewise-constant schedules by tokens seen, [[from_tokens, value], ...] starting at 0; empty: the model
     # section's constant. The V3 report: MTP weight 0.3 for the first 10T tokens then 0.1
     # (mtp_loss_weight_schedule = [[0, 0.3], [10e12, 0.1]]); bias update speed 0.001 until 14.3T tokens, then 0.
@@ -129,6 +132,7 @@ class TrainConfig:
             self.overlap_steps = "true" if self.overlap_steps else "false"
         if self.overlap_steps not in ("auto", "true", "false"):
             raise ConfigError(f"train.overlap_steps must be auto, true or false, got {self.overlap_steps!r}")
+        profile_window(self.profile)
         if self.moments_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"train.moments_dtype must be fp32 or bf16, got {self.moments_dtype!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
@@ -153,6 +157,13 @@ class ParallelConfig:
     """[parallel]: used when the run is launched by torchrun (one process per device); see docs/distributed.md."""
 
     ep: int = 1  # expert parallelism: routed experts sharded over groups of this many ranks (divides world size)
+    # how expert parallelism's rows travel in the training step: "fixed" (C rows per pair of ranks, no host sync, so
+    # the step can replay as a CUDA graph; a step that needs more runs again on the exact path), "exact" (the split
+    # sizes read on the host every MoE layer: eager only), "auto" (fixed on CUDA, exact on the CPU)
+    ep_dispatch: str = "auto"
+    # fixed: C = this many times a pair's fair share of rows (tokens * top_k / ep), at most the worst case
+    # (tokens * min(top_k, experts per rank): never overflows); 0: the worst case
+    ep_capacity_factor: float = 2.0
     backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
     param_dtype: str = "auto"  # FSDP2 compute copy of the weights: auto (bf16 when autocast is bf16), bf16, fp32
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 or bf16
@@ -166,7 +177,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.ep < 1:
             raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
-        for name, allowed in (("backend", ("auto", "nccl", "gloo")), ("param_dtype", ("auto", "bf16", "fp32")),
+        if self.ep_capacity_factor < 0:
+            raise ConfigError(f"parallel.ep_capacity_factor must be >= 0, got {self.ep_capacity_factor}")
+        for name, allowed in (("backend", ("auto", "nccl", "gloo")), ("ep_dispatch", ("auto", "fixed", "exact")), ("param_dtype", ("auto", "bf16", "fp32")),
                               ("reduce_dtype", ("bf16", "fp32")), ("shard_dtype", ("auto", "bf16", "fp32")),
                               ("activation_checkpointing", ("none", "selective", "full"))):
             if getattr(self, name) not in allowed:
@@ -385,6 +398,19 @@ def _check_lora(t: TrainConfig) -> None:
     if t.lora_rank and t.bias_update_speed_schedule:
         raise ConfigError("train.bias_update_speed_schedule is not used with LoRA: the routing biases belong to the "
                           "frozen base")
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """"START:COUNT" -> (START, COUNT); "" -> None. START is the first profiled step (1-based)."""
+    if not spec:
+        return None
+    try:
+        start, count = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"train.profile must look like START:COUNT (e.g. 20:3), got {spec!r}") from None
+    if start < 1 or count < 1:
+        raise ConfigError(f"train.profile {spec!r}: START and COUNT must be at least 1")
+    return start, count
 
 
 def _positive(obj: Any, *names: str) -> None:

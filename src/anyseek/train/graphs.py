@@ -42,13 +42,13 @@ def _pow2(n: int) -> int:
 
 
 def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False, ep: int = 1,
-                grad_accum: int = 1) -> str | None:
+                grad_accum: int = 1, ep_fixed: bool = False) -> str | None:
     """Why the step cannot (or, by default, does not) run as CUDA graphs here; None: it does.
 
     Under torchrun the captured micro-batch holds FSDP2's work too: its hooks run once, while capturing, and the
     copies and collectives they issue (the gathered weights, the reduced gradients) replay with the rest, so the
-    gradients land in the same sharded `.grad` tensors at every replay. That needs one micro-batch per step and no
-    expert parallelism (its all-to-all reads the counts on the host). On by default for any number of ranks: one
+    gradients land in the same sharded `.grad` tensors at every replay. That needs one micro-batch per step, and
+    with expert parallelism its fixed-shape dispatch (parallel.ep_dispatch: the exact one reads counts on the host). On by default for any number of ranks: one
     rank measured and tested on one GPU; several ranks (NCCL collectives inside the graph) measured on 2 H200s, 4.9x
     the eager step, which is host-bound (docs/distributed.md)."""
     if device.type != "cuda":
@@ -56,8 +56,9 @@ def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False,
     if compiled:
         return "train.compile=true: torch.compile manages its own graphs"
     if torchrun:
-        if ep > 1:
-            return "expert parallelism (parallel.ep > 1) reads the all-to-all's counts on the host"
+        if ep > 1 and not ep_fixed:
+            return ("expert parallelism's exact dispatch (parallel.ep_dispatch=exact) reads the all-to-all's counts "
+                    "on the host")
         if grad_accum > 1:
             return "under torchrun the graphs take one micro-batch per step (train.grad_accum=1)"
     return None

@@ -40,6 +40,7 @@ class Parallel:
         self._host_group = None  # `sum_host`'s gloo group, made at its first use
         self._norm_plan: tuple | None = None  # clip_grad_norm_'s grouping, for gradients at the same addresses
         self.expert_params: list[nn.Parameter] = []
+        self.dispatch = None  # expert parallelism's `Dispatch` (fixed-shape or exact exchanges), shared by its layers
         if cfg.ep > 1 and not env.active:
             raise ValueError(f"parallel.ep={cfg.ep} needs several processes: launch with torchrun or "
                              "`anyseek train --nproc-per-node N`")
@@ -70,9 +71,11 @@ class Parallel:
         """The packed loader's share: every rank a disjoint, deterministic stride of each epoch's documents."""
         return {"rank": self.env.rank, "world_size": self.env.world_size}
 
-    def parallelize(self, model: nn.Module, autocast_dtype: torch.dtype | None, grad_accum: int = 1) -> nn.Module:
+    def parallelize(self, model: nn.Module, autocast_dtype: torch.dtype | None, grad_accum: int = 1,
+                    tokens: int | None = None) -> nn.Module:
         """Activation checkpointing, expert parallelism, then FSDP2 over every rank (with bf16 shards: their fp32
-        masters, `self.masters`). Inactive: only checkpointing."""
+        masters, `self.masters`). Inactive: only checkpointing. tokens: a micro-batch's tokens at most (what the
+        fixed-shape dispatch's capacity is sized for)."""
         from anyseek.distributed.fsdp import (
             ShardMasters,
             apply_activation_checkpointing,
@@ -87,9 +90,15 @@ class Parallel:
         if not self.active:
             return model
         if self.ep_mesh is not None:
-            from anyseek.distributed.expert_parallel import apply_ep
+            from anyseek.distributed.expert_parallel import Dispatch, apply_ep, capacity_rows
 
-            self.expert_params = apply_ep(model, self.ep_mesh)
+            capacity = None
+            if self.ep_fixed and tokens:
+                moe = model.moe_layers()[0]
+                capacity = capacity_rows(tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep,
+                                         self.cfg.ep_capacity_factor)
+            self.dispatch = Dispatch(self.device, capacity)
+            self.expert_params = apply_ep(model, self.ep_mesh, self.dispatch)
         compute = compute_dtype(self.cfg.param_dtype, autocast_dtype)
         shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)
         mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype, self.env.world_size,
@@ -98,6 +107,34 @@ class Parallel:
         if shard_dtype != torch.float32:
             self.masters = ShardMasters(model, shard_dtype)
         return model
+
+    @property
+    def ep_fixed(self) -> bool:
+        """Whether expert parallelism's training step sends fixed shapes (parallel.ep_dispatch)."""
+        mode = self.cfg.ep_dispatch
+        return self.cfg.ep > 1 and (mode == "fixed" or (mode == "auto" and self.device.type == "cuda"))
+
+    def ep_overflow(self) -> torch.Tensor | None:
+        """Whether any rank's fixed-shape dispatch overflowed in this step (a device scalar, 1.0 if so; one
+        all-reduce, no host sync); None without a fixed-shape dispatch. Zeroed again by `ep_reset`."""
+        if self.dispatch is None or self.dispatch.capacity is None:
+            return None
+        import torch.distributed as dist
+
+        flag = self.dispatch.overflow.float().reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.reshape(())
+
+    def ep_reset(self) -> None:
+        if self.dispatch is not None and self.dispatch.capacity is not None:
+            self.dispatch.reset()
+
+    def ep_fixed_shapes(self):
+        """A context in which expert parallelism sends fixed shapes where configured (the training step's
+        micro-batches); outside it, exact splits."""
+        import contextlib
+
+        return self.dispatch.fixed_shapes() if self.dispatch is not None else contextlib.nullcontext()
 
     def release(self, model: nn.Module) -> None:
         """After forwards outside the training step (evaluation, the sample): free the weights FSDP2 gathered for

@@ -37,6 +37,7 @@ from anyseek.train.config import DataConfig, ParallelConfig, TrainConfig
 FREE_KEYS = frozenset({
     "train.max_steps", "train.log_every", "train.eval_every", "train.eval_tokens", "train.save_every",
     "train.keep_last", "train.max_bad_steps", "train.sample_prompt", "train.sample_tokens", "train.tensorboard",
+    "train.profile",
     "train.threads", "train.tune_allocator", "train.compile", "train.attention_backend", "train.moe_backend",
     "train.device", "data.num_workers",
     # the same steps, numbers and checkpoints either way (tests/test_train_overlap.py)

@@ -70,6 +70,7 @@ class StepStats:
 
 
 _TOKENS, _STOP = "tokens (all ranks)", "stop requests (all ranks)"  # read back with a step's verdict
+_OVERFLOW = "expert dispatch overflow (any rank)"  # read back with the verdict where the dispatch has fixed shapes
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Outcome:
     mtp_weight: float
     launched_at: float  # host clock: the time between two steps' launches is the step time, overlapped or not
     in_a_row: int = 0  # skipped: the non-finite steps in a row so far
+    halted: bool = False  # the device was halted after this step: the step queued behind it was not applied
 
 
 class StepEngine:
@@ -136,6 +138,7 @@ class StepEngine:
         self.step = 0
         self.tokens_seen = 0
         self.bad_in_a_row = 0
+        self.overflows = 0  # steps run again after the fixed-shape expert dispatch overflowed
         self.overlap, self.overlap_note = self._overlap()
         self._pending: _InFlight | None = None
         self._halt = torch.zeros((), dtype=torch.float32, device=device)  # set on the device by a bad step
@@ -156,7 +159,7 @@ class StepEngine:
         done = []
         if ahead:
             done.append(self._settle(pending))
-            if not done[-1].ok:  # the device halted: `launched` was not applied; run it again as the step it is
+            if done[-1].halted:  # the device halted: `launched` was not applied; run it again as the step it is
                 done.append(self._settle(launched, halted=True))
                 return done
         n = number + 1
@@ -188,6 +191,7 @@ class StepEngine:
         if fold:
             self.optimizer.grad_scale = ((grad_norm.float() + CLIP_EPS) / max_norm).clamp(min=1.0)
         stats.stop_requested = self.stop_requested
+        overflow = self.par.ep_overflow()  # (fixed-shape expert dispatch: whether a pair needed more rows)
         # losses, expert loads, tokens and stop requests of every rank (no host sync; with the overlap the counts on
         # the host, for the next step's schedules and the agreed stop)
         self.par.sum_step(stats, counts_on_host=self.overlap)
@@ -195,6 +199,8 @@ class StepEngine:
         grad_norm = grad_norm.float().reshape(())
         if gated:
             bad = ~torch.isfinite(loss + grad_norm)  # grad_norm >= 0: the sum is finite iff both are
+            if overflow is not None:
+                bad = bad | (overflow > 0)
             self._halt.masked_fill_(bad, 1.0)
             set_lr(self.optimizer, lr)
             self.optimizer.step()  # reads `_halt` (FlatAdamW.skip, found_inf): nothing changes once halted
@@ -207,6 +213,9 @@ class StepEngine:
         if stats.global_counts is not None:  # read with the verdict (fp64: token counts beyond 2^24 stay exact)
             names += [_TOKENS, _STOP]
             values = torch.cat([values.double(), stats.global_counts.double()])
+        if overflow is not None:
+            names.append(_OVERFLOW)
+            values = torch.cat([values, overflow.to(values.dtype).reshape(1)])
         event = None
         if values.is_cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -235,6 +244,8 @@ class StepEngine:
             stats.tokens, stats.stop_requested = int(v.pop(_TOKENS)), v.pop(_STOP) > 0
             stats.global_counts = None
         self.stop_agreed = stats.stop_requested  # (summed over the ranks; one process: this process's own)
+        if v.pop(_OVERFLOW, 0.0) > 0:
+            return self._run_exact(item)
         if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
             if item.gated:
                 self._uncount()
@@ -251,7 +262,7 @@ class StepEngine:
                        else "No checkpoint was written yet; start again with a lower --train.lr.")
                 )
             return Outcome(False, self.step, v, item.lr, stats.tokens, stats.flops, self.tokens_seen,
-                           stats.mtp_weight, item.launched_at, self.bad_in_a_row)
+                           stats.mtp_weight, item.launched_at, self.bad_in_a_row, halted=item.gated)
         self.bad_in_a_row = 0
         if not item.gated:
             set_lr(self.optimizer, item.lr)
@@ -265,6 +276,24 @@ class StepEngine:
                        item.launched_at)
 
 
+    def _run_exact(self, item: _InFlight) -> Outcome:
+        """A step whose fixed-shape expert dispatch overflowed (some pair of ranks needed more than its C rows; every
+        rank read the same flag): nothing of it was applied (gated: the device halted it and the steps queued
+        behind it). Run it again from its batches on the exact dispatch, eagerly, as the step it is."""
+        if item.gated:
+            self._uncount()
+            self._halt.zero_()
+        self._zero_grads()
+        self.overflows += 1
+        self.log(f"note: step {self.step + 1}: expert parallelism's fixed-shape dispatch overflowed (a pair of ranks "
+                 f"needed more than {self.par.dispatch.capacity} rows); the step runs again on the exact dispatch "
+                 f"({self.overflows} so far; raise parallel.ep_capacity_factor if this is frequent)")
+        again = self._launch(self._accumulate(iter(item.stats.batches), self.tokens_seen, exact=True),
+                             lr_at(self.step, self.cfg.train), self.tokens_seen, gated=item.gated)
+        done = self._settle(again)
+        done.halted = done.halted or item.gated
+        return done
+
     def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
         """One accumulated step finished at once, as the loop without the overlap runs it: (applied, loss, grad
         norm); the step count goes up when applied."""
@@ -272,12 +301,13 @@ class StepEngine:
         return o.ok, o.values["loss"], o.values["grad_norm"]
 
 
-    def _accumulate(self, batches, tokens: int | None = None) -> StepStats:
+    def _accumulate(self, batches, tokens: int | None = None, exact: bool = False) -> StepStats:
         """Forward and backward over the step's micro-batches. The losses are normalised once for the whole step:
         each micro-batch's summed next-token (and per-depth MTP) loss is divided by the step's count of valid
         targets, and its summed balance loss by the step's count of segments (per MoE layer group), both counted on
         the host copies of the batches before any of them runs (no device sync) and summed over the ranks, so a
-        micro-batch with few targets or segments weighs no more than they do."""
+        micro-batch with few targets or segments weighs no more than they do. exact: eagerly (no graphs), for a
+        step run again on expert parallelism's exact dispatch."""
         t = self.cfg.train
         micro = [next(batches) for _ in range(t.grad_accum)]
         mtp_weight = self.mtp_loss_weight(tokens)
@@ -292,13 +322,15 @@ class StepEngine:
         counts = _to_device(torch.tensor(step_counts, dtype=torch.float32), self.device)
         counts = self.par.sum_(counts)  # the global batch's: every rank divides by the same counts (one all-reduce)
         num_targets, num_segments = counts[:depths + 1], counts[depths + 1:]
+        self.par.ep_reset()
         for batch in micro:
-            done = (self.graphs.run(batch, num_targets, num_segments, mtp_weight) if self.graphs is not None
-                    else None)
-            if done is None:
-                dev = _to_device(batch, self.device)
-                done = self._micro(dev.input_ids, dev.cu_seqlens, dev.targets, dev.max_seqlen, num_targets,
-                                   num_segments, mtp_weight)
+            with contextlib.nullcontext() if exact else self.par.ep_fixed_shapes():
+                done = (self.graphs.run(batch, num_targets, num_segments, mtp_weight)
+                        if self.graphs is not None and not exact else None)
+                if done is None:
+                    dev = _to_device(batch, self.device)
+                    done = self._micro(dev.input_ids, dev.cu_seqlens, dev.targets, dev.max_seqlen, num_targets,
+                                       num_segments, mtp_weight)
             loss, parts, load = done
             stats.loss = stats.loss + loss
             for name, value in parts.items():
@@ -352,7 +384,8 @@ class StepEngine:
         if mode == "false":
             return None, "off (train.cuda_graphs=false)"
         why = graphs_lib.unavailable(self.device, self.cfg.train.compile, torchrun=self.par.active,
-                                 ep=self.cfg.parallel.ep, grad_accum=self.cfg.train.grad_accum)
+                                 ep=self.cfg.parallel.ep, grad_accum=self.cfg.train.grad_accum,
+                                 ep_fixed=self.par.ep_fixed)
         if why is not None:
             if mode == "true":
                 raise ConfigError(f"train.cuda_graphs=true but {why}")

@@ -44,12 +44,13 @@ from anyseek.kernels import registry
 from anyseek.model.transformer import DeepSeekV3
 from anyseek.runtime import tune_cpu_allocator
 from anyseek.train import precision
-from anyseek.train.config import ConfigError, RunConfig
+from anyseek.train.config import ConfigError, RunConfig, profile_window
 from anyseek.train.metrics import MetricsLog, TrainProgress, peak_flops, read_metrics
 from anyseek.train.optim import build_optimizer
 from anyseek.train.parallel import Parallel, Silent
 from anyseek.train.plot import write_loss_curve
 from anyseek.train.precision import build_flat_adamw
+from anyseek.train.profile import StepProfiler
 from anyseek.train.preflight import check_prepared, check_vocab, claim_out_dir, describe_os_error
 from anyseek.train.resume import check_resume
 from anyseek.train.start import Start
@@ -109,7 +110,7 @@ class Trainer:
         self.model = self.start.build_model() or DeepSeekV3(self.model_cfg).to(self.device)
         self.model_cfg = self.start.adapt(self.model)  # LoRA: wraps targets, freezes the base
         # EP, FSDP2, checkpointing: from outside
-        self.model = self.par.parallelize(self.model, self.autocast_dtype, t.grad_accum)
+        self.model = self.par.parallelize(self.model, self.autocast_dtype, t.grad_accum, cfg.data.tokens_per_batch)
         self.model.train()
         self.working, self.working_note = self._working_copy()  # before the optimizer and graphs: its buffers
         if self.working is not None:
@@ -219,6 +220,8 @@ class Trainer:
         t_start = time.perf_counter()
         window = {"t": time.perf_counter(), "tokens": 0, "flops": 0.0}
         summary: dict[str, Any] = {}
+        prof_window = profile_window(t.profile)
+        profiler = StepProfiler(prof_window, self.out_dir, self.par.env.rank, self.device, self.log) if prof_window else None
 
         def record(o: Outcome) -> None:
             window["tokens"] += o.tokens
@@ -246,8 +249,12 @@ class Trainer:
                     break
                 if self.step >= t.max_steps:
                     break
+                if profiler:
+                    profiler.before(self.step + 1)
                 for o in engine.advance(batches):
                     record(o)
+            if profiler:
+                profiler.close()
             progress.close()
             if engine.stopping():
                 self.log(f"stop requested: saving step {self.step} and exiting")

@@ -33,6 +33,13 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int):
     return x_TD.index_select(0, order_M // K), order_M, counts_E
 
 
+def no_expert_rows(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int):
+    """Slots whose id is E (no expert: expert parallelism's empty receive rows) as expert E-1 with weight 0: the
+    same maths for backends that group every slot (their output rows are 0 for finite inputs)."""
+    empty = topk_ids_TK >= num_experts
+    return topk_ids_TK.clamp(max=num_experts - 1), topk_weights_TK.masked_fill(empty, 0)
+
+
 def sorted_weights(topk_weights_TK: torch.Tensor, order_M: torch.Tensor) -> torch.Tensor:
     """The routing weight of each routed row, in the expert order of `permute`: fp32 [M]."""
     return topk_weights_TK.reshape(-1).index_select(0, order_M).float()
@@ -100,6 +107,7 @@ def routed_experts(
             f"routed_experts: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights {tuple(topk_weights_TK.shape)} "
             f"must both be [T, K] with T = {x_TD.shape[0]}"
         )
+    topk_ids_TK, topk_weights_TK = no_expert_rows(topk_ids_TK, topk_weights_TK, E)
     x_MD, order_M, counts_E = permute(x_TD, topk_ids_TK, E)
     w_M = sorted_weights(topk_weights_TK, order_M)
     y_MD = grouped_swiglu(x_MD, counts_E.tolist(), gate_up_proj_EFD, down_proj_EDI, w_M)  # rows already weighted

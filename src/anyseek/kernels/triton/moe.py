@@ -257,7 +257,8 @@ def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None, l_token=None):
     I = F // 2
     gemm = _config(dy_TD.device, "dswiglu")
     dh_MF = dy_TD.new_empty(M, F)
-    dw_parts = torch.empty(M, triton.cdiv(I, gemm["BLOCK_N"]), device=dy_TD.device, dtype=torch.float32)
+    # zeros: the rows of slots no expert takes (id E) are in no tile
+    dw_parts = torch.zeros(M, triton.cdiv(I, gemm["BLOCK_N"]), device=dy_TD.device, dtype=torch.float32)
     dn = down_EDI
     if M:
         _gemm(dy_TD, dn, _kn(dn), dh_MF, plan, I, dy_TD.shape[1], gemm,

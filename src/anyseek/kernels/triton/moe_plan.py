@@ -35,15 +35,14 @@ def _plan_scan_kernel(COUNTS, BASE, OFFS, TILE_E, TILE_ROW, E, S, U, block_m, BE
                       BU: tl.constexpr):
     re = tl.arange(0, BE)
     rs = tl.arange(0, BS)
-    inside = (re[:, None] < E) & (rs[None, :] < S)
+    inside = (re[:, None] <= E) & (rs[None, :] < S)  # experts 0..E-1, then group E: the rows no expert takes
     c = tl.load(COUNTS + re[:, None] * S + rs[None, :], mask=inside, other=0)
     tot = tl.sum(c, axis=1)  # [BE] rows of each expert
-    first = tl.cumsum(tot, axis=0) - tot  # offs[e]
+    first = tl.cumsum(tot, axis=0) - tot  # offs[e]; offs[E]: the real experts' rows in all
     base = first[:, None] + tl.cumsum(c, axis=1) - c
     tl.store(BASE + re[:, None] * S + rs[None, :], base, mask=inside)
-    tl.store(OFFS + re, first, mask=re < E)
-    tl.store(OFFS + E, tl.sum(tot, axis=0))
-    tiles = (tot + block_m - 1) // block_m
+    tl.store(OFFS + re, first, mask=re <= E)
+    tiles = tl.where(re < E, (tot + block_m - 1) // block_m, 0)
     cum = tl.cumsum(tiles, axis=0)  # inclusive; experts past E have no tiles
     for u0 in range(0, U, BU):
         u = u0 + tl.arange(0, BU)
@@ -73,7 +72,8 @@ def build_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tup
 
     Returns int32 tensors: slot_M (t*K + k of each row), tok_M (t), offs_E1 (expert e owns rows offs[e]:offs[e+1]),
     tile_expert_U and tile_row_U: for each of the n_ub = cdiv(M, block_m) + E row tiles, its expert (-1: unused)
-    and first row. Tiles never straddle two experts. Ids must lie in [0, E) (the router's top-k)."""
+    and first row. Tiles never straddle two experts. Ids lie in [0, E] (the router's top-k): E marks a slot no expert
+    takes (expert parallelism's empty receive rows), placed after every expert's rows (offs[E] on) and in no tile."""
     ids_M = topk_ids_TK.reshape(-1).to(torch.int32)
     M, K, E = ids_M.numel(), max(topk_ids_TK.shape[-1], 1), num_experts
     dev = ids_M.device
@@ -83,13 +83,13 @@ def build_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tup
     i32 = dict(dtype=torch.int32, device=dev)
     slot, tok, offs = torch.empty(M, **i32), torch.empty(M, **i32), torch.empty(E + 1, **i32)
     tile_expert, tile_row = torch.empty(U, **i32), torch.empty(U, **i32)
-    counts, base = torch.empty(E, S, **i32), torch.empty(E, S, **i32)
+    counts, base = torch.empty(E + 1, S, **i32), torch.empty(E + 1, S, **i32)
     warps = 4 if seg <= 1024 else 8
-    _plan_count_kernel[(E, S)](ids_M, counts, M, S, SEG=seg, num_warps=warps)
-    BE, BS = triton.next_power_of_2(E), triton.next_power_of_2(S)
+    _plan_count_kernel[(E + 1, S)](ids_M, counts, M, S, SEG=seg, num_warps=warps)
+    BE, BS = triton.next_power_of_2(E + 1), triton.next_power_of_2(S)
     _plan_scan_kernel[(1,)](counts, base, offs, tile_expert, tile_row, E, S, U, block_m, BE=BE, BS=BS,
                             BU=max(16, min(128, 8192 // BE)), num_warps=8)
-    _plan_place_kernel[(E, S)](ids_M, base, slot, tok, M, S, K, SEG=seg, num_warps=warps)
+    _plan_place_kernel[(E + 1, S)](ids_M, base, slot, tok, M, S, K, SEG=seg, num_warps=warps)
     return slot, tok, offs, tile_expert, tile_row
 
 
