@@ -69,6 +69,7 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path 
     return {"name": name, "exit": code, "steps": len(train),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later) if later else float("nan"),
             "loss": train[-1]["loss"] if train else float("nan"),
+            "loss_tail": statistics.mean(r["loss"] for r in train[-max(1, len(train) // 10):]) if train else float("nan"),
             "mfu": statistics.median(r.get("mfu", float("nan")) for r in later) if later else float("nan"),
             "profiles": {p.stem: p.read_text() for p in sorted((out / "profile").glob("rank*.md"))}}
 
@@ -114,8 +115,9 @@ def main() -> None:
     base = results[0]["tokens_per_s"] if not args.no_single else float("nan")
     lines = [f"`anyseek train --config {args.config} {args.set}`, {args.tokens} tokens per rank per step, "
              f"{args.steps} steps, {env_line(args.device)}", "",
-             "| run | ranks | tokens/s (all ranks) | per rank | MFU | vs one process | loss at the last step | exit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| run | ranks | tokens/s (all ranks) | per rank | MFU | vs one process | loss at the last step "
+             "| mean loss, last tenth of the steps | exit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in results:
         per = r["tokens_per_s"] / max(r["ranks"], 1)
         lines.append(f"| {r['label']} | {r['ranks'] or '-'} | {r['tokens_per_s']:,.0f} | {per:,.0f} | "
