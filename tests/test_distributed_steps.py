@@ -242,3 +242,26 @@ def test_two_gpus_bf16_shards_train_and_resume(data_dir, tmp_path):
     assert list(c) == list(range(N - EVERY + 1, N + 1))
     for step in c:
         assert c[step] == pytest.approx(a[step], rel=1e-3), step
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")
+def test_two_gpus_expert_parallel_graphed_and_overflow_reruns(data_dir, tmp_path):
+    """EP=2 on 2 GPUs (NCCL, fp32): the fixed-shape dispatch replays in CUDA graphs with the overlap on and gives the
+    exact dispatch's eager losses; with C at half the fair share every step overflows, is halted on the device and
+    runs again exactly (the step queued behind it too), and the losses are the same."""
+    over = [*STEPS, "--train.device=cuda", "--train.dtype=fp32", "--parallel.param_dtype=fp32", "--parallel.ep=2"]
+    runs = {"fixed": ["--parallel.ep_dispatch=fixed"], "exact": ["--parallel.ep_dispatch=exact"],
+            "overflow": ["--parallel.ep_dispatch=fixed", "--parallel.ep_capacity_factor=0.5"]}
+    for name, extra in runs.items():
+        codes = spawn(train_ranks, str(data_dir), str(tmp_path / name), [*over, *extra], False, world=2, timeout=300)
+        assert codes == [0, 0], (name, codes)
+    used = {name: json.loads((tmp_path / name / "graphs.json").read_text()) for name in runs}
+    assert used["fixed"]["replays"] > 0 and used["fixed"]["overlap"] and used["fixed"]["overflows"] == 0, used
+    assert used["exact"]["replays"] == 0 and used["overflow"]["overflows"] == N, used
+    exact = train_losses(tmp_path / "exact")
+    for name in ("fixed", "overflow"):
+        got = train_losses(tmp_path / name)
+        assert list(got) == list(exact) == list(range(1, N + 1)), name
+        for step in got:
+            assert got[step] == pytest.approx(exact[step], rel=1e-4), (name, step)
