@@ -94,10 +94,12 @@ def dispatch_combine_fixed(
     keep_M = pos_M < C
     overflow.logical_or_(~keep_M.all())
     at_M = torch.where(keep_M, dest_M * C + pos_M, ep * C)  # a slot past its pair's C rows: the spare row ep*C
-    rows_MD = x_TD.index_select(0, order_M // K)
+    # each slot's row in the [ep*C] exchange buffers, in slot order (t*K + k), and each buffer row's token
+    at_slot_M = torch.empty_like(at_M).index_copy_(0, order_M, at_M).clamp_(max=ep * C - 1)
+    token_S = torch.zeros(ep * C + 1, dtype=order_M.dtype, device=dev).index_copy_(0, at_M, order_M // K)[:-1]
     w_M = topk_weights_TK.reshape(-1).index_select(0, order_M)
-    send_SD = rows_MD.new_zeros(ep * C + 1, D).index_copy(0, at_M, rows_MD)[:-1]
     send_w_S = w_M.new_zeros(ep * C + 1).index_copy(0, at_M, w_M)[:-1]
+    send_SD = _SendRows.apply(x_TD, token_S, at_slot_M, K)
     splits = [C] * ep
     recv_SD, recv_w_S = _AllToAll.apply(splits, splits, group, send_SD, send_w_S)
     # row j of source s's block: the first local expert whose running count passes j (E_loc: past the count)
@@ -105,9 +107,30 @@ def dispatch_combine_fixed(
     local_S = torch.searchsorted(ends, torch.arange(C, device=dev).expand(ep, C).contiguous(), right=True)
     y_SD = kernels.routed_experts(recv_SD, local_S.view(-1, 1), recv_w_S[:, None], gate_up_local, down_local)
     (back_SD,) = _AllToAll.apply(splits, splits, group, y_SD)
-    y_MD = torch.cat([back_SD, back_SD.new_zeros(1, D)]).index_select(0, at_M)
-    out_TD = torch.zeros(T, D, dtype=torch.float32, device=dev)
-    return out_TD.index_add(0, order_M // K, y_MD.float()).to(x_TD.dtype)
+    return _sum_slots(back_SD.index_select(0, at_slot_M), T, K, x_TD.dtype)
+
+
+def _sum_slots(rows_MD: torch.Tensor, T: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T*K, D] in slot order -> [T, D]: each token's K rows summed in fp32 (k in order: deterministic)."""
+    return rows_MD.view(T, K, -1).sum(1, dtype=torch.float32).to(dtype)
+
+
+class _SendRows(torch.autograd.Function):
+    """The fixed-shape send buffer in one gather: row s is token_S[s]'s row (a row past its pair's count carries
+    token 0's, marked "no expert" on arrival). Backward reads only the rows that were sent (at_slot: each slot's
+    buffer row), summed per token in fp32: the unsent rows' gradients (the experts leave them unspecified) never
+    reach x."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_S, at_slot_M, K: int):
+        ctx.save_for_backward(at_slot_M)
+        ctx.T, ctx.K = x_TD.shape[0], K
+        return x_TD.index_select(0, token_S)
+
+    @staticmethod
+    def backward(ctx, g_SD):
+        (at_slot_M,) = ctx.saved_tensors
+        return _sum_slots(g_SD.index_select(0, at_slot_M), ctx.T, ctx.K, g_SD.dtype), None, None, None
 
 
 class Dispatch:
