@@ -6,11 +6,11 @@
     saves.save(step, ..., periodic=False)                                  # the end, a stop: complete on return
     saves.drain()         # leaving on an error: the save in flight completes (a failure is one warning)
 
-`train.async_save` (auto: on with a CUDA device) writes each checkpoint in the background
+`train.async_save` (auto: on with a CUDA device) writes the periodic checkpoints in the background
 (`anyseek.checkpoint.BackgroundSaver`): the loop is blocked only while the state is copied to host memory ("saving
-step-N in the background (staged in 0.8 s)"), and "saved DIR/step-N" is logged once the folder is complete. Before
-the next save starts the previous one must be complete (the loop waits, and says how long when it had to); the final
-save and a stop's save are waited for before the run ends.
+step-N in the background (staged in 0.8 s, ...)"), and "saved DIR/step-N" is logged once the folder is complete.
+Before the next save starts the previous one must be complete (the loop waits, and says how long when it had to).
+The final save and a stop's save are written at once, as without it: the run has nothing left to overlap them with.
 
 A write that fails (full disk, read-only folder: an OSError, whichever library wrote, `anyseek.storage.os_error`)
 means the same either way, only seen later in the background: a periodic save's failure is one warning line and
@@ -72,10 +72,10 @@ class Saves:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
              periodic: bool, masters=None, adapters=None) -> Path | None:
         """Write step-N: its folder once complete (None while in the background, or after a tolerated failure)."""
-        self.wait()  # the previous one first: its host buffers are this one's
+        self.wait()  # the previous one first: one save at a time (its host buffers are this one's)
         args = (self.out_dir, step, model, optimizer, train_state, self.cfg.to_dict(), self.tokenizer_files,
                 self.cfg.train.keep_last)
-        if self.saver is None:
+        if self.saver is None or not periodic:
             try:  # distributed: a failure on any rank raises OSError on every rank, so all decide alike below
                 path = checkpoint.save(*args, env=self.par.env, masters=masters, adapters=adapters)
             except OSError as e:
@@ -85,7 +85,7 @@ class Saves:
         self.in_flight = _InFlight(step, periodic)
         self.log(f"saving step-{step} in the background (staged in {staged_s:.1f} s, "
                  f"{self.saver.host.nbytes() / 2**30:,.2f} GiB of host buffers)")
-        return None if periodic else self.wait()
+        return None
 
     def poll(self) -> None:
         """Report a background save that has finished, without waiting (see the module's docstring)."""
