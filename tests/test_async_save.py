@@ -304,3 +304,21 @@ def test_two_ranks_saving_in_the_background_write_the_same_checkpoints_and_resum
     assert spawn(train_ranks, str(data_dir), str(out), [*over, ASYNC], True, timeout=300) == [0, 0]
     assert _files(out / "step-6") == _files(tmp_path / "sync" / "step-6")
     assert train_losses(out) == {s: v for s, v in train_losses(tmp_path / "sync").items() if s > 4}
+
+
+@pytest.mark.slow
+def test_checkpoint_benchmark_runs_on_the_cpu(data_dir, tmp_path):
+    """benchmarks/checkpoint_save.py (for GPUs: the loop's blocked time per save) runs end to end on the tiny flavor,
+    prints its table and leaves only its result behind (--keep)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "checkpoint_save.py"
+    out = subprocess.run([sys.executable, str(script), "--flavor", "tiny", "--device", "cpu", "--layers", "2",
+                          "--steps", "1", "--out", str(tmp_path / "bench"), "--keep",
+                          f"--override=--data.path={data_dir}", "--override=--data.tokens_per_batch=256",
+                          "--override=--data.max_seqlen=64", "--override=--train.threads=1"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| synchronous save (train.async_save=false) |" in out.stdout, out.stdout
+    assert "| background save, later ones (buffers reused) |" in out.stdout, out.stdout
+    result = json.loads((tmp_path / "bench" / "result.json").read_text())
+    assert result["bytes"] > 0 and result["next_blocked_s"] >= 0
+    assert sorted(p.name for p in (tmp_path / "bench").iterdir()) == ["result.json"]
