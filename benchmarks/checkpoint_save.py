@@ -36,9 +36,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from anyseek import checkpoint  # noqa: E402
-from anyseek.train.config import load_run_config  # noqa: E402
-from anyseek.train.trainer import Trainer  # noqa: E402
+from anyseek import checkpoint
+from anyseek.train.config import load_run_config
+from anyseek.train.trainer import Trainer
 
 
 def build(args) -> Trainer:
