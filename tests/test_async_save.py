@@ -179,6 +179,62 @@ def test_three_failed_background_saves_in_a_row_stop_the_run(data_dir, tmp_path,
     assert max(train_losses(out)) < 12 and not ckpt_lib.list_checkpoints(out)
 
 
+def _slow_writes(monkeypatch, seconds: float) -> None:
+    """The one-process background writer starts `seconds` late: still writing when the loop has trained on."""
+    real = ckpt_lib.write_snapshot
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_lib, "write_snapshot", slow)
+
+
+def test_a_stop_and_a_divergence_complete_the_background_save_in_flight(data_dir, tmp_path, monkeypatch):
+    """Ctrl-C while step-2 is written in the background: the stop's save (step 3, at once) waits for it, and both
+    are complete when the run returns; a run that diverges completes its save in flight before it raises."""
+    import signal
+
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.train.step import StepEngine
+    from anyseek.train.trainer import TrainingDiverged
+
+    _slow_writes(monkeypatch, 1.0)
+    settle = StepEngine._settle
+
+    def interrupt_at_3(self, item, halted=False):
+        outcome = settle(self, item, halted)
+        if outcome.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return outcome
+
+    monkeypatch.setattr(StepEngine, "_settle", interrupt_at_3)
+    messages: list[str] = []
+    out = tmp_path / "stopped"
+    summary = Trainer(tiny_cfg(data_dir, "--train.max_steps=8", "--train.save_every=2", ASYNC), out,
+                      log=messages.append).run()
+    assert summary.get("stopped_early") and summary["step"] == 3
+    assert [c.step for c in ckpt_lib.list_checkpoints(out)] == [2, 3] and ckpt_lib.latest_checkpoint(out).step == 3
+    assert any(m.startswith("waited ") and "step-2" in m for m in messages), messages
+    monkeypatch.setattr(StepEngine, "_settle", settle)
+
+    forward, calls = DeepSeekV3.forward, {"n": 0}
+
+    def nan_from_the_third(self, *args, **kwargs):
+        result = forward(self, *args, **kwargs)
+        calls["n"] += self.training
+        if self.training and calls["n"] >= 3:
+            result.lm_loss = result.lm_loss * float("nan")
+        return result
+
+    monkeypatch.setattr(DeepSeekV3, "forward", nan_from_the_third)
+    out = tmp_path / "diverged"
+    with pytest.raises(TrainingDiverged):
+        run(tiny_cfg(data_dir, "--train.max_steps=10", "--train.save_every=2", "--train.max_bad_steps=2", ASYNC), out)
+    assert ckpt_lib.latest_checkpoint(out).step == 2
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".step")]
+
+
 # ---------------------------------------------------------------------------------------------- resume, kill -9
 @pytest.mark.slow
 def test_runs_saving_in_the_background_write_the_same_checkpoints_and_resume_exactly(data_dir, tmp_path):

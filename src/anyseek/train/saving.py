@@ -114,6 +114,11 @@ class Saves:
             self.log(f"waited {waited:.1f} s for the background save of step-{job.step} to finish")
         return self._saved(path, job)
 
+    def abandon(self) -> None:
+        """Leaving at once (a second Ctrl-C): forget the save in flight. Its thread dies with the process and leaves
+        a staging folder, which the next run removes; the previous checkpoint stays the newest (kill-safe)."""
+        self.in_flight = None
+
     def drain(self) -> None:
         """Leaving on an error: let the save in flight complete (the newest checkpoint is then the one it writes);
         its failure is one warning line, never raised over the error that ends the run."""

@@ -255,8 +255,8 @@ class Trainer:
             self.log(f"error: {e}")
             summary = {"diverged": str(e)}
             raise
-        except KeyboardInterrupt:  # a second Ctrl-C: now; a save in flight dies with the process (kill-safe)
-            self.saves.in_flight = None
+        except KeyboardInterrupt:  # a second Ctrl-C: leave now, without the save in flight
+            self.saves.abandon()
             raise
         finally:
             self.saves.drain()  # leaving on an error: the background save in flight completes first
