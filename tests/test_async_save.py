@@ -46,7 +46,40 @@ def _shard(path: Path) -> dict:
     ones too, differ in those bytes alone."""
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    return {"header": json.loads(raw[8:8 + n]), "data": hashlib.sha256(raw[8 + n:]).hexdigest()}
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"]["DCP_SHARDING_INFO"] = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    return {"header": header, "data": hashlib.sha256(raw[8 + n:]).hexdigest()}
+
+
+def _shards(folder: Path) -> dict:
+    return {p.name: _shard(p) for p in sorted(folder.glob("*.safetensors"))}
+
+
+def test_dcp_files_streamed_to_disk_are_dcps_own(tmp_path):
+    """The sharded writer streams each file with safetensors' save_file (GIL released, no in-memory copy of the
+    file): the same headers (sharding metadata included) and tensor bytes as DCP's own Hugging Face writer, and DCP
+    reads them back."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    from anyseek.checkpoint.dcp_writer import StreamingWriter
+
+    big = torch.randn(6, 8)
+    state = {"model": {"w": torch.randn(5, 3), "view": big[2:4], "b": torch.arange(7, dtype=torch.int64),
+                       "h": torch.randn(4, 4).bfloat16()}, "optim": {"w": {"exp_avg": torch.randn(5, 3),
+                                                                            "step": torch.tensor(3.0)}}}
+    with warnings.catch_warnings():  # (one process without a process group)
+        warnings.simplefilter("ignore", UserWarning)
+        for name, writer in (("own", HuggingFaceStorageWriter), ("streamed", StreamingWriter)):
+            dcp.save(state, storage_writer=writer(str(tmp_path / name), save_distributed=True))
+        back = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                "optim": {"w": {k: torch.zeros_like(v) for k, v in state["optim"]["w"].items()}}}
+        dcp.load(back, storage_reader=HuggingFaceStorageReader(str(tmp_path / "streamed")))
+    assert _shards(tmp_path / "own") == _shards(tmp_path / "streamed") and len(_shards(tmp_path / "own")) == 1
+    assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
+    assert torch.equal(back["optim"]["w"]["exp_avg"], state["optim"]["w"]["exp_avg"])
 
 
 def _save_args(trainer: Trainer, out: Path) -> tuple:
@@ -308,6 +341,11 @@ def _two_ranks_snapshot_and_failure(data: str, root: str) -> None:
     env, masters = trainer.par.env, trainer.par.masters
     patch.setattr(time, "time", lambda: 1.0e9)
     checkpoint.save(*_save_args(trainer, root / "sync"), env=env, masters=masters)
+    import torch.distributed.checkpoint as dcp  # the same state by DCP's own writer (ours streams its files)
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    live = sharded.snapshot_sharded(*_save_args(trainer, root)[1:7], env, masters).state
+    dcp.save(live, storage_writer=HuggingFaceStorageWriter(str(root / "dcp-own"), save_distributed=True))
     gate = _gate(patch, sharded, "write_sharded")
     saver = checkpoint.BackgroundSaver(env)
     args = _save_args(trainer, root / "async")
@@ -327,7 +365,9 @@ def _two_ranks_snapshot_and_failure(data: str, root: str) -> None:
         a, b = _files(root / "sync" / "step-2"), _files(path)
         differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         left = sorted(p.name for p in (root / "failed").iterdir())
-        (root / "result.json").write_text(json.dumps({"differ": differ, "failure": failure, "left": left}))
+        own = _shards(root / "dcp-own") == _shards(root / "sync" / "step-2" / "dcp") != {}
+        (root / "result.json").write_text(json.dumps({"differ": differ, "failure": failure, "left": left,
+                                                      "dcp_own": own}))
     else:
         (root / "rank1.json").write_text(json.dumps({"failure": failure}))
 
@@ -336,7 +376,7 @@ def _two_ranks_snapshot_and_failure(data: str, root: str) -> None:
 def test_two_ranks_background_save_is_the_synchronous_one_and_a_failure_is_everyones(data_dir, tmp_path):
     assert spawn(_two_ranks_snapshot_and_failure, str(data_dir), str(tmp_path), timeout=300) == [0, 0]
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["differ"] == [], result
+    assert result["differ"] == [] and result["dcp_own"], result
     assert result["failure"][0] == errno.ENOSPC and "on rank 1" in result["failure"][1], result
     assert json.loads((tmp_path / "rank1.json").read_text())["failure"][0] == errno.ENOSPC
     assert result["left"] == [], result  # no step-2, no staging folder

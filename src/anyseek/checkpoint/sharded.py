@@ -3,7 +3,8 @@ number of ranks (one process without torchrun included), and exported to a Huggi
 
     step-N/
       dcp/shard-*.safetensors      model + optimizer state: each rank writes its own shards (DCP's Hugging Face
-                                   storage: safetensors whose headers carry the sharding; nothing is pickled)
+                                   storage: safetensors whose headers carry the sharding; nothing is pickled;
+                                   streamed to disk by `dcp_writer.StreamingWriter`)
       config.json                  the model config (Hugging Face form), for `export_sharded` (`anyseek export`)
       tokenizer files, run_config.json
       train_state.json             step, tokens, data fingerprint, every rank's loader position and random
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from anyseek.checkpoint import rng
+from anyseek.checkpoint.dcp_writer import StreamingWriter
 from anyseek.checkpoint.folder import DCP_DIR, MARKER, CheckpointDamaged, file_sha256, pause_for_tests, prune, verify
 from anyseek.checkpoint.host import HostBuffers
 from anyseek.checkpoint.optimizer import load_optimizer
@@ -119,7 +121,7 @@ def write_sharded(out_dir: Path, snap: ShardedSnapshot, keep_last: int, env: Dis
                 error = e
         agree(error, env)
         tmp = Path(broadcast_json(str(tmp) if env.is_main else None, env))
-        writer = HuggingFaceStorageWriter(str(tmp / DCP_DIR), save_distributed=True)
+        writer = StreamingWriter(str(tmp / DCP_DIR), save_distributed=True)  # (DCP's files, written GIL-free)
         agree(_run(lambda: dcp.save(snap.state, storage_writer=writer, process_group=env.group)), env)
         # every rank's shards are on disk (fsynced by DCP's writer); the ranks share the hashing
         shards = broadcast_json(sorted(str(p.relative_to(tmp)) for p in (tmp / DCP_DIR).rglob("*") if p.is_file())
