@@ -268,6 +268,28 @@ def test_a_stop_and_a_divergence_complete_the_background_save_in_flight(data_dir
     assert not [p.name for p in out.iterdir() if p.name.startswith(".step")]
 
 
+def test_pruning_in_the_background_keeps_the_newest_complete_checkpoint_at_every_step(data_dir, tmp_path, monkeypatch):
+    """keep_last=1 with a save every step, each written slowly: after the first save is complete there is a complete
+    checkpoint at every step (pruning runs after the new folder is in place, one save at a time), and the run ends
+    with the last one alone."""
+    from anyseek.train.saving import Saves
+
+    _slow_writes(monkeypatch, 0.2)
+    out, newest = tmp_path / "run", []
+    poll = Saves.poll
+
+    def watch(self):
+        poll(self)
+        latest = ckpt_lib.latest_checkpoint(out, log=lambda s: None)
+        newest.append(latest.step if latest else None)
+
+    monkeypatch.setattr(Saves, "poll", watch)
+    run(tiny_cfg(data_dir, "--train.max_steps=6", "--train.save_every=1", "--train.keep_last=1", ASYNC), out)
+    first = next(i for i, s in enumerate(newest) if s is not None)
+    assert None not in newest[first:] and newest[first:] == sorted(newest[first:]), newest
+    assert [c.step for c in ckpt_lib.list_checkpoints(out)] == [6]
+
+
 # ---------------------------------------------------------------------------------------------- resume, kill -9
 @pytest.mark.slow
 def test_runs_saving_in_the_background_write_the_same_checkpoints_and_resume_exactly(data_dir, tmp_path):
