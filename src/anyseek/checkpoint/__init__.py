@@ -22,6 +22,7 @@ last inside a staging folder that is renamed into place (`anyseek.storage.atomic
     folder.py     one-process step-N: save (a snapshot, then its files), load, verify, list, prune
     background.py a save in the background: the snapshot into host buffers (host.py), the files by a thread
     sharded.py    sharded step-N (DCP): save, load (any world size), consolidate for export
+    dcp_writer.py DCP's Hugging Face files, each streamed to disk by safetensors (no in-memory copy, GIL released)
     optimizer.py  the optimizer's state: optimizer.safetensors + optimizer.json
     adapters.py   a LoRA checkpoint's adapters.safetensors + lora.json
     rng.py        the random streams (torch CPU/GPU, Python) of one process or of every rank

@@ -49,6 +49,16 @@ def background(mode: str, device: torch.device) -> bool:
     return mode == "true" or (mode == "auto" and device.type == "cuda")
 
 
+def _note(mode: str, on: bool, device: torch.device) -> str:
+    """The run's line about its checkpoints."""
+    if on:
+        pinned = "pinned " if device.type == "cuda" else ""
+        return (f"periodic ones in the background: the loop waits only while one is copied to {pinned}host memory "
+                f"(train.async_save={mode})")
+    why = "in the background with a CUDA device; true: here too" if mode == "auto" else "false"
+    return f"written while the loop waits (train.async_save={'auto: ' if mode == 'auto' else ''}{why})"
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -66,8 +76,7 @@ class Saves:
         on = background(cfg.train.async_save, device)
         self.saver = checkpoint.BackgroundSaver(par.env) if on else None
         self.in_flight: _InFlight | None = None
-        self.note = (f"in the background: blocks while copied to {'pinned ' if device.type == 'cuda' else ''}host "
-                     "memory (train.async_save)" if on else "written before training goes on (train.async_save)")
+        self.note = _note(cfg.train.async_save, on, device)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
              periodic: bool, masters=None, adapters=None) -> Path | None:
