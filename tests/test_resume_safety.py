@@ -131,9 +131,9 @@ def test_resume_without_any_checkpoint_starts_fresh_and_says_so(data_dir, tmp_pa
 
 
 def test_a_full_disk_during_a_periodic_save_warns_and_training_goes_on(data_dir, tmp_path, monkeypatch):
-    from anyseek.checkpoint import folder as optim  # (the one-process writer calls its save_optimizer)
+    from anyseek.checkpoint import folder as optim  # (the one-process writer calls its write_optimizer)
 
-    real, calls = optim.save_optimizer, {"n": 0}
+    real, calls = optim.write_optimizer, {"n": 0}
 
     def full_once(*args, **kwargs):
         calls["n"] += 1
@@ -141,7 +141,7 @@ def test_a_full_disk_during_a_periodic_save_warns_and_training_goes_on(data_dir,
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(optim, "save_optimizer", full_once)
+    monkeypatch.setattr(optim, "write_optimizer", full_once)
     messages: list[str] = []
     out = tmp_path / "run"
     summary = Trainer(tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2"), out,

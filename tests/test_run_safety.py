@@ -297,13 +297,15 @@ def _limit_file_size(limit: int):
 
 
 @pytest.mark.slow
-def test_a_real_write_failure_during_saves_is_one_line_each(data_dir, trained, tmp_path):
+@pytest.mark.parametrize("background", ["false", "true"])
+def test_a_real_write_failure_during_saves_is_one_line_each(data_dir, trained, tmp_path, background):
     """safetensors itself fails to write (the process may not write files past half the model's size): the periodic
-    save is one warning and training goes on; the final save is one error line; no traceback, nothing left."""
+    save is one warning and training goes on; the final save is one error line; no traceback, nothing left. The same
+    with the periodic save written in the background (train.async_save=true: its failure is seen a step later)."""
     out = tmp_path / "run"
     limit = (trained / "step-4" / "model.safetensors").stat().st_size // 2
     r = _anyseek("train", "--out", out, f"--data.path={data_dir}", "--train.max_steps=4", "--train.save_every=2",
-                 *TRAIN_ARGS, preexec_fn=_limit_file_size(limit))
+                 f"--train.async_save={background}", *TRAIN_ARGS, preexec_fn=_limit_file_size(limit))
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "SafetensorError" not in r.stderr, r.stderr[-3000:]
     warning = [line for line in r.stdout.splitlines() if "could not save step 2" in line]

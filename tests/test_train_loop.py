@@ -79,10 +79,10 @@ def test_resume_is_bit_identical(data_dir, tmp_path, monkeypatch, overlap):
 
 def test_failed_save_leaves_previous_checkpoint(data_dir, tmp_path, monkeypatch):
     cfg = tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2")
-    from anyseek.checkpoint import folder as optim  # (the one-process writer calls its save_optimizer)
+    from anyseek.checkpoint import folder as optim  # (the one-process writer calls its write_optimizer)
 
     calls = {"n": 0}
-    real = optim.save_optimizer
+    real = optim.write_optimizer
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -90,13 +90,13 @@ def test_failed_save_leaves_previous_checkpoint(data_dir, tmp_path, monkeypatch)
             raise OSError("disk full (simulated)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(optim, "save_optimizer", flaky)
+    monkeypatch.setattr(optim, "write_optimizer", flaky)
     with pytest.raises(SaveFailed, match="could not save step 4 .*disk full"):  # the final save: the run stops
         run(cfg, tmp_path)
     assert [c.step for c in ckpt_lib.list_checkpoints(tmp_path)] == [2]
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
     assert ckpt_lib.latest_checkpoint(tmp_path).step == 2
-    monkeypatch.setattr(optim, "save_optimizer", real)
+    monkeypatch.setattr(optim, "write_optimizer", real)
     summary = run(cfg, tmp_path, resume=True)
     assert summary["step"] == 4
 

@@ -8,6 +8,9 @@
     ckpt = checkpoint.latest(out_dir)                           # the newest complete one, or None
     checkpoint.export(run_or_step, out)                         # a Hugging Face folder (LoRA merged, shards gathered)
     folder = checkpoint.model_folder(path)                      # what `anyseek generate PATH` loads, verified
+    saver = checkpoint.BackgroundSaver(env=par.env)             # the same folders, written while training goes on:
+    saver.start(out_dir, step, model, optimizer, ...)           #   returns once the state is copied to host memory
+    path = saver.wait()                                         #   complete (or the write's OSError, raised here)
 
 The face picks the form itself: a run of several processes (`env.active`, torchrun) writes a sharded folder
 (`sharded.py`: torch.distributed.checkpoint's safetensors, every rank its shards); one process writes a Hugging Face
@@ -16,8 +19,10 @@ model folder plus the training state (`folder.py`), or for a LoRA run only its a
 one-process checkpoint into N ranks). Every folder ends with checkpoint.json (each file's size and sha256), written
 last inside a staging folder that is renamed into place (`anyseek.storage.atomic_folder`).
 
-    folder.py     one-process step-N: save, load, verify, list, prune
+    folder.py     one-process step-N: save (a snapshot, then its files), load, verify, list, prune
+    background.py a save in the background: the snapshot into host buffers (host.py), the files by a thread
     sharded.py    sharded step-N (DCP): save, load (any world size), consolidate for export
+    dcp_writer.py DCP's Hugging Face files, each streamed to disk by safetensors (no in-memory copy, GIL released)
     optimizer.py  the optimizer's state: optimizer.safetensors + optimizer.json
     adapters.py   a LoRA checkpoint's adapters.safetensors + lora.json
     rng.py        the random streams (torch CPU/GPU, Python) of one process or of every rank
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 
 from anyseek.checkpoint.adapters import Adapters, is_lora
+from anyseek.checkpoint.background import BackgroundSaver
 from anyseek.checkpoint.exporter import export
 from anyseek.checkpoint.find import find_checkpoint, model_folder
 from anyseek.checkpoint.folder import (
@@ -53,9 +59,9 @@ from anyseek.checkpoint.identity import reference
 from anyseek.distributed.env import DistEnv
 from anyseek.storage import CheckpointError
 
-__all__ = ["STEP_DIR", "Adapters", "Checkpoint", "CheckpointDamaged", "CheckpointError", "checkpoints", "export",
-           "find_checkpoint", "is_lora", "is_sharded", "latest", "load", "model_folder", "records", "reference",
-           "run_config", "save", "verify"]
+__all__ = ["STEP_DIR", "Adapters", "BackgroundSaver", "Checkpoint", "CheckpointDamaged", "CheckpointError",
+           "checkpoints", "export", "find_checkpoint", "is_lora", "is_sharded", "latest", "load", "model_folder",
+           "records", "reference", "run_config", "save", "verify"]
 
 checkpoints = list_checkpoints
 latest = latest_checkpoint

@@ -13,12 +13,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from anyseek.checkpoint.identity import same_content
 from anyseek.storage import CheckpointError
-from anyseek.transforms.lora import LoRASpec, adapter_state, load_adapter_state
+from anyseek.transforms.lora import LoRASpec, load_adapter_state
 
 LORA_JSON = "lora.json"
 ADAPTERS = "adapters.safetensors"
@@ -37,8 +38,8 @@ def is_lora(folder: Path) -> bool:
     return (Path(folder) / LORA_JSON).is_file()
 
 
-def write_adapters(model: nn.Module, folder: Path, adapters: Adapters) -> None:
-    tensors = {n: t.to("cpu").contiguous() for n, t in adapter_state(model).items()}
+def write_adapters(tensors: dict[str, torch.Tensor], folder: Path, adapters: Adapters) -> None:
+    """adapters.safetensors (`tensors`: `adapter_state` of the model, on the CPU) and lora.json."""
     save_file(tensors, str(folder / ADAPTERS))
     (folder / LORA_JSON).write_text(json.dumps({**adapters.spec.to_dict(), "base": adapters.base}, indent=1))
 

@@ -32,12 +32,15 @@ from safetensors.torch import load_file, save_file
 
 from anyseek.checkpoint import rng
 from anyseek.checkpoint.adapters import Adapters, read_adapters, write_adapters
-from anyseek.checkpoint.optimizer import load_optimizer, save_optimizer
+from anyseek.checkpoint.host import HostBuffers
+from anyseek.checkpoint.optimizer import load_optimizer, optimizer_state, write_optimizer
 from anyseek.hf import load_pretrained, write_model_files
+from anyseek.model.transformer import DeepSeekV3
 from anyseek.storage import CheckpointError, atomic_folder, recover_staging
+from anyseek.transforms.lora import adapter_state
 
-__all__ = ["CheckpointDamaged", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_training_state",
-           "save_checkpoint", "verify"]
+__all__ = ["CheckpointDamaged", "CheckpointError", "Snapshot", "latest_checkpoint", "list_checkpoints",
+           "load_training_state", "save_checkpoint", "snapshot", "verify", "write_snapshot"]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MARKER = "checkpoint.json"
@@ -113,23 +116,70 @@ def save_checkpoint(
 ) -> Path:
     """Write `out_dir/step-{step}` atomically, then delete all but the newest `keep_last` complete checkpoints.
     The model's files: the full Hugging Face model, or for a LoRA run (`adapters`) only its adapters."""
-    final = out_dir / f"step-{step}"
+    snap = snapshot(step, model, optimizer, train_state, run_config, tokenizer_files, adapters)
+    return write_snapshot(out_dir, snap, keep_last)
+
+
+@dataclass
+class Snapshot:
+    """What a one-process step-N folder holds, taken at one step: `write_snapshot` writes it. Taken into host
+    buffers (`snapshot(host=...)`), it stays as it was while training goes on."""
+
+    step: int
+    model: torch.nn.Module | None  # what the model files are written from (None: a LoRA run's adapters instead)
+    adapters: tuple[dict[str, torch.Tensor], Adapters] | None
+    optimizer: tuple[dict[str, torch.Tensor], list[dict]]  # `optimizer_state`
+    rng: dict[str, torch.Tensor]
+    texts: dict[str, str]  # run_config.json, train_state.json
+    tokenizer_files: list[Path]
+
+
+def snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+             run_config: dict[str, Any], tokenizer_files: list[Path], adapters: Adapters | None = None,
+             host: HostBuffers | None = None) -> Snapshot:
+    """The state of step-N, written at once (host None: the model's own tensors, copied as they are written) or
+    later: every tensor copied into `host` (the caller synchronizes it), the records as text."""
+    copy = host.copy if host is not None else (lambda name, t: t.detach().to("cpu").contiguous())
+    if adapters is not None:
+        lora = ({n: copy(f"model/{n}", t) for n, t in adapter_state(model).items()}, adapters)
+        weights = None
+    else:
+        weights = model if host is None else host_model(model.config, host.copy_tree(model.state_dict(), "model"))
+        lora = None
+    state = {**train_state, "step": step, "python_rng": rng.python_state(), "saved_at": time.time()}
+    return Snapshot(step, weights, lora, optimizer_state(optimizer, model, host.copy if host else None),
+                    rng.torch_state(), {"run_config.json": json.dumps(run_config, indent=2),
+                                        "train_state.json": json.dumps(state, indent=1)}, list(tokenizer_files))
+
+
+def host_model(config, state: dict[str, torch.Tensor]) -> DeepSeekV3:
+    """A DeepSeekV3 whose tensors are `state` (no copy; built on the meta device, which draws no random numbers):
+    what `anyseek.hf.write_model_files` writes a model's files from."""
+    model = DeepSeekV3(config, device="meta")
+    model.load_state_dict(state, assign=True)
+    return model
+
+
+def write_snapshot(out_dir: Path, snap: Snapshot, keep_last: int) -> Path:
+    """Write `snap` as `out_dir/step-{step}` atomically, then prune to the newest `keep_last` complete checkpoints.
+    A failed write (full disk, read-only folder) raises OSError and leaves no trace."""
+    final = out_dir / f"step-{snap.step}"
     with atomic_folder(final) as tmp:
-        if adapters is not None:
-            write_adapters(model, tmp, adapters)
+        if snap.adapters is not None:
+            tensors, adapters = snap.adapters
+            write_adapters(tensors, tmp, adapters)
         else:  # the resume state: written even where transformers would compute another model (anyseek.hf)
-            write_model_files(model, tmp, for_transformers=False)  # config.json, model.safetensors, generation_config
-        for f in tokenizer_files:
+            write_model_files(snap.model, tmp, for_transformers=False)  # config.json, model.safetensors, generation_...
+        for f in snap.tokenizer_files:
             shutil.copy2(f, tmp / f.name)
-        (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
-        save_optimizer(optimizer, model, tmp)
-        save_file(rng.torch_state(), str(tmp / "rng.safetensors"))
-        state = {**train_state, "step": step, "python_rng": rng.python_state(), "saved_at": time.time()}
-        (tmp / "train_state.json").write_text(json.dumps(state, indent=1))
-        _hook("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
+        (tmp / "run_config.json").write_text(snap.texts["run_config.json"])
+        write_optimizer(*snap.optimizer, tmp)
+        save_file(snap.rng, str(tmp / "rng.safetensors"))
+        (tmp / "train_state.json").write_text(snap.texts["train_state.json"])
+        pause_for_tests("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
         files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())
                  if p.is_file()}
-        (tmp / MARKER).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        (tmp / MARKER).write_text(json.dumps({"step": snap.step, "files": files}, indent=1))
     prune(out_dir, keep_last)
     return final
 
@@ -211,7 +261,7 @@ def prune(out_dir: Path, keep_last: int) -> None:
     recover_staging(out_dir)  # debris of saves killed half-way (never a live one: ours is renamed)
 
 
-def _hook(var: str) -> None:
+def pause_for_tests(var: str) -> None:
     """Test hook: sleep here when the variable is set, so a test can kill -9 the process in the middle of a save."""
     delay = os.environ.get(var)
     if delay:

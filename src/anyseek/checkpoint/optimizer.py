@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,17 +13,29 @@ from safetensors.torch import load_file, save_file
 
 def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, folder: Path) -> None:
     """optimizer.safetensors: `{param_name}/{state_key}` -> tensor; optimizer.json: param groups by name."""
+    write_optimizer(*optimizer_state(optimizer, model), folder)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                    copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> tuple[dict, list]:
+    """(tensors, param groups) as `write_optimizer` writes them, each tensor a CPU copy of its own (states may be
+    views of one buffer or one shared tensor: precision.FlatAdamW), made by `copy(name, tensor)` when given (the
+    host buffers of a save in the background)."""
+    copy = copy or (lambda name, t: t.detach().to("cpu", copy=True).contiguous())
     names = {id(p): n for n, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
     for p, state in optimizer.state.items():
         for key, value in state.items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
-            # a copy of its own: states may be views of one buffer or one shared tensor (precision.FlatAdamW)
-            tensors[f"{names[id(p)]}/{key}"] = t.detach().to("cpu", copy=True).contiguous()
+            tensors[f"{names[id(p)]}/{key}"] = copy(f"optim/{names[id(p)]}/{key}", t)
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
         for g in optimizer.param_groups
     ]
+    return tensors, groups
+
+
+def write_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict], folder: Path) -> None:
     save_file(tensors, str(folder / "optimizer.safetensors"))
     (folder / "optimizer.json").write_text(json.dumps({"param_groups": groups}, indent=1))
 

@@ -3,7 +3,8 @@ number of ranks (one process without torchrun included), and exported to a Huggi
 
     step-N/
       dcp/shard-*.safetensors      model + optimizer state: each rank writes its own shards (DCP's Hugging Face
-                                   storage: safetensors whose headers carry the sharding; nothing is pickled)
+                                   storage: safetensors whose headers carry the sharding; nothing is pickled;
+                                   streamed to disk by `dcp_writer.StreamingWriter`)
       config.json                  the model config (Hugging Face form), for `export_sharded` (`anyseek export`)
       tokenizer files, run_config.json
       train_state.json             step, tokens, data fingerprint, every rank's loader position and random
@@ -24,13 +25,14 @@ import json
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,7 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from anyseek.checkpoint import rng
-from anyseek.checkpoint.folder import DCP_DIR, MARKER, CheckpointDamaged, file_sha256, prune, verify
+from anyseek.checkpoint.dcp_writer import StreamingWriter
+from anyseek.checkpoint.folder import DCP_DIR, MARKER, CheckpointDamaged, file_sha256, pause_for_tests, prune, verify
+from anyseek.checkpoint.host import HostBuffers
 from anyseek.checkpoint.optimizer import load_optimizer
 from anyseek.distributed.env import DistEnv, agree, all_gather_json, broadcast_json
 from anyseek.hf import load_pretrained, read_config_json, write_config_json
@@ -64,12 +68,49 @@ def save_sharded(
     masters (`ShardMasters`, with bf16 shards): their fp32 weights are saved under the weights' names.
     A failure on any rank (full disk, read-only folder) raises on every rank, an OSError with the failing rank's
     errno (the trainer's periodic-save logic then takes the same decision everywhere); the staging folder is gone."""
-    final = Path(out_dir) / f"step-{step}"
+    snap = snapshot_sharded(step, model, optimizer, train_state, run_config, tokenizer_files, env, masters)
+    return write_sharded(out_dir, snap, keep_last, env)
+
+
+@dataclass
+class ShardedSnapshot:
+    """What a sharded step-N folder holds of this rank, taken at one step (`write_sharded` writes it): its shards
+    of the model and the optimizer (DTensors, over host buffers when taken for a save in the background), and on
+    rank 0 the records of every rank."""
+
+    step: int
+    state: dict[str, Any]  # {"model": ..., "optim": ...}, as torch.distributed.checkpoint saves it
+    config: Any  # the model's ModelConfig (config.json)
+    texts: dict[str, str]  # run_config.json, train_state.json (rank 0's; the others' hold none)
+    tokenizer_files: list[Path]
+
+
+def snapshot_sharded(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+                     run_config: dict[str, Any], tokenizer_files: list[Path], env: DistEnv, masters=None,
+                     host: HostBuffers | None = None) -> ShardedSnapshot:
+    """Collective (every rank's loader state and random streams go to rank 0). host: this rank's shards copied into
+    it (the caller synchronizes it), else the live ones (written at once)."""
     loaders = all_gather_json(train_state["loader"], env)
     rngs = all_gather_json(rng.rank_state(), env)
     model_sd = get_model_state_dict(model)
     state = {"model": masters.state_dict(model_sd) if masters is not None else model_sd,
              "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+    if host is not None:
+        state = host.copy_tree(state)
+    texts = {}
+    if env.is_main:
+        saved = {**train_state, "loader": loaders, "rng": rngs, "world_size": env.world_size, "step": step,
+                 "saved_at": time.time()}
+        texts = {"run_config.json": json.dumps(run_config, indent=2), "train_state.json": json.dumps(saved, indent=1)}
+    return ShardedSnapshot(step, state, model.config, texts, list(tokenizer_files))
+
+
+def write_sharded(out_dir: Path, snap: ShardedSnapshot, keep_last: int, env: DistEnv) -> Path:
+    """Collective over `env` (its group: the default one, or a side group from a thread of its own): every rank
+    writes its shards into rank 0's staging folder, the ranks share the hashing, rank 0 writes the records and
+    checkpoint.json and renames the folder into place once all are done, then prunes. A failure on any rank raises
+    on every rank (see `save_sharded`)."""
+    final = Path(out_dir) / f"step-{snap.step}"
     with contextlib.ExitStack() as staging:  # rank 0's atomic_folder: left with an exception, it removes the staging
         error = None
         if env.is_main:
@@ -80,8 +121,8 @@ def save_sharded(
                 error = e
         agree(error, env)
         tmp = Path(broadcast_json(str(tmp) if env.is_main else None, env))
-        agree(_run(lambda: dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp / DCP_DIR),
-                                                                                   save_distributed=True))), env)
+        writer = StreamingWriter(str(tmp / DCP_DIR), save_distributed=True)  # (DCP's files, written GIL-free)
+        agree(_run(lambda: dcp.save(snap.state, storage_writer=writer, process_group=env.group)), env)
         # every rank's shards are on disk (fsynced by DCP's writer); the ranks share the hashing
         shards = broadcast_json(sorted(str(p.relative_to(tmp)) for p in (tmp / DCP_DIR).rglob("*") if p.is_file())
                                 if env.is_main else None, env)
@@ -94,19 +135,7 @@ def save_sharded(
         error = None
         if env.is_main:
             try:
-                fsync_tree(tmp / DCP_DIR)
-                write_config_json(model.config, tmp / "config.json")
-                for f in tokenizer_files:
-                    shutil.copy2(f, tmp / f.name)
-                (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
-                saved = {**train_state, "loader": loaders, "rng": rngs, "world_size": env.world_size,
-                         "step": step, "saved_at": time.time()}
-                (tmp / "train_state.json").write_text(json.dumps(saved, indent=1))
-                files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())
-                         if p.is_file()}
-                for part in hashed:
-                    files.update(part)
-                (tmp / MARKER).write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=1))
+                _write_records(tmp, snap, hashed)
             except OSError as e:
                 error = e
         agree(error, env)
@@ -119,6 +148,23 @@ def save_sharded(
     if env.is_main:
         prune(Path(out_dir), keep_last)
     return final
+
+
+def _write_records(tmp: Path, snap: ShardedSnapshot, hashed: list[dict]) -> None:
+    """Rank 0, once every rank's shards are written and hashed (`hashed`): config.json, the tokenizer, the records,
+    then checkpoint.json."""
+    fsync_tree(tmp / DCP_DIR)
+    write_config_json(snap.config, tmp / "config.json")
+    for f in snap.tokenizer_files:
+        shutil.copy2(f, tmp / f.name)
+    for name, text in snap.texts.items():
+        (tmp / name).write_text(text)
+    pause_for_tests("ANYSEEK_TEST_SLOW_SAVE")  # tests kill the process here
+    files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())
+             if p.is_file()}
+    for part in hashed:
+        files.update(part)
+    (tmp / MARKER).write_text(json.dumps({"step": snap.step, "files": dict(sorted(files.items()))}, indent=1))
 
 
 def _run(fn) -> BaseException | None:

@@ -1,8 +1,9 @@
 """Who am I among the ranks: process-group setup from torchrun's environment, and the few collectives the trainer
-needs (sums of small tensors, a barrier, one object from rank 0).
+needs (sums of small tensors, a barrier, one object from rank 0), on the default group or a side group.
 
     env = init_from_torchrun("cpu", timeout_s=600)   # DistEnv(rank=0, world_size=1) when not under torchrun
     all_reduce_sum(load_LE, env)                      # in place; a no-op for one process
+    side = side_group(env, timeout_s=3600)            # the same ranks over a gloo group, for a background thread
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; we read only those. A plain `python -m
 anyseek train` has none of them and never touches torch.distributed.
@@ -10,11 +11,12 @@ anyseek train` has none of them and never touches torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,13 +25,15 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistEnv:
-    """rank / world_size / local_rank of this process; `active` when a process group is up (even of one rank)."""
+    """rank / world_size / local_rank of this process; `active` when a process group is up (even of one rank).
+    The collectives below run on `group` (None: the default group; `side_group`: a gloo group of its own)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     active: bool = False
     device: str = "cpu"  # where collective buffers live: the rank's GPU under NCCL, else the CPU
+    group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -54,6 +58,18 @@ def init_from_torchrun(device_type: str, backend: str = "auto", timeout_s: float
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank, world, local, active=True, device=f"cuda:{local}" if backend == "nccl" else "cpu")
+
+
+def side_group(env: DistEnv, timeout_s: float) -> DistEnv:
+    """`env` over a new gloo group of the same ranks, for collectives from a second thread (a checkpoint written in
+    the background) while the main thread runs its own on the default group: collectives of one group must come from
+    one thread in one order on every rank, and NCCL's from a second thread are not safe at all. Gloo runs on the CPU,
+    which is where such a thread's tensors are. Collective: every rank calls it at the same point. `env` itself when
+    there is no process group."""
+    if not env.active:
+        return env
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dataclasses.replace(env, device="cpu", group=group)
 
 
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -92,7 +108,7 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv, group: Any = None) -> torch.Te
 
 def barrier(env: DistEnv) -> None:
     if env.active and env.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=env.group)
 
 
 def all_gather_json(obj: Any, env: DistEnv) -> list[Any]:
@@ -101,12 +117,12 @@ def all_gather_json(obj: Any, env: DistEnv) -> list[Any]:
         return [obj]
     data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=env.device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=env.device) for _ in range(env.world_size)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], device=env.device))
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=env.device), group=env.group)
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=env.device)
     padded[: data.numel()] = data
     out = [torch.empty_like(padded) for _ in range(env.world_size)]
-    dist.all_gather(out, padded)
+    dist.all_gather(out, padded, group=env.group)
     return [json.loads(bytes(o[: int(s.item())].tolist()).decode()) for o, s in zip(out, sizes)]
 
 

@@ -15,12 +15,15 @@ Without host syncs (`Dispatch.capacity`, what lets the step replay as a CUDA gra
 pair gets a fixed block of C rows, so both exchanges have equal, fixed splits, and the exact counts travel on the
 device (the counts all-to-all, also of fixed size). The received [ep*C, D] rows carry the local expert of each row,
 worked out on the device from the counts; rows past a source's count are marked "no expert" (id E_loc), which the
-routed-experts kernel skips (no work, no tile). A pair with more than C rows is an overflow: the rows past C are
-not sent, and the step's `Dispatch.overflow` flag is set on the device; the training step then runs that step again
-on the exact path (train/step.py), so no token is ever dropped from an applied step. C defaults to the worst case
-(T*min(K, E_loc) rows: no overflow possible) where it fits, or a multiple of the fair share T*K/ep. The expert weights are DTensors on the expert
-mesh ("edp", "ep"): Shard(0) over "ep", Replicate over "edp" (the copies held by the other expert groups); their
-gradients are summed over "edp" by `sync_expert_grads` before clipping (a no-op when ep == world size).
+routed-experts kernel skips (no work, no tile). A pair with more than C rows is an overflow: the rows past C are not
+sent, and the step's `Dispatch.overflow` flag is set on the device; the training step then runs that step again on
+the exact path (train/step.py), so no token is ever dropped from an applied step. C is a multiple of a pair's
+fair share T*K/ep (`capacity_rows`; parallel.ep_capacity_factor, 2 by default), at most the worst case
+T*min(K, E_loc) rows (no overflow possible).
+
+The expert weights are DTensors on the expert mesh ("edp", "ep"): Shard(0) over "ep", Replicate over "edp" (the copies held by
+the other expert groups); their gradients are summed over "edp" by `sync_expert_grads` before clipping (a no-op when
+ep == world size).
 
 Shape legend: T tokens, K experts per token, M = T*K routed slots, N rows received, D hidden, E experts.
 """

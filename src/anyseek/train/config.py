@@ -92,12 +92,18 @@ class TrainConfig:
     eval_tokens: int = 65536  # validation tokens per evaluation
     save_every: int = 500
     keep_last: int = 3  # checkpoints kept in the output folder
+    # Write checkpoints in the background (anyseek.checkpoint.background): the loop waits only while the state is
+    # copied to (pinned) host memory, and a thread writes the same files while training goes on. "auto": on with a
+    # CUDA device (16B on 4 GPUs writes ~186 GB a save); true: also on the CPU (one more copy of the model and
+    # optimizer state in memory; the writer shares the cores with training); false: the loop waits for the files.
+    async_save: bool | str = "auto"
     max_bad_steps: int = 5  # NaN/Inf losses in a row before the run stops
     sample_prompt: str = "The history of"
     sample_tokens: int = 40
     tensorboard: bool = True  # write event files when tensorboard is installed
     # "START:COUNT": a torch.profiler trace of COUNT steps from step START on, every rank its own, and a breakdown
-    # of the step (compute, all-to-all, other communication, GPU idle, host syncs) in out_dir/profile/ (train/profile.py)
+    # of the step (compute, all-to-all, other communication, GPU idle, host syncs) in out_dir/profile/
+    # (train/profile.py)
     profile: str = ""
     # Piecewise-constant schedules by tokens seen, [[from_tokens, value], ...] starting at 0; empty: the model
     # section's constant. The V3 report: MTP weight 0.3 for the first 10T tokens then 0.1
@@ -133,6 +139,10 @@ class TrainConfig:
         if self.overlap_steps not in ("auto", "true", "false"):
             raise ConfigError(f"train.overlap_steps must be auto, true or false, got {self.overlap_steps!r}")
         profile_window(self.profile)
+        if isinstance(self.async_save, bool):
+            self.async_save = "true" if self.async_save else "false"
+        if self.async_save not in ("auto", "true", "false"):
+            raise ConfigError(f"train.async_save must be auto, true or false, got {self.async_save!r}")
         if self.moments_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"train.moments_dtype must be fp32 or bf16, got {self.moments_dtype!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
@@ -179,7 +189,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
         if self.ep_capacity_factor < 0:
             raise ConfigError(f"parallel.ep_capacity_factor must be >= 0, got {self.ep_capacity_factor}")
-        for name, allowed in (("backend", ("auto", "nccl", "gloo")), ("ep_dispatch", ("auto", "fixed", "exact")), ("param_dtype", ("auto", "bf16", "fp32")),
+        for name, allowed in (("backend", ("auto", "nccl", "gloo")), ("ep_dispatch", ("auto", "fixed", "exact")),
+                              ("param_dtype", ("auto", "bf16", "fp32")),
                               ("reduce_dtype", ("bf16", "fp32")), ("shard_dtype", ("auto", "bf16", "fp32")),
                               ("activation_checkpointing", ("none", "selective", "full"))):
             if getattr(self, name) not in allowed:

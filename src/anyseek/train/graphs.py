@@ -49,8 +49,9 @@ def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False,
     copies and collectives they issue (the gathered weights, the reduced gradients) replay with the rest, so the
     gradients land in the same sharded `.grad` tensors at every replay. That needs one micro-batch per step, and
     with expert parallelism its fixed-shape dispatch (parallel.ep_dispatch: the exact one reads counts on the
-    host). On by default for any number of ranks: one rank measured and tested on one GPU; several ranks (NCCL collectives inside the graph) measured on 2 H200s, 4.9x
-    the eager step, which is host-bound (docs/distributed.md)."""
+    host). On by default for any number of ranks: one rank measured and tested on one GPU; several ranks (NCCL
+    collectives inside the graph) measured on 2 H200s, 4.9x the eager step, which is host-bound
+    (docs/distributed.md)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (this run is on {device.type})"
     if compiled:

@@ -40,8 +40,8 @@ FREE_KEYS = frozenset({
     "train.profile",
     "train.threads", "train.tune_allocator", "train.compile", "train.attention_backend", "train.moe_backend",
     "train.device", "data.num_workers",
-    # the same steps, numbers and checkpoints either way (tests/test_train_overlap.py)
-    "train.overlap_steps",
+    # the same steps, numbers and checkpoints either way (tests/test_train_overlap.py, tests/test_async_save.py)
+    "train.overlap_steps", "train.async_save",
     # where the data comes from may change (a moved folder); what it is may not: the fingerprint check covers it
     "data.path", "data.source",
     # the layout over the ranks: sharded checkpoints reshard, the maths is the same (docs/distributed.md)

@@ -50,18 +50,12 @@ from anyseek.train.optim import build_optimizer
 from anyseek.train.parallel import Parallel, Silent
 from anyseek.train.plot import write_loss_curve
 from anyseek.train.precision import build_flat_adamw
+from anyseek.train.preflight import check_prepared, check_vocab, claim_out_dir
 from anyseek.train.profile import StepProfiler
-from anyseek.train.preflight import check_prepared, check_vocab, claim_out_dir, describe_os_error
 from anyseek.train.resume import check_resume
+from anyseek.train.saving import MAX_FAILED_SAVES, SaveFailed, Saves  # noqa: F401 (the trainer's names for them)
 from anyseek.train.start import Start
 from anyseek.train.step import Outcome, StepEngine, TrainingDiverged
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint could not be written (full disk, read-only folder); the message says why in one line."""
-
-
-MAX_FAILED_SAVES = 3  # periodic saves that may fail in a row (training goes on) before the run stops
 
 
 class Trainer:
@@ -125,7 +119,7 @@ class Trainer:
         self.engine = StepEngine(cfg, self.model, self.model_cfg, self.optimizer, self.par, self.device,
                                  self.autocast_dtype, self.working, self.out_dir, self.backends, self.log)
         self.train_loader = self._loader("train", loop=True)
-        self.failed_saves = 0  # periodic saves that failed in a row (`_save`)
+        self.saves = Saves(cfg, self.out_dir, self.par, self.device, self.tokenizer_files, self.log)  # train/saving.py
 
     # the step loop's counters and choices live in the engine (train/step.py)
     step = property(lambda self: self.engine.step)
@@ -221,7 +215,8 @@ class Trainer:
         window = {"t": time.perf_counter(), "tokens": 0, "flops": 0.0}
         summary: dict[str, Any] = {}
         prof_window = profile_window(t.profile)
-        profiler = StepProfiler(prof_window, self.out_dir, self.par.env.rank, self.device, self.log) if prof_window else None
+        profiler = (StepProfiler(prof_window, self.out_dir, self.par.env.rank, self.device, self.log) if prof_window
+                    else None)
 
         def record(o: Outcome) -> None:
             window["tokens"] += o.tokens
@@ -240,6 +235,7 @@ class Trainer:
                 self._evaluate(metrics)
             if o.step % t.save_every == 0 and o.step < t.max_steps:
                 self._save(periodic=True)
+            self.saves.poll()  # a checkpoint written in the background since: "saved ..." (or its failure)
 
         try:
             while True:
@@ -267,7 +263,11 @@ class Trainer:
             self.log(f"error: {e}")
             summary = {"diverged": str(e)}
             raise
+        except KeyboardInterrupt:  # a second Ctrl-C: leave now, without the save in flight
+            self.saves.abandon()
+            raise
         finally:
+            self.saves.drain()  # leaving on an error: the background save in flight completes first
             metrics.close()
             self._restore_signal_handlers(old_handlers)
             summary.update(step=self.step, tokens_seen=self.tokens_seen, wall_s=time.perf_counter() - t_start)
@@ -341,27 +341,14 @@ class Trainer:
         return loss
 
     def _save(self, periodic: bool = False) -> Path | None:
-        """Write step-N. A periodic save that fails (full disk, read-only folder: an OSError, whichever library
-        wrote, `anyseek.storage.os_error`) is reported in one line and training goes on (the staging folder is
-        already gone) until MAX_FAILED_SAVES fail in a row; any other failed save raises SaveFailed. Other errors
-        (a bug, not the disk) propagate as they are."""
+        """Write step-N, in the background or not (train.async_save); what a failed write means: `Saves`
+        (train/saving.py). Returns the folder once complete (None while in the background, or after a tolerated
+        failure)."""
         self.engine.settled("a save")
         state = {"tokens_seen": self.tokens_seen, "loader": self.train_loader.state_dict(),
                  "bad_in_a_row": self.bad_in_a_row, "data": self.data_identity(), **self.start.record()}
-        try:  # distributed: a failure on any rank raises OSError on every rank, so all decide alike below
-            path = checkpoint.save(self.out_dir, self.step, self.model, self.optimizer, state, self.cfg.to_dict(),
-                                   self.tokenizer_files, self.cfg.train.keep_last, env=self.par.env,
-                                   masters=self.par.masters, adapters=self.start.adapters)
-        except OSError as e:
-            self.failed_saves += 1
-            why = f"could not save step {self.step} in {self.out_dir}: {describe_os_error(e)}"
-            if periodic and self.failed_saves < MAX_FAILED_SAVES:
-                self.log(f"warning: {why}; training goes on and tries again at the next save")
-                return None
-            raise SaveFailed(why) from None
-        self.failed_saves = 0
-        self.log(f"saved {path}")
-        return path
+        return self.saves.save(self.step, self.model, self.optimizer, state, periodic, masters=self.par.masters,
+                               adapters=self.start.adapters)
 
     def _finish(self, metrics: MetricsLog) -> dict[str, Any]:
         val_loss = self._evaluate(metrics) if self.has_val else float("nan")
@@ -412,6 +399,7 @@ class Trainer:
         self.log(f"weights: {self.working_note} | AdamW moments {moments}")
         self.log(f"CUDA graphs: {self.engine.graphs_note}")
         self.log(f"overlap: {self.engine.overlap_note}")
+        self.log(f"checkpoints: {self.saves.note}")
         with registry.using(**self.backends):
             for row in registry.describe(device=self.device):
                 self.log("kernel: " + " | ".join(str(c) for c in row))
