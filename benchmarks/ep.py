@@ -6,9 +6,12 @@
 Per GPU: T tokens of hidden D, each routed to K of E experts (balanced: K distinct experts drawn uniformly per token;
 skewed: popularity ~ 1/rank, `kernels.accuracy.moe_routing`), the experts split evenly over the N ranks (EP = N).
 Timed, forward only, median of `--reps` after a warm-up, every rank in lockstep (a barrier before each rep):
+  fixed shapes      the same with `dispatch_combine_fixed` (no host sync; C = twice a pair's fair share of rows)
   dispatch+combine  anyseek's path with the experts replaced by "multiply by the routing weight": counts
                     all-to-all, the host read of the split sizes, sort by expert, rows all-to-all there and back,
                     fp32 combine. What EP adds to a step beyond the expert matmuls.
+  fixed shapes      the same through `dispatch_combine_fixed` (parallel.ep_dispatch=fixed: no host sync; C = twice
+                    a pair's fair share of rows, so each exchange moves ep*C rows whatever the routing)
   a2a floor         two raw `all_to_all_single` of the same [T*K, D] rows in even splits (no counts, no sort, no
                     combine): the bytes the dispatch must move, at NCCL's speed.
   all-gather        the alternative without all-to-all: all-gather every rank's tokens [N*T, D], then
@@ -76,6 +79,13 @@ def one_case(shape: str, T: int, routing: str, reps: int, device: torch.device, 
             want = (x.float() * w.sum(-1, keepdim=True)).to(dtype)
             torch.testing.assert_close(y, want, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
             t_ep = _time(lambda: expert_parallel.dispatch_combine(x, ids, w, gate_up, down, None), reps, device)
+            C = expert_parallel.capacity_rows(T, K, n, e_loc, 2.0)
+            flag = torch.zeros((), dtype=torch.bool, device=device)
+            y = expert_parallel.dispatch_combine_fixed(x, ids, w, gate_up, down, None, C, flag)
+            if not flag:  # (skewed routing can overflow twice the fair share: then only timed)
+                torch.testing.assert_close(y, want, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
+            t_fixed = _time(lambda: expert_parallel.dispatch_combine_fixed(x, ids, w, gate_up, down, None, C, flag),
+                            reps, device)  # fmt: skip
     finally:
         expert_parallel.kernels.routed_experts = real
     M = T * K
@@ -96,7 +106,7 @@ def one_case(shape: str, T: int, routing: str, reps: int, device: torch.device, 
     t_floor, t_ag = _time(floor, reps, device), _time(all_gather, reps, device)
     moved = 2 * M * D * rows.element_size() * (n - 1) / n
     return {"shape": shape, "E": E, "K": K, "D": D, "tokens": T, "routing": routing, "ranks": n,
-            "ep_ms": t_ep * 1e3, "floor_ms": t_floor * 1e3, "allgather_ms": t_ag * 1e3,
+            "ep_ms": t_ep * 1e3, "fixed_ms": t_fixed * 1e3, "overflow": bool(flag), "floor_ms": t_floor * 1e3, "allgather_ms": t_ag * 1e3,
             "ep_GBps": moved / t_ep / 1e9, "floor_GBps": moved / t_floor / 1e9, "ratio": t_ep / t_floor}
 
 
@@ -124,12 +134,13 @@ def run(args) -> None:
         name = torch.cuda.get_device_name(device) if not cpu else "CPU (gloo)"
         print(f"\n{dist.get_world_size()} x {name}, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d')}, {dtype}, forward only, median of {args.reps}\n")
-        print("| shape | tokens/GPU | routing | dispatch+combine ms (GB/s) | a2a floor ms (GB/s) | vs floor | "
-              "all-gather + reduce-scatter ms |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| shape | tokens/GPU | routing | dispatch+combine ms (GB/s) | fixed shapes, factor 2: ms | "
+              "a2a floor ms (GB/s) | vs floor | all-gather + reduce-scatter ms |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             print(f"| {r['shape']} (E {r['E']}, K {r['K']}, D {r['D']}) | {r['tokens']} | {r['routing']} | "
-                  f"{r['ep_ms']:.3f} ({r['ep_GBps']:.0f}) | {r['floor_ms']:.3f} ({r['floor_GBps']:.0f}) | "
+                  f"{r['ep_ms']:.3f} ({r['ep_GBps']:.0f}) | {r['fixed_ms']:.3f}"
+                  f"{' (overflowed)' if r['overflow'] else ''} | {r['floor_ms']:.3f} ({r['floor_GBps']:.0f}) | "
                   f"{r['ratio']:.2f}x | {r['allgather_ms']:.3f} |")
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
