@@ -159,15 +159,15 @@ def test_speculative_equals_plain(drafter, monkeypatch):
     )
     orig_accept = gen._accept
 
-    def accept(reqs, i, token):
-        state["reqs"] = reqs
-        orig_accept(reqs, i, token)
+    def accept(r, token):
+        state[r.id] = r
+        orig_accept(r, token)
 
     monkeypatch.setattr(gen, "_accept", accept)
     monkeypatch.setattr(
         gen.engine,
         "mtp_extend",
-        lambda seqs, starts, h, nxt: oracle.logits(seqs, lambda i: len(state["reqs"][i].tokens)),
+        lambda seqs, starts, h, nxt: oracle.logits(seqs, lambda i: len(state[i].tokens)),
     )
     reqs, stats = run(PROMPTS, 30, SamplingParams(temperature=0))
     assert [r.tokens for r in reqs] == plain
