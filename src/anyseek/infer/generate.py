@@ -149,6 +149,15 @@ class Generator:
         if r.slot < 0 and r in self.waiting:
             self.waiting.remove(r)
 
+    def reset(self) -> None:
+        """Drop every request (after a failed step, or to stop): all pages and slots back."""
+        for r in [*self.running, *self.waiting]:
+            r.finish_reason = r.finish_reason or "cancelled"
+        for sid in list(self.engine.cache.seqs):
+            self.engine.free(sid)
+        self.running, self.waiting = [], deque()
+        self.free_slots = list(range(self.max_batch - 1, -1, -1))
+
     def pages_needed(self, r: Request) -> int:
         """Cache pages `r` holds at its longest (its prompt, max_new_tokens, a draft)."""
         return self.engine.pages_needed(len(r.prompt) + r.max_new_tokens + 1)
@@ -167,7 +176,7 @@ class Generator:
             self._prefill(admit)
             self.stats.prefill_seconds += time.perf_counter() - t0
             self.running += admit
-        done = self._retire()
+        self._retire()  # finished at their first token
         if not self.running:
             return admit
         self.stats.steps += 1
