@@ -136,6 +136,28 @@ def expected(ref, prompt_ids: list[int], n: int = 24, **kw) -> list[int]:
                             eos_token_id=eos, **kw)  # fmt: skip
 
 
+def test_text_stream_pieces_add_up_and_never_show_a_stop_string(ref):
+    """Tokens fed one at a time (multi-byte characters split across tokens, stop strings across token edges): the
+    released pieces add up to the final text, and no piece ever shows a stop string or text after one."""
+    from anyseek.infer.openai_api import TextStream
+
+    tok = ref[1]
+    text = "The café sat — naïve 日本 river, over the stone; the cat ran."
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text and len(ids) > 20
+    for stop in ([], ["sat"], ["e s"], ["日本", "xyz"], ["ran."], [" the st", "zz"]):
+        stream, pieces = TextStream(tok, stop), []
+        for t in ids:
+            pieces.append(stream.add([t]))
+            shown = "".join(pieces)
+            assert all(s not in shown for s in stop) and text.startswith(shown) and "\ufffd" not in shown
+        pieces.append(stream.finish())
+        want = min((text[: text.index(s)] for s in stop if s in text), key=len, default=text)
+        assert "".join(pieces) == want == stream.final(), (stop, pieces)
+        if stop:  # held back: nothing of the stop string was shown before the end
+            assert len("".join(pieces[:-1])) <= len(want)
+
+
 def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == [NAME]
     h = server.health()
@@ -269,7 +291,8 @@ def test_full_queue_is_503_with_retry_after(server):
 
 def test_client_disconnect_frees_pages(server):
     """A stream dropped after a few chunks, and a non-streaming request whose client gives up: the server stops
-    their sequences and every page comes back."""
+    their sequences long before their 1,800 tokens (none counts as finished) and every page comes back."""
+    before = server.health()
     conn, r = _open_stream(server, 1800)
     for _ in range(3):
         assert r.readline().startswith(b"data: ")
@@ -277,9 +300,7 @@ def test_client_disconnect_frees_pages(server):
     assert server.health()["pages_in_use"] > 0
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    h = server.wait_idle()
-    assert h["pages_in_use"] == 0 and h["running"] == 0, h
-    slow = http.client.HTTPConnection("127.0.0.1", server.port, timeout=0.5)
+    slow = http.client.HTTPConnection("127.0.0.1", server.port, timeout=0.3)
     slow.request("POST", "/v1/completions", json.dumps({"model": NAME, "prompt": PROMPT, "max_tokens": 1800,
                                                         "ignore_eos": True}).encode())  # fmt: skip
     with pytest.raises(TimeoutError):
@@ -287,6 +308,8 @@ def test_client_disconnect_frees_pages(server):
     slow.close()
     h = server.wait_idle()
     assert h["pages_in_use"] == 0 and h["running"] == 0, h
+    assert h["sequences_finished"] == before["sequences_finished"], "a dropped request ran to its end"
+    assert h["tokens_generated"] - before["tokens_generated"] < 1800, h
     assert server.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
 
 
