@@ -56,11 +56,12 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from anyseek.infer import loading
     from anyseek.infer.loading import CLIError
 
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         raise CLIError(f"anyseek serve needs FastAPI and uvicorn ({e.name} is missing): "
                        "pip install 'anyseek[serve]'") from e  # fmt: skip
@@ -69,7 +70,17 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_queue < 0:
         raise CLIError(f"--max-queue must be >= 0, got {args.max_queue}")
-    front, worker, banner = _load(args)
+    folder = loading.resolve(args.checkpoint)
+    loading.load_tokenizer(folder)  # a missing tokenizer fails before the model loads
+    return serve(loading.load_model(folder, args.device, args.dtype), folder, args)
+
+
+def serve(model, folder, args: argparse.Namespace) -> int:
+    """Serve the loaded `model` with the tokenizer and chat template of `folder` until SIGTERM or Ctrl-C (the
+    command's second half; benchmarks/serve.py calls it with random weights that never touch the disk)."""
+    import uvicorn
+
+    front, worker, banner = _build(model, folder, args)
     config = uvicorn.Config(build_app(front, worker), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=args.drain_timeout)  # fmt: skip
     server = _server_class()(config)
@@ -86,18 +97,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _load(args: argparse.Namespace):
-    """The model, its Generator (graphs captured), the API's view of it, the decode thread and a banner line."""
+def _build(model, folder, args: argparse.Namespace):
+    """The model's Generator (graphs captured), the API's view of it, the decode thread and a banner line."""
     from anyseek.infer import loading
     from anyseek.infer.generate import GenerationError, Generator
     from anyseek.infer.loading import CLIError
     from anyseek.infer.openai_api import Frontend, chat_template, generation_defaults
     from anyseek.infer.worker import Worker
 
-    folder = loading.resolve(args.checkpoint)
     tok, eos = loading.load_tokenizer(folder)
     template, special = chat_template(folder)
-    model = loading.load_model(folder, args.device, args.dtype)
     try:
         gen = Generator(model, max_batch=args.max_batch, max_len=args.max_len, speculative=args.speculative,
                         cache_tokens=args.max_tokens_in_flight, prefill_tokens=args.prefill_tokens)  # fmt: skip
