@@ -54,6 +54,7 @@ class Engine:
         """Pages a sequence of at most `n_tokens` cached tokens holds at its longest (on the CPU: its whole block)."""
         return self.width if self.cpu is not None else self.cache.pages_for(min(n_tokens, self.max_len))
 
+    @torch.no_grad()
     def warm_up(self) -> None:
         """Capture the decode graph of every batch bucket up to max_batch now (a server's first requests then pay
         no capture)."""
