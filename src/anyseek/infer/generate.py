@@ -163,9 +163,10 @@ class Generator:
         return self.engine.pages_needed(len(r.prompt) + r.max_new_tokens + 1)
 
     @torch.no_grad()
-    def step(self) -> list[Request]:
+    def step(self, on_prefill: Callable[[list[Request]], None] | None = None) -> list[Request]:
         """One round: admit what fits (prefill), one decode step for the running sequences, retire the finished
-        (their pages freed). Returns the requests that got tokens or finished in it."""
+        (their pages freed). Returns the requests that got tokens or finished in it. on_prefill(admitted) is called
+        between the prefill and the decode step (a server hands out first tokens there)."""
         self._retire()  # cancelled since the last step
         admit = self._admit()
         if admit:
@@ -176,6 +177,8 @@ class Generator:
             self._prefill(admit)
             self.stats.prefill_seconds += time.perf_counter() - t0
             self.running += admit
+            if on_prefill is not None:
+                on_prefill(admit)
         self._retire()  # finished at their first token
         if not self.running:
             return admit

@@ -133,12 +133,14 @@ class Worker:
 
     def _step(self) -> None:
         try:
-            touched = self.gen.step()
+            self._emit(self.gen.step(on_prefill=self._emit))
         except Exception as e:  # noqa: BLE001 - the server stays up: every live request gets the error
             traceback.print_exc(file=sys.stderr)
             self.error = f"{type(e).__name__}: {e}"
             self._drop_all(e)
-            return
+
+    def _emit(self, touched: list[Request]) -> None:
+        """Hand the new tokens and finishes of `touched` to their jobs: one call into the event loop."""
         events: dict[Job, list] = {}
         for r in touched:
             owner = self._owner.get(r.id)
