@@ -164,6 +164,20 @@ def test_models_and_health(server):
     assert h["status"] == "ok" and h["pages_in_use"] == 0 and h["max_batch"] == 3 and h["pages_total"] > 0
 
 
+def test_the_openai_snippet_in_docs_inference_runs(server, capsys):
+    """docs/inference.md's openai block, run as written against this server (its address and model name)."""
+    import re
+    import runpy
+
+    doc = (Path(__file__).parents[1] / "docs" / "inference.md").read_text()
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", doc, flags=re.DOTALL) if "OpenAI(" in c]
+    script = Path(server.log).with_name("snippet.py")
+    script.write_text(code.replace("http://127.0.0.1:8000", f"http://127.0.0.1:{server.port}")
+                      .replace('"runs/tiny"', f'"{NAME}"'))  # fmt: skip
+    runpy.run_path(str(script))
+    assert "completion_tokens=40" in capsys.readouterr().out
+
+
 def test_greedy_completion_equals_generate(server, ref):
     """Non-streaming and streamed (with usage) greedy answers: generate's tokens, as text and as a count."""
     tok = ref[1]
