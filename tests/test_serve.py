@@ -158,6 +158,20 @@ def test_text_stream_pieces_add_up_and_never_show_a_stop_string(ref):
             assert len("".join(pieces[:-1])) <= len(want)
 
 
+def test_plain_chat_template_and_defaults(ref):
+    """A folder without a chat template: one `role: content` line per message, then `assistant:`, and the reply
+    stops at the next `user:` line. Chat without max_tokens: the rest of the context, or of what the cache holds."""
+    from anyseek.infer.openai_api import PLAIN_STOP, Frontend
+
+    front = Frontend(NAME, ref[1], 0, 400, context=100, cache_tokens=64)
+    body = {"model": NAME, "messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}  # fmt: skip
+    assert front.render(body["messages"]) == "system: Be brief.\nuser: Hi\nassistant:"
+    spec = front.parse(body, chat=True)
+    assert spec.stop == [PLAIN_STOP] and len(spec.prompts[0]) + spec.max_tokens[0] == 63
+    assert front.parse({"model": NAME, "prompt": "Hi"}, chat=False).max_tokens == [16]
+
+
 def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == [NAME]
     h = server.health()

@@ -68,9 +68,10 @@ class Frontend:
     """The served model as the API sees it: name, tokenizer, eos, context, chat template, default sampling."""
 
     def __init__(self, name: str, tokenizer, eos: int | list[int] | None, vocab: int, context: int,
-                 chat_template: str | None = None, special: dict | None = None,
-                 defaults: dict | None = None):  # fmt: skip
+                 chat_template: str | None = None, special: dict | None = None, defaults: dict | None = None,
+                 cache_tokens: int | None = None):  # fmt: skip
         self.name, self.tok, self.vocab, self.context = name, tokenizer, vocab, context
+        self.room = min(context, (cache_tokens or context + 1) - 1)  # prompt + output of one request, at most
         self.eos = frozenset({eos} if isinstance(eos, int) else eos or ())
         self.plain_chat = chat_template is None
         self.template = _compile(chat_template or PLAIN_TEMPLATE)
@@ -145,11 +146,12 @@ class Frontend:
 
     def _max_tokens(self, body: dict, prompts: list[list[int]], chat: bool) -> list[int]:
         """max_tokens (chat: max_completion_tokens too) per prompt; default 16 for completions (as OpenAI), the rest
-        of the context for chat. prompt + max_tokens beyond the context is an error, as at OpenAI."""
+        of the context for chat (of what the cache holds for one request, if less). prompt + max_tokens beyond the
+        context is an error, as at OpenAI."""
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         asked = _int(body, key, None, 1, None)
         if asked is None:
-            return [self.context - len(p) if chat else min(16, self.context - len(p)) for p in prompts]
+            return [max(1, self.room - len(p)) if chat else min(16, self.context - len(p)) for p in prompts]
         for p in prompts:
             if len(p) + asked > self.context:
                 raise bad(f"this model's maximum context length is {self.context} tokens; you requested "

@@ -119,9 +119,9 @@ def _build(model, folder, args: argparse.Namespace):
         raise CLIError(str(e)) from e
     gen.engine.warm_up()
     name = args.served_model_name or args.checkpoint.rstrip("/")
-    front = Frontend(name, tok, eos, model.config.vocab_size, gen.max_len - 2, template, special,
-                     generation_defaults(folder))  # fmt: skip
     eng = gen.engine
+    front = Frontend(name, tok, eos, model.config.vocab_size, gen.max_len - 2, template, special,
+                     generation_defaults(folder), eng.num_pages * eng.cache.page)  # fmt: skip
     w = model.lm_head.weight
     banner = (f"anyseek serve: {name} on http://{args.host}:{args.port} | {model.num_parameters() / 1e6:.1f}M "
               f"parameters, {w.device} {str(w.dtype).removeprefix('torch.')} | max batch {gen.max_batch}, cache "
