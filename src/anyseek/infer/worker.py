@@ -89,6 +89,11 @@ class Worker:
 
     # ---- the decode thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        device = self.gen.engine.device
+        if device.type == "cuda":  # a new thread starts on GPU 0: streams and graph replays belong on the model's
+            import torch
+
+            torch.cuda.set_device(device)
         while True:
             idle = not (self.gen.waiting or self.gen.running)
             try:
