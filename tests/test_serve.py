@@ -362,3 +362,30 @@ def test_sigterm_drains_and_exits_0(servers, ref):
         assert s.proc.wait(60) == 0, s.log.read_text()
     finally:
         s.stop()
+
+
+@pytest.mark.cuda
+def test_gpu_server_greedy_equals_generate(folder, ref):
+    """On the GPU (fp32, CUDA graphs replayed by the decode thread): greedy answers, alone and four at once,
+    equal `anyseek.generate` on the GPU; the pages come back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from anyseek.infer import loading
+
+    tok, eos = ref[1], ref[2]
+    model = loading.load_model(folder, "cuda", "fp32")
+    prompts = [PROMPT, "A river", "The king and the queen", "stone"]
+    want = [tok.decode(t) for t in anyseek.generate(model, [tok.encode(p).ids for p in prompts], max_new_tokens=32,
+                                                    temperature=0, eos_token_id=eos)]  # fmt: skip
+    s = Server(folder, "--device", "cuda", "--dtype", "fp32").ready()
+
+    def ask(prompt: str) -> str:
+        return s.client.completions.create(model=NAME, prompt=prompt, max_tokens=32, temperature=0).choices[0].text
+
+    try:
+        assert ask(prompts[0]) == want[0]
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, prompts)) == want
+        assert s.wait_idle()["pages_in_use"] == 0
+    finally:
+        s.stop()
