@@ -34,7 +34,7 @@ class GenerationError(ValueError):
     """A request that cannot be served (empty or too-long prompt, unknown token ids, no tokenizer for text)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `in` and `remove` on the queue compare identities
 class Request:
     """One sequence to continue. `id` names it in the engine (unique among live requests); `key` is its request
     number in the sampler's noise (`generate`: its index in the list). params None: the Generator's."""
