@@ -1,11 +1,14 @@
 """`anyseek serve` against `transformers serve` under concurrent streaming clients (the official `openai` client).
 
 Per client count N: N clients each send streaming completions back to back (a random --prompt-tokens prompt,
---max-tokens new tokens, greedy, `ignore_eos` where the server takes it) until each has sent --rounds requests or
---level-seconds have passed (in-flight requests then finish). Measured at the client: output tokens/s over the level
-(usage.completion_tokens summed / wall time), time to first token, inter-token latency (the gaps between streamed
-chunks), time per output token; p50 / p99. The clients run in several processes: the openai client parses each
-chunk in Python, and one process serving 64 streams would measure itself.
+--max-tokens new tokens, greedy, a fixed length: `ignore_eos` for anyseek, min_new_tokens for transformers) until
+each has sent --rounds requests, or --level-seconds have passed: then the requests in flight are cut, and count with
+the tokens they got (a peer that serves one request at a time would otherwise take many minutes per level; the table
+says how many were cut and how many had no token yet, which the TTFT percentiles leave out). Measured at the client:
+output tokens/s over the level (usage.completion_tokens, or the chunks of a cut request, summed / wall time), time
+to first token, inter-token latency (the gaps between streamed chunks), time per output token; p50 / p99. The
+clients run in several processes: the openai client parses each chunk in Python, and one process reading 64 streams
+would measure itself.
 
 The peers run one after the other on the same device and checkpoint, localhost only: `anyseek serve` and
 `transformers serve --continuous-batching`. When transformers' continuous batching fails on the model (5.24's paged
@@ -212,50 +215,55 @@ def _cuda() -> bool:
 # ------------------------------------------------------------------------------------------------------ clients
 
 
-async def _stream_one(client, model: str, prompt: str, max_tokens: int, extra: dict) -> dict:
-    t0 = time.monotonic()
-    first = last = None
-    gaps, chunks, tokens = [], 0, None
+async def _stream_one(client, model: str, prompt: str, max_tokens: int, extra: dict, rec: dict) -> None:
+    """One streamed request, its timings written into `rec` as they happen (a request cut at the level's end keeps
+    what it got: `cut` stays True)."""
+    rec.update(send=time.monotonic(), first=None, end=None, gaps=[], chunks=0, tokens=None, cut=True)
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body=extra)  # fmt: skip
     async for ch in stream:
         now = time.monotonic()
         if getattr(ch, "usage", None) is not None:
-            tokens = ch.usage.completion_tokens
+            rec["tokens"] = ch.usage.completion_tokens
         if ch.choices and ch.choices[0].text:
-            chunks += 1
-            if first is not None:
-                gaps.append(now - last)
-            first, last = first or now, now
-    return {"send": t0, "first": first, "end": last or time.monotonic(), "gaps": gaps,
-            "tokens": tokens if tokens is not None else chunks}  # fmt: skip
+            rec["chunks"] += 1
+            if rec["first"] is None:
+                rec["first"] = now
+            else:
+                rec["gaps"].append(now - rec["end"])
+            rec["end"] = now
+    rec["cut"] = False
 
 
 async def _clients(url, model, n, rounds, seconds, prompts, max_tokens, extra, start, seed) -> list[dict]:
+    """n clients sending `rounds` requests each, one after the other; at `seconds` the ones in flight are cut."""
     import asyncio
 
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     start.wait()
-    deadline = time.monotonic() + seconds
-    rng = random.Random(seed)
+    rng, records = random.Random(seed), []
 
-    async def one_client() -> list[dict]:
-        out = []
+    async def one_client() -> None:
         for _ in range(rounds):
-            if time.monotonic() > deadline:
-                break
+            rec = {}
+            records.append(rec)
             try:
-                out.append(await _stream_one(client, model, rng.choice(prompts), max_tokens, extra))
+                await _stream_one(client, model, rng.choice(prompts), max_tokens, extra, rec)
+            except asyncio.CancelledError:
+                raise
             except Exception as e:  # noqa: BLE001 - counted, the level goes on
-                out.append({"error": f"{type(e).__name__}: {str(e)[:200]}"})
-        return out
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
 
-    results = await asyncio.gather(*(one_client() for _ in range(n)))
+    tasks = [asyncio.create_task(one_client()) for _ in range(n)]
+    _, late = await asyncio.wait(tasks, timeout=seconds)
+    for t in late:
+        t.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
     await client.close()
-    return [r for rs in results for r in rs]
+    return records
 
 
 def _client_proc(q, *a) -> None:
@@ -282,37 +290,38 @@ def run_clients(target, fn, n: int, procs: int, *a) -> list[dict]:
 
 
 def summarize(server: str, clients: int, records: list[dict]) -> dict:
+    """A level's row: output tokens/s over its wall time (usage's count; chunks for a cut request), TTFT, ITL, TPOT."""
     import numpy as np
 
-    ok = [r for r in records if "error" not in r and r["first"] is not None]
+    ok = [r for r in records if "error" not in r and r.get("first") is not None]
     errors = [r["error"] for r in records if "error" in r]
-    row = {"server": server, "clients": clients, "requests": len(ok), "errors": len(errors),
-           "first_error": errors[0] if errors else None}  # fmt: skip
+    row = {"server": server, "clients": clients, "requests": len(ok), "cut": sum(r.get("cut", False) for r in ok),
+           "never_started": sum(1 for r in records if "error" not in r and r.get("first") is None),
+           "errors": len(errors), "first_error": errors[0] if errors else None}  # fmt: skip
     if not ok:
         return row
-    wall = max(r["end"] for r in ok) - min(r["send"] for r in ok)
-    tokens = sum(r["tokens"] for r in ok)
+    count = [r["tokens"] if r["tokens"] is not None else r["chunks"] for r in ok]
+    wall = max(r["end"] for r in ok) - min(r["send"] for r in records if "send" in r)
     ttft = np.array([r["first"] - r["send"] for r in ok]) * 1e3
     itl = np.array([g for r in ok for g in r["gaps"]] or [0.0]) * 1e3
-    tpot = np.array([(r["end"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1] or [0.0]) * 1e3
-    row.update(tok_s=tokens / wall, ttft_p50=float(np.percentile(ttft, 50)), ttft_p99=float(np.percentile(ttft, 99)),
-               itl_p50=float(np.percentile(itl, 50)), itl_p99=float(np.percentile(itl, 99)),
-               tpot_p50=float(np.percentile(tpot, 50)), tokens_per_request=tokens / len(ok))  # fmt: skip
+    tpot = np.array([(r["end"] - r["first"]) / (k - 1) for r, k in zip(ok, count) if k > 1 and not r["cut"]]
+                    or [0.0]) * 1e3  # fmt: skip
+    row.update(tok_s=sum(count) / wall, ttft_p50=float(np.percentile(ttft, 50)),
+               ttft_p99=float(np.percentile(ttft, 99)), itl_p50=float(np.percentile(itl, 50)),
+               itl_p99=float(np.percentile(itl, 99)), tpot_p50=float(np.percentile(tpot, 50)),
+               tokens_per_request=sum(count) / len(ok))  # fmt: skip
     return row
 
 
-def run_levels(target, name: str, args, prompts: list[str], extra: dict) -> list[dict]:
-    run_clients(target, _client_proc, min(max(args.clients), 8), args.client_procs, 1, 60, prompts, 16, extra)
+def run_levels(target, name: str, args, levels: list[int], prompts: list[str], extra: dict) -> list[dict]:
+    run_clients(target, _client_proc, min(max(levels), 8), args.client_procs, 1, 120, prompts, 16, extra)  # warm-up
     rows = []
-    for c in args.clients:
+    for c in levels:
         recs = run_clients(target, _client_proc, c, args.client_procs, args.rounds, args.level_seconds, prompts,
                            args.max_tokens, extra)  # fmt: skip
         rows.append(summarize(name, c, recs))
         print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-# --------------------------------------------------------------------------------------------------------- soak
 
 
 async def _soak(url, model, n, seconds, prompts, start, seed) -> dict:
@@ -417,7 +426,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['server']} | {r['clients']} | 0 | - | - | - | - | - | {r['errors']} "
                          f"({r['first_error']}) |")
             continue
-        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']} | {r['tok_s']:,.0f} | {r['ttft_p50']:.0f} / "
+        cut = f" (+{r['cut']} cut, {r['never_started']} without a token)" if r["cut"] or r["never_started"] else ""
+        lines.append(f"| {r['server']} | {r['clients']} | {r['requests'] - r['cut']}{cut} | {r['tok_s']:,.0f} | "
+                     f"{r['ttft_p50']:.0f} / "
                      f"{r['ttft_p99']:.0f} | {r['itl_p50']:.1f} / {r['itl_p99']:.1f} | {r['tpot_p50']:.1f} | "
                      f"{r['tokens_per_request']:.0f} | {r['errors']} |")  # fmt: skip
     ours = {r["clients"]: r for r in rows if r["server"] == "anyseek serve" and "tok_s" in r}
@@ -462,7 +473,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="requests per client per level (at most)")
-    ap.add_argument("--level-seconds", type=float, default=60, help="no new request after this, per level")
+    ap.add_argument("--level-seconds", type=float, default=60,
+                    help="a level's cap: requests still in flight then are cut (their tokens so far count)")
+    ap.add_argument("--peer-clients", type=lambda s: [int(x) for x in s.split(",")],
+                    help="client counts for the peer (default: --clients)")
     ap.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     ap.add_argument("--soak", type=float, default=0, help="seconds of 64 clients with disconnects (0: none)")
     ap.add_argument("--device", help="cuda (default when there is one) or cpu")
@@ -516,7 +530,7 @@ def run(args, work: Path, report: dict) -> None:
     ours = start_anyseek(args, folder, work, max(max(args.clients), 64 if args.soak else 1))
     try:
         served = greedy_answer(ours, prompts[0], 64)
-        report["rows"] += run_levels(ours, "anyseek serve", args, prompts, {"ignore_eos": True})
+        report["rows"] += run_levels(ours, "anyseek serve", args, args.clients, prompts, {"ignore_eos": True})
         if args.soak:
             report["soak"] = soak(ours, args, prompts)
     finally:
@@ -536,7 +550,7 @@ def run(args, work: Path, report: dict) -> None:
                                    "peer ran without continuous batching")  # fmt: skip
             peer = start_transformers(args, folder, work, cb=False)
         try:
-            report["rows"] += run_levels(peer, peer.name, args, prompts, extra)
+            report["rows"] += run_levels(peer, peer.name, args, args.peer_clients or args.clients, prompts, extra)
         finally:
             peer.stop()
 
