@@ -10,8 +10,9 @@ import torch
 import anyseek
 from anyseek.hf import config_to_hf
 from anyseek.infer.engine import Engine
-from anyseek.infer.generate import GenerationError, Generator
-from anyseek.infer.sampling import SamplingParams
+from anyseek.infer import engine as engine_module
+from anyseek.infer.generate import GenerationError, Generator, Request
+from anyseek.infer.sampling import Sampler, SamplingParams
 from anyseek.model.config import ModelConfig
 from anyseek.model.transformer import DeepSeekV3
 
@@ -159,15 +160,15 @@ def test_speculative_equals_plain(drafter, monkeypatch):
     )
     orig_accept = gen._accept
 
-    def accept(reqs, i, token):
-        state["reqs"] = reqs
-        orig_accept(reqs, i, token)
+    def accept(r, token):
+        state[r.id] = r
+        orig_accept(r, token)
 
     monkeypatch.setattr(gen, "_accept", accept)
     monkeypatch.setattr(
         gen.engine,
         "mtp_extend",
-        lambda seqs, starts, h, nxt: oracle.logits(seqs, lambda i: len(state["reqs"][i].tokens)),
+        lambda seqs, starts, h, nxt: oracle.logits(seqs, lambda i: len(state[i].tokens)),
     )
     reqs, stats = run(PROMPTS, 30, SamplingParams(temperature=0))
     assert [r.tokens for r in reqs] == plain
@@ -229,6 +230,67 @@ def test_sampling_seeded_and_consistent():
     pen = anyseek.generate(model, PROMPTS, max_new_tokens=20, temperature=0, repetition_penalty=1e6)
     for p, out in zip(PROMPTS, pen):  # an overwhelming penalty never repeats a token
         assert len(set(out)) == len(out) and not set(out) & set(p)
+
+
+def test_sampler_draws_each_row_as_in_any_batch():
+    """Rows with their own parameters in one batch (the server's requests): each row's id equals the one it draws
+    alone, and a group of rows that share knobs but not seeds draws per-row noise."""
+    V = 300
+    params = [SamplingParams(temperature=0), SamplingParams(0.7, 5, 1.0, 1.0, seed=1),
+              SamplingParams(1.2, 0, 0.8, 1.3, seed=2), SamplingParams(0.7, 5, 1.0, 1.0, seed=9),
+              SamplingParams(1.0, 0, 1.0, 1.0, seed=1)]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(params), V, generator=g) * 3
+    prompts = [torch.randint(0, V, (12,), generator=g).tolist() for _ in params]
+    keys = [(b, 5 + b) for b in range(len(params))]
+    for trial in range(20):
+        mixed = Sampler(SamplingParams(), V, len(params), torch.device("cpu"))
+        order = torch.randperm(len(params), generator=g).tolist()  # slots in another order each time
+        for slot, b in enumerate(order):
+            mixed.reset(slot, prompts[b], params[b])
+        ids = mixed(logits[order], list(range(len(order))), [keys[b] for b in order]).tolist()
+        for slot, b in enumerate(order):
+            alone = Sampler(params[b], V, 1, torch.device("cpu"))
+            alone.reset(0, prompts[b])
+            assert ids[slot] == alone(logits[b : b + 1], [0], [keys[b]]).item(), (trial, b)
+        keys = [(r, i + 1) for r, i in keys]
+
+
+def test_scheduler_admits_by_pages_and_budget_and_cancels(monkeypatch):
+    """The server's use of `Generator`: requests wait until the pool can hold them at their longest beside the
+    running ones (never CacheFull, nothing evicted), prefill at most `prefill_tokens` per step, and a cancelled
+    request leaves (waiting) or frees its pages at the next step (running); the others equal decoding alone."""
+    monkeypatch.setattr(engine_module, "supports", lambda model: False)  # paged steps (the CPU step takes blocks)
+    model = make_model("no_qlora_halfsplit")
+    greedy = SamplingParams(temperature=0)
+    prompts = [list(range(1, 21)), list(range(30, 50)), [7, 8, 9], list(range(60, 80))]
+    reqs = [Request(p, 12 if i != 2 else 5, id=i, key=i, params=greedy) for i, p in enumerate(prompts)]
+    gen = Generator(model, max_batch=4, max_len=40)
+    gen.engine = Engine(model, 4, gen.max_len, page=8, cache_tokens=64)  # 8 pages of 8; a long request needs 5
+    for r in reqs:
+        gen.submit(r)
+    gen.step()
+    assert [r.id for r in gen.running] == [0] and len(gen.waiting) == 3  # 1 waits for pages, 2 and 3 behind it
+    gen.step()
+    gen.cancel(reqs[3])  # waiting: leaves the queue
+    gen.cancel(reqs[0])  # running: freed at the next step, which admits 1 and 2
+    assert [r.id for r in gen.waiting] == [1, 2]
+    while gen.waiting or gen.running:
+        gen.step()
+        assert sum(gen.pages_needed(r) for r in gen.running) <= 8
+    assert [r.finish_reason for r in reqs] == ["cancelled", "length", "length", "cancelled"]
+    assert len(reqs[0].tokens) == 3 and reqs[3].tokens == []  # two steps: prefill + decode, decode
+    assert reqs[1].tokens == anyseek.generate(model, prompts[1], max_new_tokens=12, temperature=0)
+    assert reqs[2].tokens == anyseek.generate(model, prompts[2], max_new_tokens=5, temperature=0)
+    assert gen.engine.cache.num_free_pages == 8 and not gen.engine.cache.seqs
+    budget = Generator(model, max_batch=4, max_len=40, prefill_tokens=25)
+    for i, p in enumerate(prompts[:3]):
+        budget.submit(Request(p, 3, id=i, key=i, params=greedy))
+    waiting = []
+    for _ in range(2):
+        budget.step()
+        waiting.append(len(budget.waiting))
+    assert waiting == [2, 0]  # 20 prompt tokens, then 20 + 3
 
 
 def test_eos_and_single_prompt_and_errors():

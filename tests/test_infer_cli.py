@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 
 import pytest
 import torch
@@ -111,3 +112,9 @@ def test_generate_cli_loads_on_cpu_in_fp32(trained):
 
     model = loading.load_model(loading.resolve(trained[0]), "cpu")
     assert model.lm_head.weight.dtype == torch.float32 and not model.training
+
+
+def test_serve_without_its_extra_says_what_to_install(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if FastAPI were not installed
+    rc, _, err = cli(capsys, "serve", str(tmp_path))
+    assert rc == 2 and "pip install 'anyseek[serve]'" in err and "Traceback" not in err, err

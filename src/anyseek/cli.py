@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("anyseek.data.cli_prepare", "turn a text source into token shards and a tokenizer"),
     "data": ("anyseek.data.cli_data", "inspect prepared data (`anyseek data inspect DIR`)"),
     "generate": ("anyseek.infer.cli", "generate text from a checkpoint (streams; --prompts FILE.jsonl; --interactive)"),
+    "serve": ("anyseek.infer.serve", "an OpenAI-compatible server, continuous batching (anyseek[serve])"),
     "eval": ("anyseek.infer.cli_eval", "loss and perplexity of a checkpoint on prepared data"),
     "export": ("anyseek.checkpoint.cli", "write a Hugging Face folder from a checkpoint (sharded, LoRA merged; --peft)"),
     "doctor": ("anyseek.doctor", "report what this machine supports and which kernels will run"),

@@ -24,9 +24,12 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class Engine:
-    def __init__(self, model, max_batch: int, max_len: int, cuda_graphs: bool = True, page: int | None = None):
+    def __init__(self, model, max_batch: int, max_len: int, cuda_graphs: bool = True, page: int | None = None,
+                 cache_tokens: int | None = None):  # fmt: skip
         """model: a DeepSeekV3 (eval mode, any dtype). max_batch sequences at once, each at most max_len tokens
-        (prompt + generated + 1 for a speculative draft)."""
+        (prompt + generated + 1 for a speculative draft). cache_tokens: the page pool's size in tokens (default
+        max_batch * max_len, every sequence at its longest; at least one sequence's); the CPU step keeps one whole
+        block of max_len tokens per sequence, so there the pool is always the default."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.device = model.lm_head.weight.device
@@ -35,12 +38,32 @@ class Engine:
         kw = {"page": page} if page else {}
         self.max_batch, self.max_len = max_batch, max_len
         per_seq = -(-max_len // (page or PAGE))
-        self.cache = PagedLatentCache(self.n_main + self.n_mtp, max_batch * per_seq + 1, cfg.kv_lora_rank,
-                                      cfg.qk_rope_head_dim, self.dtype, self.device, **kw)  # fmt: skip
+        cpu = supports(model)
+        pages = max_batch * per_seq
+        if cache_tokens is not None and not cpu:
+            pages = max(per_seq, -(-cache_tokens // (page or PAGE)))
+        self.cache = PagedLatentCache(self.n_main + self.n_mtp, pages + 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                      self.dtype, self.device, **kw)  # fmt: skip
+        self.num_pages = pages  # page 0 (scratch) not counted
         self.width = per_seq
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
-        self.cpu = CpuDecoder(model, self.cache, max_len, per_seq) if supports(model) else None  # few-op CPU steps
+        self.cpu = CpuDecoder(model, self.cache, max_len, per_seq) if cpu else None  # few-op CPU steps
+
+    def pages_needed(self, n_tokens: int) -> int:
+        """Pages a sequence of at most `n_tokens` cached tokens holds at its longest (on the CPU: its whole block)."""
+        return self.width if self.cpu is not None else self.cache.pages_for(min(n_tokens, self.max_len))
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Capture the decode graph of every batch bucket up to max_batch now (a server's first requests then pay
+        no capture)."""
+        if self.use_graphs:
+            for bucket in GRAPH_BUCKETS:
+                if self.use_graphs and bucket not in self._graphs:
+                    self._capture(bucket)
+                if bucket >= self.max_batch:
+                    break
 
     # ---- inputs -------------------------------------------------------------------------------------------------
     def _upload(self, *rows: list[int]) -> list[torch.Tensor]:

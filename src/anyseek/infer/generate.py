@@ -1,7 +1,14 @@
 """Generation: `generate(model, prompts, ...)`, continuous batching over the paged latent cache.
 
-    waiting prompts --admit (up to max_batch running)--> prefill --> sample --+--> decode step --> sample --+--> ...
-                                                                              `-- finished: pages freed, next admitted
+    waiting requests --admit (batch slots, cache pages, prefill budget)--> prefill --> sample --+--> decode step --> ...
+                                                                                             `-- finished: pages freed
+
+`Generator` is the one scheduler of `generate()` and of `anyseek serve`: `submit` queues a request, `cancel` drops
+one (waiting, or running: its pages are freed at the next step), `step` runs one round (admit and prefill what
+fits, one decode step for every running sequence, retire the finished); `run` is `submit` for every prompt and
+`step` until all are done. A request is admitted only when the pool can hold it at its longest (prompt +
+max_new_tokens) beside the worst case of every running one, so a running request never runs out of pages: a full
+cache keeps requests waiting, it never evicts one.
 
 With `speculative="mtp"` each step verifies the MTP module's draft: the main model runs [pending token, draft]
 per sequence; when the token it samples equals the draft, the sample after the draft is valid too (two tokens for
@@ -27,12 +34,20 @@ class GenerationError(ValueError):
     """A request that cannot be served (empty or too-long prompt, unknown token ids, no tokenizer for text)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `in` and `remove` on the queue compare identities
 class Request:
+    """One sequence to continue. `id` names it in the engine (unique among live requests); `key` is its request
+    number in the sampler's noise (`generate`: its index in the list). params None: the Generator's."""
+
     prompt: list[int]
     max_new_tokens: int
+    id: int = 0
+    key: int = 0
+    params: SamplingParams | None = None
+    eos: frozenset[int] = frozenset()
+    stop: Callable[[list[int]], bool] | None = None  # stop(tokens) -> True ends it (stop strings)
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "stop", "length"
+    finish_reason: str | None = None  # "eos", "stop", "length", "cancelled"
     draft: int | None = None
     slot: int = -1
 
@@ -57,10 +72,15 @@ class Stats:
 
 
 class Generator:
-    """Serves lists of token-id prompts with one model; reusable (its engine and CUDA graphs are kept)."""
+    """Serves token-id requests with one model; reusable (its engine and CUDA graphs are kept).
+
+    max_len: the longest sequence (prompt + new tokens; default and at most the model's context). cache_tokens: the
+    page pool in tokens (default max_batch * max_len). prefill_tokens: at most this many prompt tokens are prefilled
+    in one step (at least one request; None: no limit), so arrivals do not stall the running sequences for long."""
 
     def __init__(self, model, max_batch: int = 32, max_len: int | None = None, cuda_graphs: bool = True,
-                 speculative: str | None = None):  # fmt: skip
+                 speculative: str | None = None, cache_tokens: int | None = None,
+                 prefill_tokens: int | None = None):  # fmt: skip
         if speculative not in (None, "mtp"):
             raise GenerationError(f"speculative must be None or 'mtp', got {speculative!r}")
         if speculative == "mtp" and not len(model.mtp):
@@ -68,7 +88,14 @@ class Generator:
         self.model, self.speculative = model, speculative
         self.context = model.config.max_position_embeddings
         self.max_batch, self.max_len = max_batch, min(max_len or self.context, self.context) + 2
-        self.engine = Engine(model, max_batch, self.max_len, cuda_graphs=cuda_graphs)
+        self.prefill_tokens = prefill_tokens
+        self.engine = Engine(model, max_batch, self.max_len, cuda_graphs=cuda_graphs, cache_tokens=cache_tokens)
+        self.sampler = Sampler(SamplingParams(), model.config.vocab_size, max_batch, self.engine.device)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_batch - 1, -1, -1))
+        self.stats = Stats()
+        self._on_token: Callable[[int, int], None] | None = None
 
     def check(self, prompt: Sequence[int]) -> list[int]:
         prompt = [int(t) for t in prompt]
@@ -88,120 +115,185 @@ class Generator:
             on_token: Callable[[int, int], None] | None = None) -> tuple[list[Request], Stats]:  # fmt: skip
         """Generate for every prompt. stop(i, tokens) -> True ends request i (stop strings); on_token(i, id) is
         called for each new token as soon as it is known. Returns the requests (new tokens, finish reason)."""
-        reqs = [Request(self.check(p), max_new_tokens) for p in prompts]
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-        self._eos, self._stop, self._on_token = eos, stop, on_token
-        V = self.model.config.vocab_size
-        self.sampler = Sampler(sampling, V, self.max_batch, self.engine.device)
-        stats = Stats(prompt_tokens=sum(len(r.prompt) for r in reqs))
-        waiting, running, free_slots = deque(range(len(reqs))), [], list(range(self.max_batch - 1, -1, -1))
+        if self.waiting or self.running:
+            raise GenerationError("this Generator is serving other requests")
+        eos = frozenset({eos_token_id} if isinstance(eos_token_id, int) else eos_token_id or ())
+        reqs = [Request(self.check(p), max_new_tokens, id=i, key=i, eos=eos, stop=_bind(stop, i))
+                for i, p in enumerate(prompts)]  # fmt: skip
+        self.sampler = Sampler(sampling, self.model.config.vocab_size, self.max_batch, self.engine.device)
+        self._on_token, self.stats = on_token, Stats(prompt_tokens=sum(len(r.prompt) for r in reqs))
         start = time.perf_counter()
-        while waiting or running:
-            admit = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(running)))]
-            if admit:
-                t0 = time.perf_counter()
-                for i in admit:
-                    reqs[i].slot = free_slots.pop()
-                    self.sampler.reset(reqs[i].slot, reqs[i].prompt)
-                self._prefill(reqs, admit)
-                stats.prefill_seconds += time.perf_counter() - t0
-                running += admit
-            running = self._retire(reqs, running, free_slots)
-            if not running:
-                continue
-            stats.steps += 1
-            if self.speculative:
-                self._spec_step(reqs, running, stats)
-            else:
-                self._step(reqs, running)
-            running = self._retire(reqs, running, free_slots)
-        stats.seconds = time.perf_counter() - start
-        stats.new_tokens = sum(len(r.tokens) for r in reqs)
-        return reqs, stats
+        for r in reqs:
+            self.submit(r)
+        try:
+            while self.waiting or self.running:
+                self.step()
+        finally:
+            self._on_token = None
+        self.stats.seconds = time.perf_counter() - start
+        self.stats.new_tokens = sum(len(r.tokens) for r in reqs)
+        return reqs, self.stats
+
+    # ---- the scheduler ----------------------------------------------------------------------------------------
+    def submit(self, r: Request) -> None:
+        """Queue `r` (its prompt checked with `check`, its max_new_tokens >= 1) behind the waiting ones."""
+        if self.pages_needed(r) > self.engine.num_pages:
+            raise GenerationError(f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens needs more than the "
+                                  f"{self.engine.num_pages * self.engine.cache.page}-token cache")  # fmt: skip
+        self.waiting.append(r)
+
+    def cancel(self, r: Request) -> None:
+        """Drop `r`: a waiting request leaves the queue, a running one frees its slot and pages at the next step."""
+        if r.finish_reason is None:
+            r.finish_reason = "cancelled"
+        if r.slot < 0 and r in self.waiting:
+            self.waiting.remove(r)
+
+    def reset(self) -> None:
+        """Drop every request (after a failed step, or to stop): all pages and slots back."""
+        for r in [*self.running, *self.waiting]:
+            r.finish_reason = r.finish_reason or "cancelled"
+        for sid in list(self.engine.cache.seqs):
+            self.engine.free(sid)
+        self.running, self.waiting = [], deque()
+        self.free_slots = list(range(self.max_batch - 1, -1, -1))
+
+    def pages_needed(self, r: Request) -> int:
+        """Cache pages `r` holds at its longest (its prompt, max_new_tokens, a draft)."""
+        return self.engine.pages_needed(len(r.prompt) + r.max_new_tokens + 1)
+
+    @torch.no_grad()
+    def step(self, on_prefill: Callable[[list[Request]], None] | None = None) -> list[Request]:
+        """One round: admit what fits (prefill), one decode step for the running sequences, retire the finished
+        (their pages freed). Returns the requests that got tokens or finished in it. on_prefill(admitted) is called
+        between the prefill and the decode step (a server hands out first tokens there)."""
+        self._retire()  # cancelled since the last step
+        admit = self._admit()
+        if admit:
+            t0 = time.perf_counter()
+            for r in admit:
+                r.slot = self.free_slots.pop()
+                self.sampler.reset(r.slot, r.prompt, r.params)
+            self._prefill(admit)
+            self.stats.prefill_seconds += time.perf_counter() - t0
+            self.running += admit
+            if on_prefill is not None:
+                on_prefill(admit)
+        self._retire()  # finished at their first token
+        if not self.running:
+            return admit
+        self.stats.steps += 1
+        stepped = list(self.running)
+        if self.speculative:
+            self._spec_step(stepped)
+        else:
+            self._step(stepped)
+        self._retire()
+        return stepped if not admit else list({id(r): r for r in admit + stepped}.values())
+
+    def _admit(self) -> list[Request]:
+        """The waiting requests (in order) that fit: a batch slot, the pages of their longest length beside every
+        running request's, and the prefill budget (the first always, if slot and pages allow)."""
+        if not self.waiting or len(self.running) >= self.max_batch:
+            return []
+        held = {r.id: len(self.engine.cache.seqs[r.id].pages) for r in self.running}
+        spare = self.engine.cache.num_free_pages - sum(self.pages_needed(r) - held[r.id] for r in self.running)
+        budget, admit = self.prefill_tokens, []
+        while self.waiting and len(self.running) + len(admit) < self.max_batch:
+            r = self.waiting[0]
+            need = self.pages_needed(r)
+            if need > spare or (admit and budget is not None and len(r.prompt) > budget):
+                break
+            spare -= need
+            budget = None if budget is None else budget - len(r.prompt)
+            admit.append(self.waiting.popleft())
+        return admit
 
     # ---- steps ------------------------------------------------------------------------------------------------
-    def _prefill(self, reqs: list[Request], admit: list[int]) -> None:
-        prompts = [reqs[i].prompt for i in admit]
-        logits_BV, h_TD, step = self.engine.prefill(admit, prompts)
-        first = self.sampler(logits_BV, [reqs[i].slot for i in admit], self._keys(reqs, admit)).tolist()  # host sync
-        for i, t in zip(admit, first):
-            self._accept(reqs, i, t)
+    def _prefill(self, admit: list[Request]) -> None:
+        prompts = [r.prompt for r in admit]
+        logits_BV, h_TD, step = self.engine.prefill([r.id for r in admit], prompts)
+        first = self.sampler(logits_BV, [r.slot for r in admit], self._keys(admit)).tolist()  # host sync
+        for r, t in zip(admit, first):
+            self._accept(r, t)
         if self.speculative:
             drafts = self.engine.mtp_prefill(h_TD, step, prompts, first).argmax(dim=-1).tolist()
-            for i, d in zip(admit, drafts):
-                reqs[i].draft = d
+            for r, d in zip(admit, drafts):
+                r.draft = d
 
-    def _step(self, reqs: list[Request], running: list[int]) -> None:
-        logits_BV = self.engine.decode(running, [reqs[i].tokens[-1] for i in running])
-        ids = self.sampler(logits_BV, [reqs[i].slot for i in running], self._keys(reqs, running)).tolist()  # host sync
-        for i, t in zip(running, ids):
-            self._accept(reqs, i, t)
+    def _step(self, running: list[Request]) -> None:
+        logits_BV = self.engine.decode([r.id for r in running], [r.tokens[-1] for r in running])
+        ids = self.sampler(logits_BV, [r.slot for r in running], self._keys(running)).tolist()  # host sync
+        for r, t in zip(running, ids):
+            self._accept(r, t)
 
-    def _spec_step(self, reqs: list[Request], running: list[int], stats: Stats) -> None:
-        eng = self.engine
-        starts = [eng.cache.seqs[i].length for i in running]
-        logits_TV, h_TD = eng.extend(running, [[reqs[i].tokens[-1], reqs[i].draft] for i in running])
-        first = self.sampler(logits_TV[0::2], [reqs[i].slot for i in running], self._keys(reqs, running)).tolist()
-        hit = [t == reqs[i].draft for i, t in zip(running, first)]
+    def _spec_step(self, running: list[Request]) -> None:
+        eng, stats = self.engine, self.stats
+        starts = [eng.cache.seqs[r.id].length for r in running]
+        logits_TV, h_TD = eng.extend([r.id for r in running], [[r.tokens[-1], r.draft] for r in running])
+        first = self.sampler(logits_TV[0::2], [r.slot for r in running], self._keys(running)).tolist()
+        hit = [t == r.draft for r, t in zip(running, first)]
         stats.drafted += len(running)
         stats.accepted += sum(hit)
-        for i, t in zip(running, first):
-            self._accept(reqs, i, t)
+        for r, t in zip(running, first):
+            self._accept(r, t)
         second = {}
-        keep = [b for b, i in enumerate(running) if hit[b] and reqs[i].finish_reason is None]
+        keep = [b for b, r in enumerate(running) if hit[b] and r.finish_reason is None]
         if keep:
             rows = torch.tensor([2 * b + 1 for b in keep], device=logits_TV.device)
             sel = [running[b] for b in keep]
-            ids = self.sampler(
-                logits_TV.index_select(0, rows), [reqs[i].slot for i in sel], self._keys(reqs, sel)
-            ).tolist()
+            ids = self.sampler(logits_TV.index_select(0, rows), [r.slot for r in sel], self._keys(sel)).tolist()
             second = dict(zip(keep, ids))
             for b, t in second.items():
-                self._accept(reqs, running[b], t)
+                self._accept(running[b], t)
         seqs, mtp_starts, rows, nxt = [], [], [], []
-        for b, i in enumerate(running):
+        for b, r in enumerate(running):
             n = 2 if b in second else 1
-            eng.rollback(i, starts[b] + n)  # a rejected draft's cache row is overwritten later
-            if reqs[i].finish_reason is None:
-                seqs.append(i)
+            eng.rollback(r.id, starts[b] + n)  # a rejected draft's cache row is overwritten later
+            if r.finish_reason is None:
+                seqs.append(r)
                 mtp_starts.append(starts[b])
                 rows += [2 * b, 2 * b + 1][:n]
                 nxt.append([first[b], second[b]] if n == 2 else [first[b]])
         if seqs:
             h_sel = h_TD.index_select(0, torch.tensor(rows, device=h_TD.device))
-            drafts = eng.mtp_extend(seqs, mtp_starts, h_sel, nxt).argmax(dim=-1).tolist()
-            for i, d in zip(seqs, drafts):
-                reqs[i].draft = d
+            drafts = eng.mtp_extend([r.id for r in seqs], mtp_starts, h_sel, nxt).argmax(dim=-1).tolist()
+            for r, d in zip(seqs, drafts):
+                r.draft = d
 
     @staticmethod
-    def _keys(reqs: list[Request], idx: list[int]) -> list[tuple[int, int]]:
+    def _keys(reqs: list[Request]) -> list[tuple[int, int]]:
         """(request number, index of the token about to be drawn): the sampler's noise depends on these only."""
-        return [(i, len(reqs[i].tokens)) for i in idx]
+        return [(r.key, len(r.tokens)) for r in reqs]
 
-    def _accept(self, reqs: list[Request], i: int, token: int) -> None:
-        r = reqs[i]
+    def _accept(self, r: Request, token: int) -> None:
         if r.finish_reason is not None:
             return
-        if token in self._eos:
+        if token in r.eos:
             r.finish_reason = "eos"
             return
         r.tokens.append(token)
         if self._on_token is not None:
-            self._on_token(i, token)
-        if self._stop is not None and self._stop(i, r.tokens):
+            self._on_token(r.key, token)
+        if r.stop is not None and r.stop(r.tokens):
             r.finish_reason = "stop"
         elif len(r.tokens) >= r.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.max_len - 2:
             r.finish_reason = "length"
 
-    def _retire(self, reqs: list[Request], running: list[int], free_slots: list[int]) -> list[int]:
-        still = []
-        for i in running:
-            if reqs[i].finish_reason is None:
-                still.append(i)
-            else:
-                self.engine.free(i)
-                free_slots.append(reqs[i].slot)
-        return still
+    def _retire(self) -> list[Request]:
+        """Move the finished running requests out (pages and slot freed) -> those."""
+        done = [r for r in self.running if r.finish_reason is not None]
+        if done:
+            self.running = [r for r in self.running if r.finish_reason is None]
+            for r in done:
+                self.engine.free(r.id)
+                self.free_slots.append(r.slot)
+        return done
+
+
+def _bind(stop: Callable[[int, list[int]], bool] | None, i: int) -> Callable[[list[int]], bool] | None:
+    """generate's stop(i, tokens) as request i's stop(tokens)."""
+    return None if stop is None else (lambda tokens: stop(i, tokens))
 
 
 def _encode(tokenizer, text: str) -> list[int]:
