@@ -85,3 +85,13 @@ def base_dir(tmp_path_factory, base_data) -> Path:
     for f in (base_data / "tokenizer").iterdir():
         shutil.copy2(f, folder / f.name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory) -> Path:
+    """A finished 4-step `tiny` run with checkpoints at steps 2 and 4 (copy it before changing it: `copy_run`)."""
+    from helpers import run, tiny_cfg
+
+    out = tmp_path_factory.mktemp("trained") / "run"
+    run(tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2"), out)
+    return out

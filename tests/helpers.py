@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import socket
 import sys
 import time
@@ -51,6 +52,13 @@ def tiny_cfg(data_dir: Path, *overrides: str):
 def run(cfg, out: Path, resume: bool = False) -> dict:
     """One quiet training run into `out` -> its summary."""
     return Trainer(cfg, out, resume=resume, log=lambda s: None).run()
+
+
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of a run's folder at tmp_path/run (for a test that changes it)."""
+    dst = tmp_path / "run"
+    shutil.copytree(run_dir, dst)
+    return dst
 
 
 def final_state(out: Path, step: int) -> dict[str, torch.Tensor]:

@@ -9,8 +9,8 @@ import torch
 
 import anyseek
 from anyseek.hf import config_to_hf
-from anyseek.infer.engine import Engine
 from anyseek.infer import engine as engine_module
+from anyseek.infer.engine import Engine
 from anyseek.infer.generate import GenerationError, Generator, Request
 from anyseek.infer.sampling import Sampler, SamplingParams
 from anyseek.model.config import ModelConfig

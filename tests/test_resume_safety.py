@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run, tiny_cfg
+from helpers import copy_run, run, tiny_cfg
 
 from anyseek.checkpoint import folder as ckpt_lib
 from anyseek.train.preflight import DataError
@@ -25,22 +25,9 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
             if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def trained(data_dir, tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    run(tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2"), out)
-    return out
-
-
-def _copy(trained: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(trained, dst)
-    return dst
-
 
 def test_resume_with_another_config_is_an_error_that_changes_nothing(data_dir, trained, tmp_path):
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     before = _snapshot(out)
     cfg = tiny_cfg(data_dir, "--train.max_steps=6", "--train.save_every=2", "--model.num_hidden_layers=3",
                    "--train.lr=1e-3")
@@ -53,7 +40,7 @@ def test_resume_with_another_config_is_an_error_that_changes_nothing(data_dir, t
 
 
 def test_resume_override_allows_a_deliberate_change(data_dir, trained, tmp_path):
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     cfg = tiny_cfg(data_dir, "--train.max_steps=6", "--train.save_every=2", "--train.lr=1e-3")
     with pytest.raises(ResumeMismatch, match="train.lr"):
         run(cfg, out, resume=True)
@@ -70,14 +57,14 @@ def test_resume_on_other_data_is_an_error(data_dir, trained, tmp_path):
     src = tmp_path / "docs.jsonl"
     src.write_text("\n".join(json.dumps({"text": f"Other text number {i}. " * 20}) for i in range(60)) + "\n")
     prepare(source=str(src), out=other, vocab_size=300, val_fraction=0.1, progress=False)
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     cfg = tiny_cfg(data_dir, "--train.max_steps=6", f"--data.path={other}")
     with pytest.raises(ResumeMismatch, match=r"data fingerprint.*\n.*data vocab_size: checkpoint \d+, this run 300"):
         run(cfg, out, resume=True)
 
 
 def test_flipped_bytes_are_found_and_the_previous_checkpoint_used(data_dir, trained, tmp_path):
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     weights = out / "step-4" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-100] ^= 0xFF  # inside tensor data: same size, valid header
@@ -94,14 +81,14 @@ def test_flipped_bytes_are_found_and_the_previous_checkpoint_used(data_dir, trai
 def test_pruning_reads_no_tensor_data_and_keeps_the_newest(trained, tmp_path, monkeypatch):
     """After each save the old checkpoints are pruned by marker and sizes alone: re-hashing every kept checkpoint
     would read hundreds of GB per save on a large sharded run (resume checks the hashes)."""
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     monkeypatch.setattr(ckpt_lib, "file_sha256", lambda f: pytest.fail(f"pruning hashed {f}"))
     ckpt_lib.prune(out, keep_last=1)
     assert sorted(p.name for p in out.glob("step-*")) == ["step-4"]
 
 
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(data_dir, trained, tmp_path):
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     for step in (2, 4):
         (out / f"step-{step}" / "checkpoint.json").unlink()
     before = _snapshot(out)
@@ -111,7 +98,7 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(data_dir, traine
 
 
 def test_a_verified_checkpoint_that_does_not_load_is_an_error(data_dir, trained, tmp_path):
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     ckpt = out / "step-4"
     (ckpt / "optimizer.json").write_text("{not json")
     marker = json.loads((ckpt / "checkpoint.json").read_text())
@@ -161,7 +148,7 @@ def test_an_unwritable_output_folder_fails_at_start(data_dir, tmp_path):
 
 
 def test_staging_left_by_a_killed_save_is_cleaned_at_start(data_dir, trained, tmp_path):
-    out = _copy(trained, tmp_path)
+    out = copy_run(trained, tmp_path)
     (out / ".step-6.tmp-999999999").mkdir()
     shutil.copytree(out / "step-4", out / ".step-4.old-999999999")
     messages: list[str] = []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run, spawn, tiny_cfg
+from helpers import copy_run, run, spawn, tiny_cfg
 from safetensors import SafetensorError
 
 from anyseek import hf
@@ -34,19 +34,6 @@ TRAIN_ARGS = ["--data.tokens_per_batch=256", "--data.max_seqlen=64", "--model.nu
               "--train.log_every=1", "--train.threads=1", "--train.tensorboard=false", "--train.eval_tokens=256",
               "--train.sample_tokens=2"]
 
-
-@pytest.fixture(scope="module")
-def trained(data_dir, tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    run(tiny_cfg(data_dir, "--train.max_steps=4", "--train.save_every=2"), out)
-    return out
-
-
-def _copy(trained: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(trained, dst)
-    return dst
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -90,7 +77,7 @@ def test_export_refuses_a_folder_holding_user_files(trained, tmp_path, capsys):
 
 
 def test_export_never_writes_into_a_run_or_its_checkpoints(trained, tmp_path, capsys):
-    run_dir = _copy(trained, tmp_path)
+    run_dir = copy_run(trained, tmp_path)
     before = _snapshot(run_dir)
     cases = [
         (run_dir, run_dir, "which the export reads"),                              # the whole run
@@ -158,7 +145,7 @@ def test_save_pretrained_refuses_a_folder_holding_other_files(trained, tmp_path)
     with pytest.raises(FileExistsError, match="thesis.txt"):
         hf.save_pretrained(model, mine)
     assert sorted(os.listdir(mine)) == ["thesis.txt"]
-    step = _copy(trained, tmp_path) / "step-4"
+    step = copy_run(trained, tmp_path) / "step-4"
     before = _snapshot(step)
     with pytest.raises(FileExistsError, match="optimizer"):  # a checkpoint's training state
         hf.save_pretrained(model, step)
@@ -321,7 +308,7 @@ def test_a_real_write_failure_during_saves_is_one_line_each(data_dir, trained, t
 
 
 def test_generate_and_eval_refuse_flipped_bytes_naming_the_file(data_dir, trained, tmp_path, capsys):
-    run_dir = _copy(trained, tmp_path)
+    run_dir = copy_run(trained, tmp_path)
     _flip(run_dir / "step-4" / "model.safetensors")
     for command in (["generate", run_dir / "step-4", "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"],
                     ["eval", run_dir / "step-4", "--data", data_dir, "--device", "cpu"]):
@@ -338,7 +325,7 @@ def test_generate_and_eval_refuse_flipped_bytes_naming_the_file(data_dir, traine
 
 
 def test_init_from_a_damaged_step_folder_is_refused(data_dir, trained, tmp_path):
-    run_dir = _copy(trained, tmp_path)
+    run_dir = copy_run(trained, tmp_path)
     _flip(run_dir / "step-4" / "model.safetensors")
     with pytest.raises(ckpt_lib.CheckpointDamaged, match=r"--init .*step-4: model\.safetensors does not match"):
         Trainer(tiny_cfg(data_dir, f"--train.init={run_dir / 'step-4'}", "--train.max_steps=1"), tmp_path / "new",

@@ -10,6 +10,7 @@ what must be global: target counts, losses, expert loads, the gradient norm.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 from typing import Any
@@ -132,8 +133,6 @@ class Parallel:
     def ep_fixed_shapes(self):
         """A context in which expert parallelism sends fixed shapes where configured (the training step's
         micro-batches); outside it, exact splits."""
-        import contextlib
-
         return self.dispatch.fixed_shapes() if self.dispatch is not None else contextlib.nullcontext()
 
     def release(self, model: nn.Module) -> None:

@@ -113,7 +113,7 @@ def breakdown(trace: dict, steps: int) -> Breakdown:
         a2a_ms=_length(_union([(e["ts"], e["ts"] + e["dur"]) for e in gpu if kind[id(e)] == "a2a"])) * ms,
         comm_ms=_length(_union([(e["ts"], e["ts"] + e["dur"]) for e in gpu if kind[id(e)] == "comm"])) * ms,
         hidden_ms=_length(_intersect(_union(compute), _union(comm))) * ms,
-        host_sync_ms=sum(e["dur"] for e in _outermost(host)) * ms,
+        host_sync_ms=_length(_union([(e["ts"], e["ts"] + e["dur"]) for e in host])) * ms,  # nested calls once
         top=_top(gpu, 12),
     )
 
@@ -160,9 +160,3 @@ def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> 
 
 def _length(spans: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in spans)
-
-
-def _outermost(events: list[dict]) -> list[dict]:
-    """Host events not nested in another of the list (an .item()'s op holds its runtime call: count it once)."""
-    spans = _union([(e["ts"], e["ts"] + e["dur"]) for e in events])
-    return [{"dur": b - a} for a, b in spans]

@@ -323,25 +323,31 @@ class StepEngine:
         counts = self.par.sum_(counts)  # the global batch's: every rank divides by the same counts (one all-reduce)
         num_targets, num_segments = counts[:depths + 1], counts[depths + 1:]
         self.par.ep_reset()
-        for batch in micro:
-            with contextlib.nullcontext() if exact else self.par.ep_fixed_shapes():
-                done = (self.graphs.run(batch, num_targets, num_segments, mtp_weight)
-                        if self.graphs is not None and not exact else None)
+        graphs = self.graphs if not exact else None
+        with contextlib.nullcontext() if exact else self.par.ep_fixed_shapes():
+            for batch in micro:
+                done = graphs.run(batch, num_targets, num_segments, mtp_weight) if graphs is not None else None
                 if done is None:
-                    dev = _to_device(batch, self.device)
-                    done = self._micro(dev.input_ids, dev.cu_seqlens, dev.targets, dev.max_seqlen, num_targets,
-                                       num_segments, mtp_weight)
-            loss, parts, load = done
-            stats.loss = stats.loss + loss
-            for name, value in parts.items():
-                stats.parts[name] = stats.parts.get(name, 0.0) + value
-            if load is not None:
-                stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
-            stats.tokens += batch.num_tokens
-            lens = batch.cu_seqlens.diff().double()
-            mean_context = float((lens * lens).sum() / lens.sum())  # per-token attention span of this packing
-            stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
+                    done = self._micro_eager(batch, num_targets, num_segments, mtp_weight)
+                self._add(stats, batch, *done)  # (before the next replay overwrites a graph's outputs)
         return stats
+
+    def _add(self, stats: StepStats, batch, loss, parts, load) -> None:
+        """One micro-batch's results into the step's sums."""
+        stats.loss = stats.loss + loss
+        for name, value in parts.items():
+            stats.parts[name] = stats.parts.get(name, 0.0) + value
+        if load is not None:
+            stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
+        stats.tokens += batch.num_tokens
+        lens = batch.cu_seqlens.diff().double()
+        mean_context = float((lens * lens).sum() / lens.sum())  # per-token attention span of this packing
+        stats.flops += batch.num_tokens * (self._flops_a + self._flops_b * mean_context)
+
+    def _micro_eager(self, batch, num_targets, num_segments, mtp_weight):
+        dev = _to_device(batch, self.device)
+        return self._micro(dev.input_ids, dev.cu_seqlens, dev.targets, dev.max_seqlen, num_targets, num_segments,
+                           mtp_weight)
 
     def _micro(self, input_ids, cu_seqlens, targets, max_seqlen, num_targets, num_segments, mtp_weight,
                graphed=False):

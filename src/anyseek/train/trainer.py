@@ -6,19 +6,8 @@ One optimizer step = `grad_accum` micro-batches of `data.tokens_per_batch` token
 biases move toward balance (auxiliary-loss-free balancing). A NaN/Inf loss or gradient skips the step; `max_bad_steps`
 in a row stop the run with the last good checkpoint intact. SIGINT/SIGTERM save a checkpoint and exit cleanly.
 
-Overlap (`train.overlap_steps`; by default with a working copy in one process and with fused AdamW under torchrun; on
-request with fused AdamW in one process): the host queues step N+1 before it reads step N's loss, so that it prepares
-the next batch while the device computes. The optimizer step and the routing-bias update are queued with the step, gated
-on the device by a halt flag that a non-finite loss or gradient norm sets (`FlatAdamW.skip`, fused AdamW's `found_inf`).
-When the host reads a non-finite step it settles the step queued after it (halted, so not applied), clears the flag and
-runs that step again with the learning rate and schedules of the step it really is. The steps applied, their order and
-their numbers are those of the one-at-a-time loop. Steps after which the loop evaluates, saves or stops are settled
-before anything else is queued.
-
-Under torchrun the global token count and stop requests are read back with the step's verdict (`_settle`), not
-right after their all-reduce (`Parallel.sum_step`): nothing in `_launch` waits for the device. With the overlap they
-are summed on the host instead (a gloo all-reduce of two numbers): queueing step N+1 needs step N's global token
-count (the schedules), and every rank must agree on a stop before it queues another step.
+How a step runs (micro-batches, CUDA graphs, the overlap of step N+1 with step N's verdict, skipped and re-run
+steps): `train/step.py`, which owns it; this module decides when to evaluate, save and stop.
 """
 
 from __future__ import annotations
