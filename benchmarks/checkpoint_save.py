@@ -138,6 +138,9 @@ def measure(trainer: Trainer, args) -> dict:
         row[f"{name}_step_max_ms"] = 1e3 * max(steps, default=0.0)
         row[f"{name}_lost_s"] = row[f"{name}_blocked_s"] + sum(max(t - row["step_alone_ms"] / 1e3, 0) for t in steps)
         row["bytes"] = clear(trainer, out)
+        if env.is_main:  # as it comes: a long run stopped later still tells this row
+            print(f"{name}: blocked {row[f'{name}_blocked_s']:.2f} s, written in {row[f'{name}_write_s']:.2f} s, "
+                  f"{row['bytes'] / 1e9:.1f} GB", flush=True)
     row["host_buffer_gib"] = saver.host.nbytes() / 2**30
     return row
 
