@@ -48,7 +48,7 @@ def test_cpu_run_says_why_graphs_are_off_and_true_is_an_error(data_dir, tmp_path
 def test_shape_buckets():
     """Token count must match and max_seqlen stay within the cap (60 here); documents go to power-of-two buckets of
     at least 64 slots, max_seqlen to a power of two up to the cap."""
-    fake = types.SimpleNamespace(tokens=100, max_seqlen=60)
+    fake = types.SimpleNamespace(tokens=100, max_seqlen=60, one_shape=False)
 
     def batch(cu, max_seqlen):
         n = cu[-1]
@@ -64,12 +64,29 @@ def test_shape_buckets():
     assert graphs.StepGraphs.key(fake, batch([0, 30, 100], 70)) is None  # longer than the cap: eager
     with pytest.raises(ValueError, match="never decrease"):
         graphs._check_cu(batch([0, 70, 50, 100], 50), 100)
+    # one graph for every shape (no memory for another): the largest buckets, which every batch of 100 fits
+    one = types.SimpleNamespace(tokens=100, max_seqlen=60, one_shape=True)
+    assert graphs.StepGraphs.key(one, batch([0, 20, 40, 60, 80, 100], 20)) == (100, 128, 60)
+    assert graphs.StepGraphs.key(one, batch(list(range(0, 100)) + [100], 1)) == (100, 128, 60)
+
+
+def test_a_shape_without_a_graph_replays_on_the_smallest_graph_that_holds_it():
+    def g(T, slots, max_seqlen):
+        return types.SimpleNamespace(T=T, slots=slots, max_seqlen=max_seqlen)
+
+    have = types.SimpleNamespace(graphs={k: g(*k) for k in [(100, 64, 32), (100, 128, 60), (100, 64, 60),
+                                                           (99, 256, 60)]})
+    covering = graphs.StepGraphs._covering
+    assert vars(covering(have, (100, 64, 16))) == vars(g(100, 64, 32))
+    assert vars(covering(have, (100, 64, 60))) == vars(g(100, 64, 60))
+    assert vars(covering(have, (100, 128, 32))) == vars(g(100, 128, 60))
+    assert covering(have, (100, 256, 32)) is None  # more documents than any graph of 100 tokens holds
 
 
 def _losses(data, tmp_path, mode: str, steps: int, accum: int, free_grads_at: int = -1):
     cfg = tiny_cfg(data, "--train.device=cuda", f"--train.cuda_graphs={mode}", f"--train.grad_accum={accum}",
                    "--train.max_steps=100", "--train.warmup_steps=1", "--train.lr=1e-3")
-    tr = Trainer(cfg, tmp_path / f"{mode}{accum}", log=lambda s: None)
+    tr = Trainer(cfg, tmp_path / f"{mode}{accum}{free_grads_at}", log=lambda s: None)
     batches = iter(tr.train_loader)
     losses = []
     for i in range(steps):
@@ -134,3 +151,18 @@ def test_clip_folded_into_fused_adamw_matches_clip_then_step(data_dir, tmp_path,
             assert float(tr.optimizer.grad_scale) > 1.0  # the clip was active
         runs.append((losses, norms))
     torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.cuda
+def test_no_memory_for_a_second_graph_gives_one_graph_for_every_shape(data_dir, tmp_path, monkeypatch):
+    """Where another graph would not fit (as 16B with EP4 on 4 H200s), the graphs are given back and one graph of
+    the largest buckets takes every batch: the same losses as eager."""
+    eager, _ = _losses(data_dir, tmp_path, "false", 10, 1)
+    monkeypatch.setattr(graphs.StepGraphs, "_room", lambda self: False)
+    graphed, tr = _losses(data_dir, tmp_path, "true", 10, 1)
+    g = tr.graphs
+    assert g.enabled and g.one_shape and len(g.graphs) == 1 and g.replays >= 10 - 2 - 1, vars(g)
+    (key,) = g.graphs
+    assert key == (tr.cfg.data.tokens_per_batch, graphs._pow2(tr.cfg.data.tokens_per_batch + 1), tr.cfg.data.max_seqlen)
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=2e-3, atol=0)
+    tr.close()

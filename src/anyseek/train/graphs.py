@@ -16,6 +16,10 @@ One graph per (tokens, document bucket, max_seqlen bucket), at most MAX_GRAPHS, 
 never run at once and none reads another's output). The first micro-batch of a new shape runs eagerly on the graph's
 buffers (the warm-up: Triton compiles, cuBLAS sets up) and is then captured; later ones replay. Anything that fails
 while capturing turns graphs off for the rest of the run with one line saying why; the step then runs eagerly.
+Each graph keeps its activations' memory (its pool) and, with one micro-batch per step, its gradients: where the
+GPU has no room for another (as the first one measured), a batch of a new shape replays on a graph whose buckets
+hold it, or, if none does, every graph is given back and one graph of the largest buckets takes every batch from
+then on (said in one line).
 
 Gradients. One micro-batch per step (the default): the graph writes each gradient into a tensor of its own, which
 it hands to `.grad` before each replay (no zeroing, no accumulation pass; the tensors cost one gradient's memory per
@@ -83,12 +87,17 @@ class StepGraphs:
         self.stream = torch.cuda.Stream(device)
         self.replays = 0
         self.eager = 0  # micro-batches that ran eagerly on a graph's buffers (the warm-ups)
+        self.cost: int | None = None  # bytes one more graph needs (measured on the first)
+        self.one_shape = False  # one graph of the largest buckets for every batch (memory for no other)
+        self.stand_ins: dict[tuple, _Graph] = {}  # shapes without a graph of their own, replayed on a larger one
 
     def key(self, batch) -> tuple | None:
         """The graph this host batch fits, or None (then it runs eagerly)."""
         T = batch.num_tokens
         if T != self.tokens or batch.max_seqlen > self.max_seqlen:
             return None
+        if self.one_shape:  # the largest buckets: every batch of T tokens fits
+            return T, max(MIN_DOC_SLOTS, _pow2(T + 1)), self.max_seqlen
         return T, max(MIN_DOC_SLOTS, _pow2(batch.num_segments + 1)), min(_pow2(batch.max_seqlen), self.max_seqlen)
 
     def run(self, batch, num_targets: torch.Tensor, num_segments: torch.Tensor, mtp_weight: float):
@@ -97,13 +106,28 @@ class StepGraphs:
         if not self.enabled:
             return None
         key = self.key(batch)
-        g = self.graphs.get(key)
-        if key is None or (g is None and len(self.graphs) >= MAX_GRAPHS):
+        if key is None:
             return None
+        g = self.graphs.get(key) or self.stand_ins.get(key)
+        if g is None and len(self.graphs) >= MAX_GRAPHS:
+            g = self._covering(key)
+            if g is None:
+                return None
+        if g is None and self.graphs and not self._room():
+            g = self.stand_ins[key] = self._covering(key)
+            if g is None:  # no room for another graph and none holds this batch: one graph for every shape
+                del self.stand_ins[key]
+                self._one_shape()
+                key = self.key(batch)
         _check_cu(batch, key[0])
         if g is None:
             g = _Graph(*key, num_targets, num_segments, self.device)
             g.load(batch, num_targets, num_segments, mtp_weight)
+            measure = self.cost is None
+            if measure:
+                torch.cuda.synchronize(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
             current = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(current)
             with torch.cuda.stream(self.stream):
@@ -111,8 +135,14 @@ class StepGraphs:
                                      g.mtp_weight, False)
             current.wait_stream(self.stream)
             self.eager += 1
+            if measure:
+                torch.cuda.synchronize(self.device)
+                warm = torch.cuda.max_memory_allocated(self.device) - before
+                reserved = torch.cuda.memory_reserved(self.device)
             try:
                 self._capture(g)
+                if measure:  # what one more graph needs: its eager warm-up's peak, then the pool it keeps
+                    self.cost = warm + max(torch.cuda.memory_reserved(self.device) - reserved, 0)
             except Exception as e:  # noqa: BLE001 - any failure: say why, go on eagerly
                 self.enabled = False
                 self.graphs.clear()
@@ -140,7 +170,38 @@ class StepGraphs:
                 g.graph.reset()
                 g.graph = None
         self.graphs.clear()
+        self.stand_ins.clear()
         self.enabled = False
+
+    def _room(self) -> bool:
+        """Whether the GPU has memory for one more graph: its warm-up and its pool (`cost`, as the first one took)
+        in what is free once the allocator's unused cache is given back."""
+        torch.cuda.empty_cache()
+        return self.cost is None or torch.cuda.mem_get_info(self.device)[0] > 1.1 * self.cost
+
+    def _covering(self, key: tuple) -> _Graph | None:
+        """A captured graph whose buckets hold a batch of `key` (as many tokens, at least its document slots and
+        its max_seqlen bound): the smallest such, or None."""
+        T, slots, max_seqlen = key
+        fits = [g for g in self.graphs.values() if g.T == T and g.slots >= slots and g.max_seqlen >= max_seqlen]
+        return min(fits, key=lambda g: (g.slots, g.max_seqlen), default=None)
+
+    def _one_shape(self) -> None:
+        """Give every graph's memory back and capture one graph of the largest buckets from now on (a model whose
+        activations and gradients take most of the GPU: 16B with expert parallelism on 4 H200s ran out of memory
+        warming up its second graph). Shorter batches run on the longest bounds: the attention kernels' tiles
+        chosen for `data.max_seqlen`, empty documents filling the slots (no work)."""
+        free = torch.cuda.mem_get_info(self.device)[0]
+        self.log(f"CUDA graphs: one graph for every batch shape from now on: another would need "
+                 f"{self.cost / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free")
+        torch.cuda.synchronize(self.device)
+        for g in self.graphs.values():
+            if g.graph is not None:
+                g.graph.reset()
+        self.graphs.clear()
+        self.stand_ins.clear()
+        torch.cuda.empty_cache()
+        self.one_shape = True
 
     def _capture(self, g: _Graph) -> None:
         """Record (not run) the micro-batch on g's buffers. The step's gradients so far stay as they are."""

@@ -90,7 +90,7 @@ class Trainer:
             check_vocab(self.data_dir, self.manifest, self.model_cfg.vocab_size)
         if not self.par.active:  # sharded runs: `anyseek plan` estimates the memory per GPU
             self.start.report_memory(self.model_cfg)
-        self.model = self.start.build_model() or DeepSeekV3(self.model_cfg).to(self.device)
+        self.model = self.start.build_model() or self._new_model()
         self.model_cfg = self.start.adapt(self.model)  # LoRA: wraps targets, freezes the base
         # EP, FSDP2, checkpointing: from outside
         self.model = self.par.parallelize(self.model, self.autocast_dtype, t.grad_accum, cfg.data.tokens_per_batch)
@@ -372,6 +372,15 @@ class Trainer:
         return self.tokenizer.decode(new)
 
     # ------------------------------------------------------------------------------------------ helpers
+
+    def _new_model(self) -> DeepSeekV3:
+        """A fresh model (train.seed), on the device. Under torchrun on GPUs it is initialised there, by the GPU's
+        generator: on the host every rank would hold the whole fp32 model at once (4 ranks of 16B: 250 GB) and
+        initialise it on the one thread torchrun gives each process (16B: minutes). Every rank draws the same
+        weights either way (the same seed); one process keeps the host's generator (its runs as before)."""
+        if self.par.active and self.device.type == "cuda":
+            return DeepSeekV3(self.model_cfg, device=self.device).to(self.device)  # (the rope tables: host)
+        return DeepSeekV3(self.model_cfg).to(self.device)
 
     def _describe(self) -> None:
         m = self.model
