@@ -130,6 +130,17 @@ def measure(trainer: Trainer, args) -> dict:
         steps = []  # every rank trains on, one step at a time, while any rank's thread still writes
         while slowest(trainer, float(saver.running())) > 0 and len(steps) < args.max_steps_during:
             steps.append(slowest(trainer, train(trainer, batches, 1)))
+        if args.abandon:  # the loop's side only: how long it was blocked, its steps while the thread writes
+            if env.is_main:
+                ms = [1e3 * t for t in steps]
+                print(f"{name}: loop blocked {slowest(trainer, staged):.2f} s; {len(ms)} steps during the write, "
+                      f"{sum(ms) / max(len(ms), 1):.1f} ms mean / {max(ms, default=0):.1f} max; alone "
+                      f"{row['step_alone_ms']:.1f} ms; host buffers {saver.host.nbytes() / 2**30:.1f} GiB a rank; "
+                      f"the write abandoned (--abandon)", flush=True)
+            else:
+                slowest(trainer, staged)
+            barrier(trainer)
+            os._exit(0)
         saver.wait()
         row[f"{name}_blocked_s"] = slowest(trainer, staged)
         row[f"{name}_write_s"] = slowest(trainer, saver.write_s)
@@ -180,6 +191,9 @@ def main() -> None:
                    help="where the checkpoints are written, the same path on every rank (default: %(default)s)")
     p.add_argument("--rows", default="sync,first,next",
                    help="which saves to time, comma-separated: sync, first, next (a 16B save writes ~186 GB each)")
+    p.add_argument("--abandon", action="store_true",
+                   help="after the first background row's --max-steps-during steps, print what the loop saw and exit "
+                        "without waiting for the write (a 16B save to a slow disk takes minutes)")
     p.add_argument("--keep", action="store_true", help="keep --out afterwards (only result.json is left in it)")
     p.add_argument("--override", action="append", default=[], metavar="--section.key=value",
                    help="any run-config override, repeatable (e.g. --override=--data.tokens_per_batch=8192)")
