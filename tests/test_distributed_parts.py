@@ -29,6 +29,7 @@ def _expert_parallel_equals_local() -> None:
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(E, 2 * I, D, generator=gen) * 0.2
     down = torch.randn(E, D, I, generator=gen) * 0.2
+    shared = torch.randn(D, D, generator=gen) * 0.2  # the shared experts' stand-in: their output is added
     gen.manual_seed(1 + rank)
     for T, only_rank0_experts in ((13 + 4 * rank, False), (5, True)):
         x = torch.randn(T, D, generator=gen)
@@ -37,11 +38,8 @@ def _expert_parallel_equals_local() -> None:
             scores[:, E // 2:] = -1
         ids = scores.topk(K, dim=-1)[1]
         w = torch.rand(T, K, generator=gen)
-        (x_ref, w_ref, gu_ref, d_ref), (x_ep, w_ep) = [
-            [t.clone().requires_grad_() for t in ts] for ts in ((x, w, gate_up, down), (x, w))]
-        gu_ep = gate_up[rank * 3:(rank + 1) * 3].clone().requires_grad_()
-        d_ep = down[rank * 3:(rank + 1) * 3].clone().requires_grad_()
-        y_ref = kernels.routed_experts(x_ref, ids, w_ref, gu_ref, d_ref)
+        x_ref, w_ref, gu_ref, d_ref, s_ref = (t.clone().requires_grad_() for t in (x, w, gate_up, down, shared))
+        y_ref = kernels.routed_experts(x_ref, ids, w_ref, gu_ref, d_ref) + x_ref @ s_ref
         g = torch.randn(T, D, generator=gen)
         (y_ref * g).sum().backward()
         for gu_r in (gu_ref.grad, d_ref.grad):
@@ -53,18 +51,22 @@ def _expert_parallel_equals_local() -> None:
         dist.all_reduce(counts)
         tight = int(counts.max())
         worst = capacity_rows(17, K, 2, 3, factor=0)  # T at most 17 (rank 1)
-        for capacity in (None, worst, tight):
-            x_ep, w_ep = (t.clone().requires_grad_() for t in (x, w))
+        # the shared experts' output computed while the rows travel (overlap) or where the exchange is waited for
+        for capacity, overlap in ((None, False), (worst, True), (worst, False), (tight, True)):
+            x_ep, w_ep, s_ep = (t.clone().requires_grad_() for t in (x, w, shared))
             gu_ep = gate_up[rank * 3:(rank + 1) * 3].clone().requires_grad_()
             d_ep = down[rank * 3:(rank + 1) * 3].clone().requires_grad_()
             overflow = torch.zeros((), dtype=torch.bool)
-            y_ep = (dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD) if capacity is None else
-                    dispatch_combine_fixed(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, capacity, overflow))
+            y_ep = (dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD) + x_ep @ s_ep
+                    if capacity is None else
+                    dispatch_combine_fixed(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, capacity, overflow,
+                                           lambda: x_ep @ s_ep, overlap))
             (y_ep * g).sum().backward()
             assert not overflow
             torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(w_ep.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(s_ep.grad, s_ref.grad, rtol=1e-5, atol=1e-6)
             for full_grad, mine in ((gu_ref.grad, gu_ep.grad), (d_ref.grad, d_ep.grad)):
                 torch.testing.assert_close(mine, full_grad[rank * 3:(rank + 1) * 3], rtol=1e-5, atol=1e-6)
         # one row short of the largest pair: every rank sees the overflow after the step's all-reduce

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from anyseek import kernels
+from anyseek.model.moe import addend
 
 
 class _AllToAll(torch.autograd.Function):
@@ -70,6 +71,58 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     return out
 
 
+class _InFlight:
+    """An exchange between its `_Start` and its `_Wait`: the forward's work handles, then the backward's."""
+
+    def __init__(self, group):
+        self.group = group
+        self.works: list = []
+        self.grads: list[torch.Tensor] = []
+
+
+class _Start(torch.autograd.Function):
+    """Start an equal-split all-to-all of each tensor without waiting for it (the rows travel while the caller
+    computes something else); `_Wait` makes the stream wait. Backward is the mirror: `_Wait`'s backward starts the
+    gradients' exchange and this one waits for it, so what autograd runs between (the shared experts' backward,
+    which it reaches first) overlaps it."""
+
+    @staticmethod
+    def forward(ctx, flight: _InFlight, *tensors: torch.Tensor):
+        ctx.flight = flight
+        outs = tuple(t.new_empty(t.shape) for t in tensors)
+        flight.works = [dist.all_to_all_single(o, t.contiguous(), group=flight.group, async_op=True)
+                        for o, t in zip(outs, tensors)]
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for w in ctx.flight.works:
+            w.wait()
+        back, ctx.flight.grads, ctx.flight.works = ctx.flight.grads, [], []
+        return (None, *back)
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, flight: _InFlight, *tensors: torch.Tensor):
+        ctx.flight = flight
+        for w in flight.works:
+            w.wait()
+        flight.works = []
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        f = ctx.flight
+        # every rank sends every gradient (a None one as zeros): no rank skips a collective another waits in
+        grads = [torch.zeros(shape, dtype=dtype, device=dev) if g is None else g.contiguous()
+                 for g, (shape, dtype, dev) in zip(grads, ctx.shapes)]
+        f.grads = [g.new_empty(g.shape) for g in grads]
+        f.works = [dist.all_to_all_single(o, g, group=f.group, async_op=True) for o, g in zip(f.grads, grads)]
+        return (None, *f.grads)  # not yet arrived: `_Start.backward`, their only reader, waits first
+
+
 def dispatch_combine_fixed(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -79,9 +132,13 @@ def dispatch_combine_fixed(
     group,
     capacity: int,
     overflow: torch.Tensor,
+    add_TD=None,
+    overlap: bool = True,
 ) -> torch.Tensor:
     """`dispatch_combine` in fixed shapes, without a host sync: `capacity` (C) rows for each (source, destination)
-    pair; `overflow` (a device scalar) is raised where a pair needs more (the rows past C are not computed)."""
+    pair; `overflow` (a device scalar) is raised where a pair needs more (the rows past C are not computed).
+    add_TD (a [T, D] tensor, or a function computing it: the shared experts) is added to the output; with `overlap`
+    it is computed while the rows travel, and its backward runs while their gradients travel back."""
     T, K = topk_ids_TK.shape
     ep, E_loc, C, D = dist.get_world_size(group), gate_up_local.shape[0], capacity, x_TD.shape[1]
     dev = x_TD.device
@@ -104,13 +161,21 @@ def dispatch_combine_fixed(
     send_w_S = w_M.new_zeros(ep * C + 1).index_copy(0, at_M, w_M)[:-1]
     send_SD = _SendRows.apply(x_TD, token_S, at_slot_M, K)
     splits = [C] * ep
-    recv_SD, recv_w_S = _AllToAll.apply(splits, splits, group, send_SD, send_w_S)
+    if overlap:
+        flight = _InFlight(group)
+        recv_SD, recv_w_S = _Start.apply(flight, send_SD, send_w_S)
+        add_TD = addend(add_TD)  # the shared experts, while the rows travel
+        recv_SD, recv_w_S = _Wait.apply(flight, recv_SD, recv_w_S)
+    else:
+        recv_SD, recv_w_S = _AllToAll.apply(splits, splits, group, send_SD, send_w_S)
     # row j of source s's block: the first local expert whose running count passes j (E_loc: past the count)
     ends = recv_counts_E.view(ep, E_loc).cumsum(1)
     local_S = torch.searchsorted(ends, torch.arange(C, device=dev).expand(ep, C).contiguous(), right=True)
     y_SD = kernels.routed_experts(recv_SD, local_S.view(-1, 1), recv_w_S[:, None], gate_up_local, down_local)
     (back_SD,) = _AllToAll.apply(splits, splits, group, y_SD)
-    return _sum_slots(back_SD.index_select(0, at_slot_M), T, K, x_TD.dtype)
+    y_TD = _sum_slots(back_SD.index_select(0, at_slot_M), T, K, x_TD.dtype)
+    add_TD = addend(add_TD)
+    return y_TD if add_TD is None else y_TD + add_TD
 
 
 def _sum_slots(rows_MD: torch.Tensor, T: int, K: int, dtype: torch.dtype) -> torch.Tensor:
@@ -143,8 +208,8 @@ class Dispatch:
     exact splits read on the host (`dispatch_combine`). `overflow`: raised on the device by a fixed-shape dispatch
     that needed more than C rows, until `reset`."""
 
-    def __init__(self, device: torch.device, capacity: int | None = None):
-        self.capacity = capacity
+    def __init__(self, device: torch.device, capacity: int | None = None, overlap: bool = True):
+        self.capacity, self.overlap = capacity, overlap
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
         self._on = False
 
@@ -222,15 +287,15 @@ class ExpertParallelExperts(nn.Module):
         self.down_proj = nn.Parameter(distribute_tensor(down_proj.detach(), mesh, placements))
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                add_TD=None) -> torch.Tensor:  # fmt: skip
         gate_up = self.gate_up_proj.to_local(grad_placements=self.gate_up_proj.placements)
         down = self.down_proj.to_local(grad_placements=self.down_proj.placements)
         group, d = self.mesh.get_group("ep"), self.dispatch
         if d is not None and d.fixed:
-            y_TD = dispatch_combine_fixed(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group, d.capacity,
-                                          d.overflow)
-        else:
-            y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group)
+            return dispatch_combine_fixed(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group, d.capacity,
+                                          d.overflow, add_TD, d.overlap)
+        y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group)
+        add_TD = addend(add_TD)
         return y_TD if add_TD is None else y_TD + add_TD
 
 

@@ -12,7 +12,7 @@ B documents.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +78,17 @@ class Router(nn.Module):
         return scores_TE, topk_ids_TK, weights_TK * self.routed_scaling_factor
 
 
+def addend(add_TD: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+    """The experts' addend: a tensor, None, or a function that computes it (the shared experts), called once."""
+    return add_TD() if callable(add_TD) else add_TD
+
+
 class Experts(nn.Module):
     """Routed experts' weights, stacked: gate_up_proj [E, 2I, D] (rows :I gate, I: up), down_proj [E, D, I].
     forward(x, topk_ids, topk_weights, add_TD=None): modules that replace it from outside (LoRA, expert
-    parallelism) take the same arguments."""
+    parallelism) take the same arguments. add_TD, added to the output: a [T, D] tensor, or a function computing it
+    (the shared experts), which the module calls once, where it chooses (`addend`): expert parallelism calls it
+    while its rows travel to the other ranks."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -90,8 +97,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj, add_TD)
+                add_TD: torch.Tensor | Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        return kernels.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj,
+                                      addend(add_TD))
 
 
 class MoE(nn.Module):
@@ -131,10 +139,10 @@ class MoE(nn.Module):
             raise ValueError(f"MoE.forward: x as {len(xs)} copies, expected 1 or {self.input_copies}")
         x_TD = xs[0]
         scores_TE, topk_ids_TK, weights_TK = self.gate(x_TD)
-        shared_TD = self.shared_experts(xs[2]) if hasattr(self, "shared_experts") else None
-        # the shared experts' output is added by the experts (summed with the routed rows where the kernel can);
-        # fp32 routing weights, the output in x's dtype
-        y_TD = self.experts(xs[1], topk_ids_TK, weights_TK, add_TD=shared_TD)
+        # the shared experts' output is added by the experts (summed with the routed rows where the kernel can), and
+        # computed when they ask (expert parallelism: while its rows travel); fp32 routing weights, output in x's dtype
+        shared = (lambda: self.shared_experts(xs[2])) if hasattr(self, "shared_experts") else None
+        y_TD = self.experts(xs[1], topk_ids_TK, weights_TK, add_TD=shared)
         with torch.no_grad():  # index_add, not bincount: no host sync on GPUs
             counted_M = (
                 torch.ones(topk_ids_TK.numel(), device=x_TD.device) if token_mask_T is None

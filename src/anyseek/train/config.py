@@ -174,6 +174,9 @@ class ParallelConfig:
     # fixed: C = this many times a pair's fair share of rows (tokens * top_k / ep), at most the worst case
     # (tokens * min(top_k, experts per rank): never overflows); 0: the worst case
     ep_capacity_factor: float = 2.0
+    # fixed: the shared experts compute while the dispatch's rows travel (forward), and their backward while the rows'
+    # gradients travel back; false: each exchange waited for where it is issued (the same numbers either way)
+    ep_overlap: bool = True
     backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
     param_dtype: str = "auto"  # FSDP2 compute copy of the weights: auto (bf16 when autocast is bf16), bf16, fp32
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 or bf16

@@ -98,7 +98,7 @@ class Parallel:
                 moe = model.moe_layers()[0]
                 capacity = capacity_rows(tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep,
                                          self.cfg.ep_capacity_factor)
-            self.dispatch = Dispatch(self.device, capacity)
+            self.dispatch = Dispatch(self.device, capacity, overlap=self.cfg.ep_overlap)
             self.expert_params = apply_ep(model, self.ep_mesh, self.dispatch)
         compute = compute_dtype(self.cfg.param_dtype, autocast_dtype)
         shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)

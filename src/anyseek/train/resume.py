@@ -47,6 +47,8 @@ FREE_KEYS = frozenset({
     # the layout over the ranks: sharded checkpoints reshard, the maths is the same (docs/distributed.md)
     "parallel.ep", "parallel.backend", "parallel.reshard_after_forward", "parallel.activation_checkpointing",
     "parallel.timeout_s",
+    # how expert parallelism's rows travel: the same numbers either way (tests/test_distributed.py)
+    "parallel.ep_dispatch", "parallel.ep_capacity_factor", "parallel.ep_overlap",
 })  # fmt: skip
 
 WORLD_SIZE = "parallel.world_size"  # the number of ranks: not a config key, compared through the global batch

@@ -43,7 +43,7 @@ from torch import nn
 
 from anyseek import kernels
 from anyseek.model.concat import adjacent_weights, joined_view
-from anyseek.model.moe import MLP, Experts, MoE, Router
+from anyseek.model.moe import MLP, Experts, MoE, Router, addend
 from anyseek.model.norm import RMSNorm
 
 ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
@@ -157,10 +157,10 @@ class LoRAExperts(nn.Module):
         return torch.baddbmm(w, self.down_lora_B.to(w.dtype), self.down_lora_A.to(w.dtype), alpha=self.scale)
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                add_TD=None) -> torch.Tensor:  # fmt: skip
         return kernels.lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.base.gate_up_proj,
                                            self.base.down_proj, self.gate_up_lora_A, self.gate_up_lora_B,
-                                           self.down_lora_A, self.down_lora_B, self.scale, add_TD)  # fmt: skip
+                                           self.down_lora_A, self.down_lora_B, self.scale, addend(add_TD))  # fmt: skip
 
     def merged(self) -> Experts:
         with torch.no_grad():
