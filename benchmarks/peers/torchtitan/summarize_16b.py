@@ -5,8 +5,9 @@
 
 MANIFEST.tsv: one row per attempt (variant, tokens per rank per step, compile, AC, rc, wall seconds, log path),
 written by run_16b_ep.sh. The step lines are read by the shared peer's summarize.py (parse_log). Per attempt: the
-median over steps [first, last] of torchtitan's tokens/s per GPU (rank 0's tokens over the step's time: every rank
-waits for the others in the collectives), TFLOP/s and MFU; the largest per-step peak of reserved memory (rank 0).
+median over steps [first, last] of torchtitan's tokens/s per GPU (a rank's tokens over its step time: every rank
+waits for the others in the collectives), TFLOP/s and MFU; the largest per-step peak of reserved memory. Every rank
+logs its step lines; the parser keeps each step's last line, i.e. one rank's figures.
 anyseek's MFU of the same run: tokens/s per GPU x anyseek's FLOPs per token (CHECK.json, from check_16b.py: 6 x
 active weights without the embedding and norms, causal attention halved, recomputation not credited) / the GPU's
 dense bf16 peak as anyseek's trainer takes it (anyseek.train.metrics; torchtitan's peak where anyseek is not
