@@ -24,7 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import launch_16b  # noqa: E402  (sys.path first)
+import launch_16b  # after the sys.path line above
 
 
 def torchtitan_side(args) -> dict:
@@ -91,8 +91,12 @@ def anyseek_side(args) -> dict:
     for name, p in model.named_parameters():
         if p.dtype.is_floating_point and p.requires_grad:
             parts[anyseek_part(name)] = parts.get(anyseek_part(name), 0) + p.numel()
-    return {"parts": parts, "total": model.num_parameters(), "active": model.num_parameters(active_only=True),
-            "flops_per_token": model.flops_per_token(args.seqlen)}
+    return {
+        "parts": parts,
+        "total": model.num_parameters(),
+        "active": model.num_parameters(active_only=True),
+        "flops_per_token": model.flops_per_token(args.seqlen),
+    }
 
 
 def main() -> int:

@@ -47,8 +47,14 @@ def sum_reductions_for_gloo() -> None:
 
     inner = collectives._get_gradient_divide_factors
 
-    def factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="", factor=None,
-                force_sum_reduction_for_comms=False):
+    def factors(
+        reduce_scatter_group,
+        all_reduce_group,
+        reduce_dtype,
+        device_type="",
+        factor=None,
+        force_sum_reduction_for_comms=False,
+    ):
         return inner(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type, factor, True)
 
     collectives._get_gradient_divide_factors = factors
@@ -57,12 +63,27 @@ def sum_reductions_for_gloo() -> None:
 def causal_sdpa_for_flex() -> None:
     from torchtitan.models.common.attention import FlexAttention
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, score_mod=None, scale=None, enable_gqa=False,
-                out_transform=None, **kwargs):
+    def forward(
+        self,
+        q_BLNH,
+        k_BLNH,
+        v_BLNH,
+        *,
+        attention_masks,
+        score_mod=None,
+        scale=None,
+        enable_gqa=False,
+        out_transform=None,
+        **kwargs,
+    ):
         if score_mod is not None or out_transform is not None:
             raise NotImplementedError("the CPU check replaces FlexAttention only without score_mod/out_transform")
         out_BNLH = torch.nn.functional.scaled_dot_product_attention(
-            q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), is_causal=True, scale=scale,
+            q_BLNH.transpose(1, 2),
+            k_BLNH.transpose(1, 2),
+            v_BLNH.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
             enable_gqa=enable_gqa,
         )
         return out_BNLH.transpose(1, 2)

@@ -20,10 +20,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def peer_dir() -> str:
     """The copied shared peer folder: TT_PEER_DIR, else .peers/torchtitan under the working directory or under the
     repository root two levels above this file's folder."""
-    candidates = [os.environ["TT_PEER_DIR"]] if os.environ.get("TT_PEER_DIR") else [
-        os.path.join(os.getcwd(), ".peers", "torchtitan"),
-        os.path.join(HERE, "..", "..", "..", ".peers", "torchtitan"),
-    ]
+    candidates = (
+        [os.environ["TT_PEER_DIR"]]
+        if os.environ.get("TT_PEER_DIR")
+        else [
+            os.path.join(os.getcwd(), ".peers", "torchtitan"),
+            os.path.join(HERE, "..", "..", "..", ".peers", "torchtitan"),
+        ]
+    )
     for folder in candidates:
         if os.path.isfile(os.path.join(folder, "launch.py")) and os.path.isfile(
             os.path.join(folder, "tt_dsv3_small.py")

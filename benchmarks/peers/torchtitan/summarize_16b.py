@@ -43,10 +43,12 @@ def peak_flops(device: str | None, torchtitan_peak: str | None) -> tuple[float |
 
 def rows_of(manifest: str, first: int, last: int) -> list[dict]:
     rows = []
-    for line in open(manifest):
+    with open(manifest) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         if not line.strip():
             continue
-        name, tokens, comp, ac, rc, wall, log = line.rstrip("\n").split("\t")
+        name, tokens, comp, ac, rc, wall, log = line.split("\t")
         steps, info = peer.parse_log(log if int(rc) != 125 else "/nonexistent")
         window = [steps[s] for s in range(first, last + 1) if s in steps]
         error = None
@@ -85,7 +87,8 @@ def main() -> int:
     p.add_argument("--last", type=int, default=30)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    check = json.load(open(a.check))
+    with open(a.check) as f:
+        check = json.load(f)
     ours_fpt = check["anyseek"]["flops_per_token"] if check.get("anyseek") else None
     tt = check["torchtitan"]
     rows = rows_of(a.manifest, a.first, a.last)

@@ -43,6 +43,7 @@ all ranks, data_parallel_shard_degree -1 = the world size; the routed experts' F
 import os
 import tempfile
 
+import tt_dsv3_small  # the small harness's synthetic data loader and loss choice (from the copied peer folder)
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -60,8 +61,6 @@ from torchtitan.models.deepseek_v3 import (
 )
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.trainer import Trainer
-
-import tt_dsv3_small  # the small harness's synthetic data loader and loss choice (from the copied peer folder)
 
 FLAVOR = "anyseek16B"
 
