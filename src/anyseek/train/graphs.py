@@ -31,6 +31,7 @@ gradients: the captured micro-batch ends with the working copy's `collect`, whic
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -145,8 +146,8 @@ class StepGraphs:
                     self.cost = warm + max(torch.cuda.memory_reserved(self.device) - reserved, 0)
             except Exception as e:  # noqa: BLE001 - any failure: say why, go on eagerly
                 self.enabled = False
-                self.graphs.clear()
-                torch.cuda.synchronize(self.device)
+                g.outputs = g.grads = None
+                self._drop_graphs()  # their pool: the eager steps need the memory (16B EP4 ran out without)
                 first = str(e).splitlines()[0] if str(e) else ""
                 self.log(f"CUDA graphs off for the rest of the run: capturing the step failed "
                          f"({type(e).__name__}: {first}); the step runs eagerly")
@@ -164,6 +165,11 @@ class StepGraphs:
         """Delete the captured graphs (the run is over, or graphs are off from now on). Under torchrun they hold
         NCCL kernels of the process group's communicators: on 2 ranks (H200s, stop 31) the process hung in
         destroy_process_group after a complete run while they were alive."""
+        self._drop_graphs()
+        self.enabled = False
+
+    def _drop_graphs(self) -> None:
+        """Delete every graph and give their memory back to the device."""
         torch.cuda.synchronize(self.device)
         for g in self.graphs.values():
             if g.graph is not None:
@@ -171,7 +177,8 @@ class StepGraphs:
                 g.graph = None
         self.graphs.clear()
         self.stand_ins.clear()
-        self.enabled = False
+        gc.collect()  # (an exception's frames may still hold a failed capture's tensors)
+        torch.cuda.empty_cache()
 
     def _room(self) -> bool:
         """Whether the GPU has memory for one more graph: its warm-up and its pool (`cost`, as the first one took)
@@ -194,14 +201,9 @@ class StepGraphs:
         free = torch.cuda.mem_get_info(self.device)[0]
         self.log(f"CUDA graphs: one graph for every batch shape from now on: another would need "
                  f"{self.cost / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free")
-        torch.cuda.synchronize(self.device)
-        for g in self.graphs.values():
-            if g.graph is not None:
-                g.graph.reset()
-        self.graphs.clear()
-        self.stand_ins.clear()
-        torch.cuda.empty_cache()
-        self.one_shape = True
+        self._drop_graphs()
+        self.pool = torch.cuda.graph_pool_handle()  # (the old pool is gone with its graphs: capturing into it again
+        self.one_shape = True                         # failed an allocator assert, torch 2.11)
 
     def _capture(self, g: _Graph) -> None:
         """Record (not run) the micro-batch on g's buffers. The step's gradients so far stay as they are."""
