@@ -188,7 +188,10 @@ def start_transformers(args, folder: Path, work: Path, cb: bool) -> Proc:
     p = Proc("transformers serve" + (" --continuous-batching" if cb else ""), cmd, port,
              work / f"transformers{'-cb' if cb else ''}.log", env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
     p.wait_ready(args.start_timeout)
-    p.model = p.get("/v1/models")["data"][0]["id"]
+    try:
+        p.model = p.get("/v1/models")["data"][0]["id"]
+    except (urllib.error.URLError, KeyError, IndexError):  # 5.17 answers 500 (it scans the hub cache): the folder
+        p.model = str(folder)                              # names the model, as `transformers serve` loads it
     return p
 
 
