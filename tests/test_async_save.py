@@ -440,3 +440,21 @@ def test_checkpoint_benchmark_runs_on_the_cpu(data_dir, tmp_path):
     result = json.loads((tmp_path / "bench" / "result.json").read_text())
     assert result["bytes"] > 0 and result["next_blocked_s"] >= 0
     assert sorted(p.name for p in (tmp_path / "bench").iterdir()) == ["result.json"]
+
+
+def test_buffers_reserved_ahead_are_the_ones_the_copy_fills():
+    """`HostBuffers.reserve` makes exactly the buffers `copy_tree` then fills, in place (no second allocation), from
+    `specs` that name a tree's tensors as `copy_tree` does."""
+    from anyseek.checkpoint.host import HostBuffers
+
+    tree = {"model": {"a": torch.randn(3, 4), "b": torch.arange(5)}, "optim": [{"m": torch.ones(2)}, 7]}
+    host = HostBuffers()
+    specs = host.specs(tree)
+    assert specs == [("/model/a", (3, 4), torch.float32, False), ("/model/b", (5,), torch.int64, False),
+                     ("/optim/0/m", (2,), torch.float32, False)]
+    host.reserve(specs)
+    made = {n: b.data_ptr() for n, b in host.buffers.items()}
+    copied = host.copy_tree(tree)
+    assert {n: b.data_ptr() for n, b in host.buffers.items()} == made
+    assert torch.equal(copied["model"]["a"], tree["model"]["a"]) and copied["optim"][1] == 7
+    assert copied["model"]["a"].data_ptr() == made["/model/a"]

@@ -85,6 +85,14 @@ class ShardedSnapshot:
     tokenizer_files: list[Path]
 
 
+def state_tree(model: nn.Module, optimizer: torch.optim.Optimizer, masters=None) -> dict[str, Any]:
+    """The tensors of a sharded checkpoint, as torch.distributed.checkpoint writes them: this rank's shards of the
+    weights (their fp32 masters where FSDP2 holds bf16 shards) and of the optimizer's state."""
+    model_sd = get_model_state_dict(model)
+    return {"model": masters.state_dict(model_sd) if masters is not None else model_sd,
+            "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+
+
 def snapshot_sharded(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
                      run_config: dict[str, Any], tokenizer_files: list[Path], env: DistEnv, masters=None,
                      host: HostBuffers | None = None) -> ShardedSnapshot:
@@ -92,9 +100,7 @@ def snapshot_sharded(step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     it (the caller synchronizes it), else the live ones (written at once)."""
     loaders = all_gather_json(train_state["loader"], env)
     rngs = all_gather_json(rng.rank_state(), env)
-    model_sd = get_model_state_dict(model)
-    state = {"model": masters.state_dict(model_sd) if masters is not None else model_sd,
-             "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+    state = state_tree(model, optimizer, masters)
     if host is not None:
         state = host.copy_tree(state)
     texts = {}

@@ -96,6 +96,12 @@ class Saves:
                  f"{self.saver.host.nbytes() / 2**30:,.2f} GiB of host buffers)")
         return None
 
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, masters=None) -> None:
+        """Once the optimizer's state exists: the background saves' host buffers made in a thread now, not at the
+        first save with the loop waiting (`BackgroundSaver.prepare`)."""
+        if self.saver is not None and self.cfg.train.save_every < self.cfg.train.max_steps:
+            self.saver.prepare(model, optimizer, masters=masters)
+
     def poll(self) -> None:
         """Report a background save that has finished, without waiting (see the module's docstring)."""
         job = self.in_flight
