@@ -1,0 +1,118 @@
+"""LoRA over a 4-bit base (`train.base_bits = 4`) end to end on the CPU (reference backends): the targets' weights
+held as packed NF4 rows (the embedding, head, norms and router not), a run from a Hugging Face folder trains and
+resumes bit for bit (the base re-quantized the same way), `anyseek export` merges dequant(W) + s B A into a bf16 /
+fp32 folder that transformers loads with the 4-bit model's logits, `--peft` writes the adapters; the loader
+quantizes tensor by tensor; the config key is validated."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import base_model_cfg, first_batch, init_cfg, run, vocab_of
+
+from anyseek import hf, kernels
+from anyseek.train.config import ConfigError
+from anyseek.transforms import lora as lora_lib
+
+# the tiny flavor's widths that are not multiples of the 64-input groups, made so: the expert width and the KV latent
+WIDE = {"moe_intermediate_size": 64, "kv_lora_rank": 64}
+
+
+@pytest.fixture(scope="module")
+def base4_dir(tmp_path_factory, base_data):
+    from anyseek.model.transformer import DeepSeekV3
+
+    folder = tmp_path_factory.mktemp("base4") / "model"
+    torch.manual_seed(5)
+    model = DeepSeekV3(base_model_cfg(vocab_of(base_data), **WIDE))
+    hf.save_pretrained(model, folder)
+    for f in (base_data / "tokenizer").iterdir():
+        shutil.copy2(f, folder / f.name)
+    return folder
+
+
+def cfg4(base_data, base_dir, *more):
+    return init_cfg(base_data, f"--train.init={json.dumps(str(base_dir))}", "--train.lora_rank=4",
+                    "--train.lora_alpha=8", "--train.lr=2e-2", "--train.base_bits=4", *more)  # fmt: skip
+
+
+def test_base_bits_is_validated(base_data, base4_dir):
+    with pytest.raises(ConfigError, match="train.base_bits must be 16"):
+        cfg4(base_data, base4_dir, "--train.base_bits=8")
+    with pytest.raises(ConfigError, match="needs LoRA"):
+        init_cfg(base_data, "--train.base_bits=4")
+
+
+def test_targets_held_in_4_bits_and_the_rest_not(base_data):
+    from anyseek.model.transformer import DeepSeekV3
+
+    torch.manual_seed(0)
+    model = DeepSeekV3(base_model_cfg(vocab_of(base_data), **WIDE))
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora_lib.apply_lora(model, lora_lib.LoRASpec(rank=4, base_bits=4), torch.bfloat16)
+    packed = {n.replace(".base.", "."): p for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    # every projection LoRA targets and both expert stacks; nothing else
+    assert packed and all(n.endswith(("proj.weight", "proj_with_mqa.weight", "gate_up_proj", "down_proj"))
+                          for n in packed)
+    assert sum(".experts." in n for n in packed) == 2 * len(list(model.moe_layers()))
+    for n, p in packed.items():
+        assert torch.equal(p, kernels.quantize4(ref[n])), n  # quantized from the fp32 weight, not a bf16 copy
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["model.embed_tokens.weight"] == dtypes["lm_head.weight"] == torch.bfloat16
+    assert all(dtypes[n] == torch.float32 for n in dtypes if n.endswith("norm.weight") or ".gate." in n)
+    # the joined pairs (q_a|kv_a, gate|up) lie back to back in one packed buffer: fused_linear joins them as a view
+    attn = model.model.layers[0].self_attn
+    a, b = attn.q_a_proj.base.weight, attn.kv_a_proj_with_mqa.base.weight
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_quantizing_names_the_layer_whose_width_does_not_fit(base_data):
+    from anyseek.model.transformer import DeepSeekV3
+
+    model = DeepSeekV3(base_model_cfg(vocab_of(base_data)))  # the tiny flavor: expert width 32
+    with pytest.raises(ValueError, match=r"mlp\.experts: 4-bit weight \(8, 128, 32\): the input dim 32 .* group size 64"):
+        lora_lib.apply_lora(model, lora_lib.LoRASpec(rank=4, targets=("routed_experts",), base_bits=4))
+
+
+def test_4bit_lora_run_resumes_exactly_and_exports(base_data, base4_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from anyseek.checkpoint.exporter import export_merged, export_peft, load_lora_model
+
+    run(cfg4(base_data, base4_dir, "--train.max_steps=4", "--train.save_every=2"), tmp_path / "straight")
+    split = cfg4(base_data, base4_dir, "--train.max_steps=4", "--train.save_every=2")
+    split.train.max_steps = 2
+    run(split, tmp_path / "split")
+    run(cfg4(base_data, base4_dir, "--train.max_steps=4", "--train.save_every=2"), tmp_path / "split", resume=True)
+    step = tmp_path / "straight" / "step-4"
+    a = load_file(str(step / "adapters.safetensors"))
+    b = load_file(str(tmp_path / "split" / "step-4" / "adapters.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((step / "lora.json").read_text())["base_bits"] == 4
+
+    model = load_lora_model(step)  # the base re-quantized from the folder, the adapters loaded
+    assert any(p.dtype == torch.uint8 for p in model.parameters())
+    x = first_batch(base_data)
+    ids = x.input_ids[: x.cu_seqlens[1]]
+    with torch.no_grad():
+        ours = model(ids).logits
+    export_merged(tmp_path / "straight", tmp_path / "merged", dtype=torch.float32)
+    merged = hf.load_pretrained(tmp_path / "merged", dtype=torch.float32)
+    full = hf.load_pretrained(base4_dir, dtype=torch.float32)
+    lora_lib.apply_lora(full, lora_lib.LoRASpec(rank=4, alpha=8), torch.float32)  # the same adapters, 16-bit base
+    lora_lib.load_adapter_state(full, a)
+    with torch.no_grad():
+        m = merged(ids).logits
+        f = full.eval()(ids).logits
+    assert (ours - m).abs().max() <= 1e-5 * ours.abs().max()  # merged = dequant(W) + s B A: the 4-bit model's
+    assert (ours - f).abs().max() > 1e-3  # ... and not the full-precision base's
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids[None]).logits[0], ours, rtol=1e-4, atol=1e-4)
+    export_peft(step, tmp_path / "peft")
+    keys = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert keys and all(".lora_" in k for k in keys)
