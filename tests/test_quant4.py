@@ -4,17 +4,13 @@ over the dequantized weights (the 2x rule: error at most twice PyTorch's own at 
 
 from __future__ import annotations
 
+import interpreter
 import pytest
 import torch
 
 from anyseek import kernels
 from anyseek.kernels import accuracy, registry
 from anyseek.kernels.reference import quant4
-
-try:
-    from tests import interpreter
-except ImportError:  # run as a script (the interpreter worker)
-    import interpreter
 
 
 def _weights(shape, seed=0, heavy=False):
@@ -87,7 +83,7 @@ def _linear_truth(x, W, A, blocks, scale, xd=None):
     u = (x if xd is None else xd).double() @ A.double().t()
     r0, cols = 0, []
     for at, B in blocks:
-        o, r = B.shape
+        r = B.shape[1]
         cols.append((at, u[:, r0:r0 + r] @ B.double().t() * scale))
         r0 += r
     add = torch.zeros_like(y)

@@ -116,3 +116,31 @@ def test_4bit_lora_run_resumes_exactly_and_exports(base_data, base4_dir, tmp_pat
     export_peft(step, tmp_path / "peft")
     keys = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     assert keys and all(".lora_" in k for k in keys)
+
+
+def test_loader_quantizes_piece_by_piece_to_the_same_codes(base4_dir, monkeypatch):
+    """`load_pretrained(quantize4=)` packs the targets as it reads them: no full-precision target is materialized,
+    each quantize call sees one checkpoint tensor (one expert's projection, not a stack), and the codes are those
+    `apply_lora` makes from the model loaded in full precision."""
+    from anyseek.hf import pretrained
+
+    spec = lora_lib.LoRASpec(rank=4, base_bits=4)
+    seen, dense = [], []
+    quantize, materialize = pretrained.quantize4, pretrained._materialize
+    monkeypatch.setattr(pretrained, "quantize4", lambda t: seen.append(tuple(t.shape)) or quantize(t))
+    monkeypatch.setattr(pretrained, "_materialize", lambda pieces, old, *a: dense.append(old.shape) or
+                        materialize(pieces, old, *a))  # fmt: skip
+    streamed = hf.load_pretrained(base4_dir, dtype=torch.bfloat16,
+                                  quantize4=lambda m: lora_lib.quantized_names(m, spec))  # fmt: skip
+    names = lora_lib.quantized_names(streamed, spec)
+    assert names and all(streamed.get_parameter(n).dtype == torch.uint8 for n in names)
+    cfg = streamed.config
+    I, D = cfg.moe_intermediate_size, cfg.hidden_size
+    assert (I, D) in seen and (D, I) in seen and not any(len(s) == 3 for s in seen)  # per expert, never a stack
+    assert not any(tuple(s[-2:]) in ((2 * I, D), (D, I)) for s in dense)  # no full-precision expert stack made
+    full = hf.load_pretrained(base4_dir, dtype=torch.float32)
+    lora_lib.apply_lora(full, spec, torch.bfloat16)
+    lora_lib.apply_lora(streamed, spec, torch.bfloat16)
+    a = {n: p for n, p in streamed.named_parameters() if p.dtype == torch.uint8}
+    b = {n: p for n, p in full.named_parameters() if p.dtype == torch.uint8}
+    assert len(a) == len(names) and a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -243,6 +243,16 @@ def quantize_targets(found: list[tuple[str, nn.Module, str]]) -> None:
                 raise ValueError(f"train.base_bits = 4: {name}.{attr}: {e}") from None
 
 
+def quantized_names(model: nn.Module, spec: LoRASpec) -> list[str]:
+    """The full names of the parameters `quantize_targets` holds in 4 bits for `spec` (for a loader that quantizes
+    them as it reads them: `anyseek.hf.load_pretrained(quantize4=)`)."""
+    names = []
+    for name, owner, attr in target_modules(model, spec.targets):
+        leaves = ("gate_up_proj", "down_proj") if isinstance(getattr(owner, attr), Experts) else ("weight",)
+        names += [f"{name}.{attr}.{leaf}" for leaf in leaves]
+    return names
+
+
 def _dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A frozen base weight as a dense tensor: dequantized to `dtype` where it is held in 4 bits, else itself."""
     return kernels.dequantize4(w, dtype) if w.dtype == torch.uint8 else w
