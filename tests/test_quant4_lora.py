@@ -144,3 +144,54 @@ def test_loader_quantizes_piece_by_piece_to_the_same_codes(base4_dir, monkeypatc
     a = {n: p for n, p in streamed.named_parameters() if p.dtype == torch.uint8}
     b = {n: p for n, p in full.named_parameters() if p.dtype == torch.uint8}
     assert len(a) == len(names) and a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_memory_estimate_counts_packed_bytes_by_hand(base_data):
+    """The pre-run estimate of a 4-bit base against a hand count from the config: each targeted weight at 17/32
+    byte (4 bits and a bf16 scale per 64) instead of 2, the embedding in bf16 instead of fp32."""
+    from anyseek.model.config import ModelConfig
+    from anyseek.train.memory import advice, estimate
+
+    c = ModelConfig.from_name("tiny", **WIDE, num_hidden_layers=2, num_nextn_predict_layers=0)
+    run_cfg = init_cfg(base_data)
+    D, H, Q, L, R = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
+    nope, v, I, E = c.qk_nope_head_dim, c.v_head_dim, c.moe_intermediate_size, c.n_routed_experts
+    attn = Q * D + H * (nope + R) * Q + (L + R) * D + H * (nope + v) * L + D * H * v
+    dense = 3 * c.intermediate_size * D  # layer 0 (first_k_dense_replace = 1)
+    moe = 3 * I * c.n_shared_experts * D + E * 3 * I * D  # layer 1: shared experts and the routed stacks
+    targeted = 2 * attn + dense + moe
+    e16 = estimate(c, run_cfg, lora_lib.LoRASpec(rank=4), torch.bfloat16)
+    e4 = estimate(c, run_cfg, lora_lib.LoRASpec(rank=4, base_bits=4), torch.bfloat16)
+    assert e4.weights == e16.weights - targeted * (2 - 17 / 32) - 2 * c.vocab_size * D
+    assert e16.base4_saving == targeted * (2 - 17 / 32) and e4.base4_saving == 0
+    assert any("--train.base_bits=4" in tip for tip in advice(e16, run_cfg, e16.weights))  # a device just too small
+
+
+def test_activation_checkpointing_over_a_4bit_base_recomputes_and_gives_the_same_gradients(base_data):
+    """parallel.activation_checkpointing (`apply_activation_checkpointing`, which one-process runs apply too) over
+    LoRA with a 4-bit base: the layers run again in backward, and the adapters get the same gradients."""
+    from anyseek.distributed.fsdp import apply_activation_checkpointing
+    from anyseek.model.transformer import DeepSeekV3
+
+    x = first_batch(base_data)
+    n = int(x.cu_seqlens[1])  # one document
+    grads, calls = [], []
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        model = DeepSeekV3(base_model_cfg(vocab_of(base_data), **WIDE))
+        lora_lib.apply_lora(model, lora_lib.LoRASpec(rank=4, base_bits=4), torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if lora_lib._is_adapter(name):
+                    p.normal_(0, 0.1)
+        if mode == "full":
+            apply_activation_checkpointing(model, "full")
+        count = []
+        model.model.layers[1].mlp.experts.register_forward_pre_hook(lambda *a: count.append(1))
+        out = model(x.input_ids[:n], cu_seqlens=x.cu_seqlens[:2], targets=x.targets[:n])
+        out.loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.requires_grad})
+        calls.append(len(count))
+    assert calls == [1, 2]  # recomputed in backward
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-7) for k in grads[0])

@@ -73,6 +73,8 @@ def quantize4(w: torch.Tensor, rows_per_chunk: int = 4096) -> torch.Tensor:
     stack is quantized in pieces while it loads)."""
     K = w.shape[-1]
     check_in_features(K, f"weight {tuple(w.shape)}")
+    if w.is_meta:  # (a model built on meta for a memory estimate: the packed shape alone)
+        return torch.empty(*w.shape[:-1], packed_width(K), dtype=PACKED_DTYPE, device="meta")
     rows = w.reshape(-1, K)
     out = torch.empty(rows.shape[0], packed_width(K), dtype=PACKED_DTYPE, device=w.device)
     levels = nf4_levels(w.device)
