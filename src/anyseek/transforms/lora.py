@@ -29,6 +29,12 @@ the full [E, F, D] gradient of the effective weights and two batched matmuls red
 Code that reads the stacked weights itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer
 prints) gets the effective weights from `LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
 
+A 4-bit base (spec.base_bits = 4, `train.base_bits`): the targets' frozen weights are held as packed NF4 rows
+(`kernels.quantize4`, uint8 [out, 17 in / 32]; `quantize_targets`, or the loader as it reads them:
+`quantized_names`), the embedding in the base dtype. The wrappers and the seams take them as they are (the kernels
+dequantize inside their GEMMs); `.weight`, `.gate_up_proj`, `.down_proj` and `merged()` dequantize, so code that
+reads weights and `anyseek export` see dequant(W) + s B A.
+
 Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 """
 
