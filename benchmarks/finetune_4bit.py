@@ -179,9 +179,6 @@ def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int,
            "peak_alloc_GiB": torch.cuda.max_memory_allocated() / GiB,
            "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "estimate_GiB": est.total / GiB,
            "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3, "first_loss": first, "last_loss": last}
-    del model, opt, params
-    gc.collect()
-    torch.cuda.empty_cache()
     return row
 
 
@@ -242,9 +239,6 @@ def peer_row(mc: ModelConfig, dev: torch.device, tokens: int, seqlen: int, steps
            "tokens_per_s": tokens / ms * 1e3, "first_loss": first, "last_loss": last,
            "weights_in_4bit_M": four / 1e6, "expert_weights_4bit_M": expert_4 / 1e6,
            "expert_weights_16bit_M": expert_16 / 1e6}
-    del model, opt, params
-    gc.collect()
-    torch.cuda.empty_cache()
     return row
 
 
@@ -275,6 +269,8 @@ def main() -> None:
     for bits in ((4,) if args.skip_bf16 else (16, 4)):
         t0 = time.perf_counter()
         rows.append(anyseek_row(mc, dev, bits, args.tokens, args.seqlen, args.steps, args.ckpt))
+        gc.collect()  # the row's model and optimizer went with its frame
+        torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.peer:
         pc = ModelConfig.from_name("16B", num_hidden_layers=args.peer_layers or args.layers,

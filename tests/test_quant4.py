@@ -207,10 +207,9 @@ def _worker() -> None:
         tag = str(dtype).removeprefix("torch.")
         table = _linear_table(quant4_linear.low_rank_linear, _linear_case(), dtype)
         results[f"linear_{tag}"] = {"pass": interpreter.passes(table, 1e-4), "table": table}
-        # three of five experts empty ("sparse"); in fp32 also three tokens on one expert
-        for kind, (T, K) in (("sparse", (11, 2)), ("one_expert", (3, 1)))[:2 if dtype == torch.float32 else 1]:
-            table = _experts_table(quant4_moe.lora_routed_experts, _experts_case(T=T, K=K, kind=kind), dtype)
-            results[f"experts_{kind}_{tag}"] = {"pass": interpreter.passes(table, 1e-4), "table": table}
+        # two of four experts empty ("sparse"); odd row counts
+        table = _experts_table(quant4_moe.lora_routed_experts, _experts_case(T=11, E=4, kind="sparse"), dtype)
+        results[f"experts_sparse_{tag}"] = {"pass": interpreter.passes(table, 1e-4), "table": table}
     x, W, *_ = _linear_case(rows=5)
     dq = quant4.dequantize4(W, torch.float64)
     plain = [quant4_linear.matmul_wt(x, W).double(), quant4_linear.matmul_w(x @ dq.float().t(), W).double()]
@@ -226,7 +225,7 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", ["linear_float32", "linear_float16", "experts_sparse_float32",
-                                  "experts_sparse_float16", "experts_one_expert_float32", "matmuls"])  # fmt: skip
+                                  "experts_sparse_float16", "matmuls"])  # fmt: skip
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err kernel, err torch)")
 

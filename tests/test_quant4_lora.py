@@ -187,7 +187,7 @@ def test_activation_checkpointing_over_a_4bit_base_recomputes_and_gives_the_same
         if mode == "full":
             apply_activation_checkpointing(model, "full")
         count = []
-        model.model.layers[1].mlp.experts.register_forward_pre_hook(lambda *a: count.append(1))
+        model.model.layers[1].mlp.experts.register_forward_pre_hook(lambda *a, c=count: c.append(1))
         out = model(x.input_ids[:n], cu_seqlens=x.cu_seqlens[:2], targets=x.targets[:n])
         out.loss.backward()
         grads.append({name: p.grad for name, p in model.named_parameters() if p.requires_grad})
