@@ -195,3 +195,42 @@ def test_activation_checkpointing_over_a_4bit_base_recomputes_and_gives_the_same
     assert calls == [1, 2]  # recomputed in backward
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.allclose(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-7) for k in grads[0])
+
+
+def test_fp8_release_loads_into_a_4bit_base(base4_dir, tmp_path):
+    """The official FP8 layout (float8 weights + per-block scales): each targeted piece is dequantized, then packed;
+    the result is the packing of the FP8 weights' values (an expert stack: its experts' pieces, gate and up rows)."""
+    from safetensors.torch import save_file
+
+    from anyseek.hf import safetensors_io as hf_io
+    from anyseek.hf.fp8 import dequantize_blockwise, quantize_blockwise
+
+    block, folder = (32, 32), tmp_path / "fp8"
+    shutil.copytree(base4_dir, folder)
+    state = {}
+    with hf_io.TensorReader() as reader:
+        for name, info in hf_io.scan_folder(folder).items():
+            t = reader.get(info)
+            if t.dim() == 2 and "embed" not in name and "head" not in name and ".gate." not in name:
+                state[name], state[name + "_scale_inv"] = quantize_blockwise(t, block)
+            else:
+                state[name] = t
+    for f in folder.glob("*.safetensors*"):
+        f.unlink()
+    save_file(state, str(folder / hf_io.SINGLE_FILE))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block), "fmt": "e4m3"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    spec = lora_lib.LoRASpec(rank=4, base_bits=4)
+    model = hf.load_pretrained(folder, dtype=torch.bfloat16, quantize4=lambda m: lora_lib.quantized_names(m, spec))
+
+    def values(key):  # the FP8 weight's values, as the test reads them
+        return dequantize_blockwise(state[key], state[key + "_scale_inv"], block, dtype=torch.float32)
+
+    lay = "model.layers.1.mlp"
+    E = model.config.n_routed_experts
+    gate_up = torch.stack([torch.cat([values(f"{lay}.experts.{e}.gate_proj.weight"),
+                                      values(f"{lay}.experts.{e}.up_proj.weight")]) for e in range(E)])  # fmt: skip
+    assert torch.equal(model.get_parameter(f"{lay}.experts.gate_up_proj"), kernels.quantize4(gate_up))
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert torch.equal(model.get_parameter(key), kernels.quantize4(values(key)))
