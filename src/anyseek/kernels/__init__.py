@@ -349,29 +349,7 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
     return registry.get("sq_norm", x)(x)
 
 
-__all__ = [
-    "adamw_flat",
-    "adamw_tensors",
-    "add_rms_norm",
-    "cross_entropy_rows",
-    "dequantize4",
-    "describe",
-    "grad_destination",
-    "in_features4",
-    "lora_routed_experts",
-    "low_rank_linear",
-    "low_rank_merge",
-    "mla_attention",
-    "mla_decode",
-    "quantize4",
-    "registry",
-    "rms_norm",
-    "rope_rotate",
-    "route_topk",
-    "routed_experts",
-    "set_backend",
-    "set_grad_destination",
-    "sq_norm",
-    "swiglu",
-    "varlen_attention",
-]
+__all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "dequantize4", "describe",
+           "grad_destination", "in_features4", "lora_routed_experts", "low_rank_linear", "low_rank_merge",
+           "mla_attention", "mla_decode", "quantize4", "registry", "rms_norm", "rope_rotate", "route_topk",
+           "routed_experts", "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]
