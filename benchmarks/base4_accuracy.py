@@ -49,7 +49,8 @@ def main() -> int:
     if base is None:
         pre = train(out / "pretrain", args.flavor, args.data, args.tokens, args.pretrain_steps, args.pretrain_arg)
         base = pre["checkpoint"]
-        print(f"pretrained {args.flavor}: {args.pretrain_steps} steps, val loss {pre['val_loss']:.4f} ({pre['seconds']:.0f} s)")
+        print(f"pretrained {args.flavor}: {args.pretrain_steps} steps, val loss {pre['val_loss']:.4f} "
+              f"({pre['seconds']:.0f} s)")
     rows = {}
     for bits in (16, 4):
         lora = [f"--train.init={json.dumps(str(base))}", "--train.lora_rank=16", "--train.lora_alpha=32",

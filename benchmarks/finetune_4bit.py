@@ -289,7 +289,8 @@ def main() -> None:
               f"{r.get('estimate_GiB', float('nan')):.2f} | {r['ms_per_step']:.0f} | {r['tokens_per_s']:,.0f} |")
     peer = next((r for r in rows if r["mode"].startswith("transformers") and "skipped" not in r), None)
     if peer:
-        print(f"peer: {peer['weights_in_4bit_M']:.0f}M weights in 4 bits; routed experts {peer['expert_weights_4bit_M']:.0f}M"
+        print(f"peer: {peer['weights_in_4bit_M']:.0f}M weights in 4 bits; routed experts "
+              f"{peer['expert_weights_4bit_M']:.0f}M"
               f" in 4 bits, {peer['expert_weights_16bit_M']:.0f}M left in 16 bits")
     if args.out:
         with open(args.out, "w") as fh:

@@ -73,7 +73,7 @@ def test_quantizing_names_the_layer_whose_width_does_not_fit(base_data):
     from anyseek.model.transformer import DeepSeekV3
 
     model = DeepSeekV3(base_model_cfg(vocab_of(base_data)))  # the tiny flavor: expert width 32
-    with pytest.raises(ValueError, match=r"mlp\.experts: 4-bit weight \(8, 128, 32\): the input dim 32 .* group size 64"):
+    with pytest.raises(ValueError, match=r"mlp\.experts: 4-bit weight \(8, 128, 32\): the input dim 32 .* size 64"):
         lora_lib.apply_lora(model, lora_lib.LoRASpec(rank=4, targets=("routed_experts",), base_bits=4))
 
 

@@ -323,9 +323,9 @@ def lora_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
     """`routed_experts` on the effective weights W + scale * B A of each expert, for frozen stacks (no gradient)
     gate_up [E, F, D] and down [E, D, I] with per-expert adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I],
     B_dn [E, D, r] (LoRA's routed experts, `transforms.lora.LoRAExperts`); or both stacks packed in 4 bits
-    (uint8 [E, F, 17D/32] and [E, D, 17I/32], `quantize4`: a 4-bit frozen base). Gradients: x, topk_weights, the four adapters
-    and add_TD. -> [T, D] as `routed_experts`. A backend need not form the effective weights (the Triton one does
-    not, nor the [E, F, D] gradients: it adds the rank-r terms inside its GEMMs)."""
+    (uint8 [E, F, 17D/32] and [E, D, 17I/32], `quantize4`: a 4-bit frozen base). Gradients: x, topk_weights, the
+    four adapters and add_TD. -> [T, D] as `routed_experts`. A backend need not form the effective weights (the
+    Triton one does not, nor the [E, F, D] gradients: it adds the rank-r terms inside its GEMMs)."""
     quant = gate_up_EFD.dtype == torch.uint8  # 4-bit frozen stacks, packed [E, F, 17D/32], [E, D, 17I/32]
     if quant != (down_EDI.dtype == torch.uint8):
         raise ValueError(f"lora_routed_experts: gate_up ({gate_up_EFD.dtype}) and down ({down_EDI.dtype}) must both "

@@ -111,7 +111,8 @@ def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=Fa
     rank = l_.shape[1] if low_rank is not None else 0
     l_mode = 2 if l_rows else 0
     quant = b_e.dtype == torch.uint8  # a packed 4-bit stack (quant4_moe.py): k along its rows where strides_b[1] == 1
-    q_args = (b_e.view(torch.int16), nf4_lut(b_e.device), b_e.stride(1), in_features(b_e) // 4) if quant else (c, c, 0, 0)
+    q_args = (b_e.view(torch.int16), nf4_lut(b_e.device), b_e.stride(1), in_features(b_e) // 4) if quant \
+        else (c, c, 0, 0)
     if l_token is not None:
         assert gather and low_rank is not None and l_token.stride(1) == 1, "l_token: gathered rows, a rank-r term"
         p_, strides_p, l_mode = l_token, (0, l_token.stride(0), 1), 1
