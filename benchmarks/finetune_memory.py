@@ -5,7 +5,8 @@
 One optimizer step as the trainer runs it (bf16 autocast, packed documents, AdamW fused, gradient clipping) on random
 tokens, same batch for both modes. Full: fp32 weights + AdamW on everything. LoRA: rank 16 on every target, the base
 frozen in bf16, AdamW on the adapters only. Cases: the `small` flavor and a 2-layer `16B`-shaped model (Moonlight /
-DeepSeek-V2-Lite widths: one dense and one MoE layer, vocab 163840).
+DeepSeek-V2-Lite widths: one dense and one MoE layer, vocab 163840). LoRA over a 4-bit base, and the
+transformers + PEFT + bitsandbytes peer: benchmarks/finetune_4bit.py.
 """
 
 from __future__ import annotations

@@ -49,7 +49,9 @@ def read_lora_json(folder: Path) -> Adapters:
     if not f.is_file():
         raise CheckpointError(f"{folder}: no {LORA_JSON} (not a LoRA checkpoint)")
     d = json.loads(f.read_text())
-    return Adapters(LoRASpec(int(d["rank"]), float(d["alpha"]), float(d["dropout"]), tuple(d["targets"])), d["base"])
+    spec = LoRASpec(int(d["rank"]), float(d["alpha"]), float(d["dropout"]), tuple(d["targets"]),
+                    int(d.get("base_bits", 16)))  # (written before 4-bit bases: 16)
+    return Adapters(spec, d["base"])
 
 
 def read_adapters(folder: Path, model: nn.Module, base: dict | None = None) -> None:

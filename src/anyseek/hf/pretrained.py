@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from anyseek.hf.config import transformers_gaps as config_gaps
 from anyseek.hf.fp8 import DEFAULT_BLOCK, dequantize_blockwise
 from anyseek.hf.names import LoadPlan, Piece, expert_names, plan_load, to_hf
 from anyseek.hf.safetensors_io import TensorInfo, TensorReader, nbytes, scan_folder, write_shards
+from anyseek.kernels.reference.quant4 import packed_width, quantize4
 from anyseek.model.config import ModelConfig
 from anyseek.model.transformer import DeepSeekV3
 from anyseek.storage import CheckpointError, atomic_folder
@@ -57,6 +59,7 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     strict: bool = True,
+    quantize4: Callable[[nn.Module], Collection[str]] | None = None,
 ) -> DeepSeekV3:
     """Build a DeepSeekV3 from a Hugging Face DeepseekV3 folder and return it in eval mode.
 
@@ -66,6 +69,9 @@ def load_pretrained(
     by name). strict=False: missing tensors keep their random init and unexpected ones are skipped (a warning lists
     both); mis-shaped tensors are always an error. A checkpoint without MTP layers (e.g. written by transformers)
     loads with num_nextn_predict_layers lowered to what it holds, with a warning.
+    quantize4: given the model (on meta, before loading), the names of the parameters to hold in 4 bits: each is
+    quantized as it is read (`kernels.quantize4`, from the file's values; per expert for a stacked tensor), so the
+    full-precision weights never exist together (LoRA's 4-bit base, `train.base_bits = 4`).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -81,7 +87,8 @@ def load_pretrained(
     # DeepSeek-V2 (softmax routing) checkpoints have no selection bias; ours is unused there
     zero_ok = ("e_score_correction_bias",) if cfg.scoring_func == "softmax" else ()
     n_layers, n_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
-    load_into(model, ckpt, n_layers, n_mtp, dtype, device, strict, block, folder, zero_ok)
+    packed = set(quantize4(model)) if quantize4 is not None else set()
+    load_into(model, ckpt, n_layers, n_mtp, dtype, device, strict, block, folder, zero_ok, packed4=packed)
     return model.eval()
 
 
@@ -96,10 +103,12 @@ def load_into(
     block: tuple[int, int] = DEFAULT_BLOCK,
     folder: Path | None = None,
     zero_if_missing: tuple[str, ...] = (),
+    packed4: Collection[str] = (),
 ) -> None:
     """Fill `model`'s state from the checkpoint tensors `ckpt` (see safetensors_io.scan_folder), assigning new tensors.
     Parameters become `dtype` on `device`; buffers keep their dtype. Tensors whose names end with one of
-    `zero_if_missing` may be absent from the checkpoint and are then zeros."""
+    `zero_if_missing` may be absent from the checkpoint and are then zeros. Parameters named in `packed4` become
+    packed 4-bit tensors (`_materialize4`) instead."""
     device = torch.device(device if device is not None else "cpu")
     aliases = _aliases(model)
     state = model.state_dict(keep_vars=True)
@@ -114,7 +123,10 @@ def load_into(
         for name, pieces in plan.pieces.items():
             old = state[name]
             want = dtype if name in params and old.is_floating_point() else old.dtype
-            new = _materialize(pieces, old, want, device, reader, block)
+            if name in packed4:
+                new = _materialize4(pieces, old, device, reader, block)
+            else:
+                new = _materialize(pieces, old, want, device, reader, block)
             _assign(model, name, new, [a for a, c in aliases.items() if c == name])
     for name in zeros:
         _assign(model, name, torch.zeros(state[name].shape, dtype=state[name].dtype, device=device), [])
@@ -172,6 +184,21 @@ def _materialize(
     return out
 
 
+def _materialize4(pieces: list[Piece], old: torch.Tensor, device: torch.device, reader: TensorReader,
+                  block: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """A target tensor held in 4 bits (`kernels.quantize4`: uint8 [..., N, 17K/32]), each checkpoint piece
+    quantized from its values as stored (FP8 dequantized to fp32 first) into its rows as it is read: the
+    full-precision tensor is never formed, only one piece (a weight, or one expert's projection) at a time."""
+    out = torch.empty(*old.shape[:-1], packed_width(old.shape[-1]), dtype=torch.uint8, device=device)
+    whole = len(pieces) == 1 and pieces[0].expert < 0
+    for p in pieces:
+        t = reader.get(p.info)
+        if p.scale is not None:
+            t = dequantize_blockwise(t, reader.get(p.scale), block, dtype=torch.float32)
+        (out if whole else out[p.expert, p.rows]).copy_(quantize4(t.to(device)))
+    return out
+
+
 def _read_into(piece: Piece, reader: TensorReader, block: tuple[int, int], out: torch.Tensor) -> None:
     """A checkpoint tensor copied (an FP8 one dequantized) straight into `out`, a view of the target tensor."""
     t = reader.get(piece.info)
@@ -188,7 +215,8 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor, aliases: list[str
         mod = model.get_submodule(mod_name)
         if leaf in mod._parameters:
             if new is None:
-                new = nn.Parameter(tensor, requires_grad=mod._parameters[leaf].requires_grad)
+                grad = mod._parameters[leaf].requires_grad and tensor.is_floating_point()  # (not a 4-bit one)
+                new = nn.Parameter(tensor, requires_grad=grad)
             mod._parameters[leaf] = new
         else:
             mod._buffers[leaf] = tensor

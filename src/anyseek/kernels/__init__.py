@@ -10,7 +10,8 @@
     over lists of tensors: `adamw_tensors` (train/optim.py: FSDP2's shards, LoRA's adapters);
 (f) LoRA, applied from outside the model (transforms/lora.py): `low_rank_linear` (a linear layer with a low-rank term
     beside its frozen weight; `model.concat.fused_linear` calls it for joined layers too) and `lora_routed_experts`
-    (the routed experts with per-expert adapters beside the frozen stacks).
+    (the routed experts with per-expert adapters beside the frozen stacks). Both take the frozen weights in 4 bits
+    too (`quantize4` / `dequantize4`, the format in reference/quant4.py; ops quant4_linear, quant4_routed_experts).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 
 from anyseek.kernels import contract, registry
+from anyseek.kernels.reference.quant4 import dequantize4, quantize4
+from anyseek.kernels.reference.quant4 import in_features as in_features4
 from anyseek.kernels.registry import describe, set_backend
 
 
@@ -290,12 +293,16 @@ def low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B, xd: to
     keeping W + s B A or a gradient of W's size. x [..., in], W [out, in], A [r, in], B [out, r]; xd (x's shape, or
     None: x itself) is the term's own input (x after dropout). B may also be a list of blocks [(first output column,
     B_i [o_i, r_i]), ...] over A's rows in order, r = sum of r_i: a block-diagonal B without forming it (layers
-    joined by `model.concat.fused_linear`, each block adding into its own layer's columns). Computes in autocast's
+    joined by `model.concat.fused_linear`, each block adding into its own layer's columns). W may be a 4-bit frozen
+    weight, packed uint8 [out, 17 in / 32] (`quantize4`; it gets no gradient). Computes in autocast's
     dtype where autocast is on (as F.linear would), else in x's; gradients for every input that wants one."""
     blocks = [(0, B)] if torch.is_tensor(B) else list(B)
-    if W.dim() != 2 or A.dim() != 2 or A.shape[1] != W.shape[1] or x.shape[-1] != W.shape[1]:
+    quant = W.dtype == torch.uint8  # a 4-bit frozen weight, packed [out, 17 in / 32] (reference/quant4.py)
+    k = in_features4(W) if quant and W.dim() == 2 else W.shape[-1]
+    if W.dim() != 2 or A.dim() != 2 or A.shape[1] != k or x.shape[-1] != k:
         raise ValueError(f"low_rank_linear: x [..., in], W [out, in], A [r, in] expected, got x {tuple(x.shape)}, "
-                         f"W {tuple(W.shape)}, A {tuple(A.shape)}")
+                         f"W {tuple(W.shape)}{' (4-bit packed: in = ' + str(k) + ')' if quant else ''}, "
+                         f"A {tuple(A.shape)}")
     if xd is not None and xd.shape != x.shape:
         raise ValueError(f"low_rank_linear: xd {tuple(xd.shape)} must have x's shape {tuple(x.shape)}")
     r0 = 0
@@ -306,7 +313,7 @@ def low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B, xd: to
         r0 += b.shape[1]
     if r0 != A.shape[0]:
         raise ValueError(f"low_rank_linear: B's ranks add up to {r0}, A has {A.shape[0]} rows")
-    return registry.get("low_rank_linear", x)(x, W, A, B, xd, scale)
+    return registry.get("quant4_linear" if quant else "low_rank_linear", x)(x, W, A, B, xd, scale)
 
 
 def lora_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -315,11 +322,16 @@ def lora_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
                         ) -> torch.Tensor:  # fmt: skip
     """`routed_experts` on the effective weights W + scale * B A of each expert, for frozen stacks (no gradient)
     gate_up [E, F, D] and down [E, D, I] with per-expert adapters A_gu [E, r, D], B_gu [E, F, r], A_dn [E, r, I],
-    B_dn [E, D, r] (LoRA's routed experts, `transforms.lora.LoRAExperts`). Gradients: x, topk_weights, the four adapters
-    and add_TD. -> [T, D] as `routed_experts`. A backend need not form the effective weights (the Triton one does
-    not, nor the [E, F, D] gradients: it adds the rank-r terms inside its GEMMs)."""
-    E, F, D = gate_up_EFD.shape
-    I, r = down_EDI.shape[-1], A_gu.shape[1]
+    B_dn [E, D, r] (LoRA's routed experts, `transforms.lora.LoRAExperts`); or both stacks packed in 4 bits
+    (uint8 [E, F, 17D/32] and [E, D, 17I/32], `quantize4`: a 4-bit frozen base). Gradients: x, topk_weights, the
+    four adapters and add_TD. -> [T, D] as `routed_experts`. A backend need not form the effective weights (the
+    Triton one does not, nor the [E, F, D] gradients: it adds the rank-r terms inside its GEMMs)."""
+    quant = gate_up_EFD.dtype == torch.uint8  # 4-bit frozen stacks, packed [E, F, 17D/32], [E, D, 17I/32]
+    if quant != (down_EDI.dtype == torch.uint8):
+        raise ValueError(f"lora_routed_experts: gate_up ({gate_up_EFD.dtype}) and down ({down_EDI.dtype}) must both "
+                         "be packed 4-bit (uint8) or neither")
+    E, F, D = (*gate_up_EFD.shape[:2], in_features4(gate_up_EFD)) if quant else gate_up_EFD.shape
+    I, r = in_features4(down_EDI) if quant else down_EDI.shape[-1], A_gu.shape[1]
     want = {"A_gu": (E, r, D), "B_gu": (E, F, r), "A_dn": (E, r, I), "B_dn": (E, D, r)}
     got = {"A_gu": A_gu, "B_gu": B_gu, "A_dn": A_dn, "B_dn": B_dn}
     bad = [f"{n} {tuple(got[n].shape)} (want {w})" for n, w in want.items() if tuple(got[n].shape) != w]
@@ -328,7 +340,7 @@ def lora_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
                          f"and adapters of rank {r} do not fit: {', '.join(bad) or 'down must be [E, D, I]'}")
     if add_TD is not None and add_TD.shape != x_TD.shape:
         raise ValueError(f"lora_routed_experts: add_TD {tuple(add_TD.shape)} must have x's shape {tuple(x_TD.shape)}")
-    fn = registry.get("lora_routed_experts", x_TD)
+    fn = registry.get("quant4_routed_experts" if quant else "lora_routed_experts", x_TD)
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, A_gu, B_gu, A_dn, B_dn, scale, add_TD)
 
 
@@ -337,7 +349,7 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
     return registry.get("sq_norm", x)(x)
 
 
-__all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination",
-           "lora_routed_experts", "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode", "registry",
-           "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend", "set_grad_destination", "sq_norm",
-           "swiglu", "varlen_attention"]
+__all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "dequantize4", "describe",
+           "grad_destination", "in_features4", "lora_routed_experts", "low_rank_linear", "low_rank_merge",
+           "mla_attention", "mla_decode", "quantize4", "registry", "rms_norm", "rope_rotate", "route_topk",
+           "routed_experts", "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]

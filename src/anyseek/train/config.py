@@ -120,6 +120,9 @@ class TrainConfig:
     # the frozen base: "auto" (bf16 when autocasting to bf16, else fp32), "bf16", "fp32" (with a GPU working copy,
     # which computes on bf16 copies, frozen tensors are held in bf16 whatever this says: train/precision.py)
     lora_base_dtype: str = "auto"
+    # 16: the frozen base as lora_base_dtype says; 4: every weight LoRA targets (routed experts included) held in 4
+    # bits, NF4 with per-64 bf16 scales (kernels/reference/quant4.py), the embedding and the output head in bf16
+    base_bits: int = 16
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "grad_accum", "log_every", "eval_every", "save_every", "keep_last",
@@ -409,6 +412,11 @@ def _check_lora(t: TrainConfig) -> None:
                           f"got {t.lora_targets!r}")
     if t.lora_rank and not t.init:
         raise ConfigError("train.lora_rank needs a base model to adapt: pass --init PATH (or set train.init)")
+    if t.base_bits not in (4, 16):
+        raise ConfigError(f"train.base_bits must be 16 (the base as lora_base_dtype says) or 4 (NF4), got "
+                          f"{t.base_bits!r}")
+    if t.base_bits == 4 and not t.lora_rank:
+        raise ConfigError("train.base_bits = 4 quantizes a frozen base: it needs LoRA (train.lora_rank > 0)")
     if t.lora_rank and t.bias_update_speed_schedule:
         raise ConfigError("train.bias_update_speed_schedule is not used with LoRA: the routing biases belong to the "
                           "frozen base")

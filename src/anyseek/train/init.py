@@ -98,10 +98,11 @@ def model_config(init: InitSource, section) -> Any:
     return dataclasses.replace(cfg, **knobs) if knobs else cfg
 
 
-def load_model(init: InitSource, cfg, device: torch.device, dtype: torch.dtype = torch.float32):
+def load_model(init: InitSource, cfg, device: torch.device, dtype: torch.dtype = torch.float32, quantize4=None):
     """The folder's weights in a DeepSeekV3 on `device` (built on meta, filled tensor by tensor), in train mode,
-    with `cfg`'s training knobs."""
-    model = load_pretrained(init.path, dtype=dtype, device=device)
+    with `cfg`'s training knobs. quantize4: which parameters to quantize to 4 bits as they are read
+    (`load_pretrained`'s; a 4-bit LoRA base)."""
+    model = load_pretrained(init.path, dtype=dtype, device=device, quantize4=quantize4)
     knobs = {k: getattr(cfg, k) for k in TRAINING_KNOBS}
     model.config = dataclasses.replace(model.config, **knobs)  # MTP depth as loaded (a folder may hold fewer)
     return model.train()

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from anyseek.data.prepare import default_out
+from anyseek.kernels import in_features4
 from anyseek.model.loss import chunk_rows
 from anyseek.model.transformer import DeepSeekV3
 from anyseek.train import precision
@@ -62,6 +63,7 @@ class Estimate:
     process: float = 0.0  # CPU: the process's resident memory before the model exists (Python, torch, the data)
     step_buffers: float = 0.0  # CPU: the optimizer step's own buffers; nonzero: phases (see PHASE_REUSE)
     head_grad: float = 0.0  # CPU: the output head's gradient, formed in the forward (part of `grads`)
+    base4_saving: float = 0.0  # LoRA over a 16-bit base: what train.base_bits = 4 would take off the weights
 
     @property
     def total(self) -> float:
@@ -110,12 +112,14 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
         copies = 2 * n if working_copy else (low * matrices if autocast else 0)
         trained = n
     else:
-        lora_lib.apply_lora(model, lora_spec, base_dtype)
         size = torch.finfo(base_dtype).bits // 8
-        # the frozen fp32 tensors (embedding, norms, router): held in bf16 alone under the working copy
+        targeted = sum(model.get_parameter(n).numel() for n in lora_lib.quantized_names(model, lora_spec))
+        lora_lib.apply_lora(model, lora_spec, base_dtype)
+        # the frozen fp32 tensors (embedding, norms, router): held in bf16 alone under the working copy; 4-bit
+        # weights: their packed bytes (uint8, 17/32 byte a weight)
         other = 2 if working_copy else 4
-        base = sum(p.numel() * (size if p.dtype == base_dtype else other) for n, p in model.named_parameters()
-                   if not lora_lib._is_adapter(n))
+        base = sum(p.numel() * (1 if p.dtype == torch.uint8 else size if p.dtype == base_dtype else other)
+                   for n, p in model.named_parameters() if not lora_lib._is_adapter(n))
         a = lora_lib.count_adapters(model)
         weights, grads, optimizer = base + 4 * a, grad_bytes * a, moment_bytes * a
         copies = size * _merged_elements(model, triton_experts) + (2 * a if working_copy else 0)
@@ -127,6 +131,8 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     acts = activation_bytes(model_cfg, t, mode, low=low, resid=resid, expert_act=expert_act, cpu_docs=docs)
     full = activation_bytes(model_cfg, t, "full", low=low, resid=resid, expert_act=expert_act, cpu_docs=docs)
     est = Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None, full)
+    if lora_spec is not None and lora_spec.base_bits == 16:
+        est.base4_saving = targeted * (size - 17 / 32)
     if cpu and not working_copy:  # foreach AdamW (train/optim.py): one fp32 buffer per trained weight in its step
         head_grad = 4 * model.lm_head.weight.numel() if lora_spec is None else 0
         est.process, est.step_buffers, est.head_grad = process, 4.0 * trained, float(head_grad)
@@ -158,8 +164,13 @@ def _merged_elements(model, triton_experts: bool) -> int:
     gradient of the merged weights)."""
     if triton_experts:
         return 0
-    return sum(2 * (m.base.gate_up_proj.numel() + m.base.down_proj.numel()) for m in model.modules()
+    return sum(2 * (_dense_numel(m.base.gate_up_proj) + _dense_numel(m.base.down_proj)) for m in model.modules()
                if isinstance(m, LoRAExperts))
+
+
+def _dense_numel(w: torch.Tensor) -> int:
+    """Elements of a frozen weight as the computation reads it (a 4-bit one dequantized: in_features per row)."""
+    return w.numel() if w.dtype != torch.uint8 else w.numel() // w.shape[-1] * in_features4(w)
 
 
 def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid: int = 4,
@@ -239,6 +250,9 @@ def available(device: torch.device) -> float | None:
 def advice(est: Estimate, run_cfg, have: float) -> list[str]:
     """Which knobs bring `est` under `have` bytes, most effective first."""
     tips = []
+    if est.base4_saving > 0.05 * have:
+        tips.append(f"a 4-bit base (--train.base_bits=4) holds LoRA's targets, routed experts included, in NF4: about "
+                    f"{est.base4_saving / GiB:.1f} GiB less")
     if not est.lora and (est.grads + est.optimizer) > 0:
         tips.append(f"LoRA (--train.lora_rank=16 with --init) drops gradients and optimizer state of the base: "
                     f"about {(est.grads + est.optimizer + est.weights / 2) / GiB:.1f} GiB less")

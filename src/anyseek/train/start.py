@@ -12,6 +12,7 @@ transforms (`anyseek.transforms`: LoRA). The trainer calls these hooks; with nei
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from anyseek.checkpoint.adapters import Adapters
 from anyseek.train import init as init_lib
 from anyseek.train.config import RunConfig
 from anyseek.train.memory import report
+from anyseek.transforms.lora import quantized_names
 
 
 class Start:
@@ -60,7 +62,10 @@ class Start:
         without --init."""
         if self.init is None:
             return None
-        model = init_lib.load_model(self.init, self.model_cfg, self.device, self.base_dtype)
+        packed = None  # a 4-bit base: LoRA's targets quantized as they are read (the full model never in memory)
+        if self.spec is not None and self.spec.base_bits == 4:
+            packed = functools.partial(quantized_names, spec=self.spec)
+        model = init_lib.load_model(self.init, self.model_cfg, self.device, self.base_dtype, packed)
         self.log(f"init: weights from {self.init.path} (sha256 {self.ref['sha256'][:12]}); optimizer, schedule "
                  "and data start fresh")
         return model

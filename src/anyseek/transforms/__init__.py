@@ -12,10 +12,10 @@ keeps DeepSeek-V3's maths and reaches a transformed layer's kernels through the 
 loaded and before it is parallelized (FSDP2, expert parallelism) and compiled; checkpoints keep what a transform
 trains (LoRA: its adapters over the recorded base, `anyseek.checkpoint.adapters`).
 
-    lora.py   LoRA: the base frozen (bf16 on a GPU), low-rank adapters trained (`train.lora_*`)
+    lora.py   LoRA: the base frozen (bf16 on a GPU, or its targets in 4 bits: `train.base_bits = 4`), low-rank
+              adapters trained (`train.lora_*`)
 
-Planned here, by the same protocol: FP8 training (DeepSeek-V3's recipe, `train.precision = "fp8"`) and 4-bit
-frozen base weights under LoRA (`train.base_bits = 4`).
+Planned here, by the same protocol: FP8 training (DeepSeek-V3's recipe, `train.precision = "fp8"`).
 """
 
 from __future__ import annotations

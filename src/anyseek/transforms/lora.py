@@ -29,6 +29,12 @@ the full [E, F, D] gradient of the effective weights and two batched matmuls red
 Code that reads the stacked weights itself (the decode paths of `anyseek.infer`, e.g. the sample the trainer
 prints) gets the effective weights from `LoRAExperts.gate_up_proj` / `.down_proj`, as it gets `LoRALinear.weight`.
 
+A 4-bit base (spec.base_bits = 4, `train.base_bits`): the targets' frozen weights are held as packed NF4 rows
+(`kernels.quantize4`, uint8 [out, 17 in / 32]; `quantize_targets`, or the loader as it reads them:
+`quantized_names`), the embedding in the base dtype. The wrappers and the seams take them as they are (the kernels
+dequantize inside their GEMMs); `.weight`, `.gate_up_proj`, `.down_proj` and `merged()` dequantize, so code that
+reads weights and `anyseek export` see dequant(W) + s B A.
+
 Shape legend: E routed experts, D hidden, I expert intermediate, F = 2I, r rank.
 """
 
@@ -56,6 +62,7 @@ class LoRASpec:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("attention", "dense_mlp", "shared_experts", "routed_experts")
+    base_bits: int = 16  # 4: the targeted base weights held in 4 bits (NF4, `kernels.quantize4`); 16: as they are
 
     @property
     def scale(self) -> float:
@@ -63,19 +70,20 @@ class LoRASpec:
 
     @classmethod
     def from_train(cls, t) -> LoRASpec:
-        return cls(t.lora_rank, t.lora_alpha, t.lora_dropout, tuple(t.lora_targets))
+        return cls(t.lora_rank, t.lora_alpha, t.lora_dropout, tuple(t.lora_targets), getattr(t, "base_bits", 16))
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
+                "base_bits": self.base_bits}
 
 
 class LoRALinear(nn.Module):
     """A frozen nn.Linear (`base`) plus a trained low-rank update: lora_A [r, in] (Kaiming-uniform as in PEFT),
     lora_B [out, r] (zeros)."""
 
-    def __init__(self, base: nn.Linear, spec: LoRASpec):
+    def __init__(self, base: nn.Linear, spec: LoRASpec, dense_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.base, self.scale = base, spec.scale
+        self.base, self.scale, self.dense_dtype = base, spec.scale, dense_dtype
         self.in_features, self.out_features = base.in_features, base.out_features
         dev = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(spec.rank, base.in_features, device=dev, dtype=torch.float32))
@@ -87,7 +95,8 @@ class LoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The merged weight W + s * B A [out, in], for code that reads the weight instead of calling the layer."""
         delta = self.lora_B @ self.lora_A
-        return self.base.weight + (self.scale * delta).to(self.base.weight.dtype)
+        w = _dense(self.base.weight, self.dense_dtype)
+        return w + (self.scale * delta).to(w.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         A, B, drop, scale = self.low_rank
@@ -115,10 +124,11 @@ class LoRALinear(nn.Module):
 
     def merged(self) -> nn.Linear:
         """A plain nn.Linear holding W + s * B A, computed in fp32, in the base weight's dtype."""
+        base = _dense(self.base.weight, self.dense_dtype)
         with torch.no_grad():
-            w = self.base.weight.float() + self.scale * (self.lora_B.float() @ self.lora_A.float())
+            w = base.float() + self.scale * (self.lora_B.float() @ self.lora_A.float())
         out = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
-        out.weight = nn.Parameter(w.to(self.base.weight.dtype), requires_grad=False)
+        out.weight = nn.Parameter(w.to(base.dtype), requires_grad=False)
         return out
 
     def extra_repr(self) -> str:
@@ -129,11 +139,11 @@ class LoRAExperts(nn.Module):
     """Frozen stacked routed experts (`base`: gate_up_proj [E, F, D], down_proj [E, D, I]) plus per-expert adapters
     gate_up_lora_A [E, r, D], gate_up_lora_B [E, F, r], down_lora_A [E, r, I], down_lora_B [E, D, r]."""
 
-    def __init__(self, base: Experts, spec: LoRASpec):
+    def __init__(self, base: Experts, spec: LoRASpec, dense_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.base, self.scale = base, spec.scale
-        E, F_, D = base.gate_up_proj.shape
-        I = base.down_proj.shape[-1]
+        self.base, self.scale, self.dense_dtype = base, spec.scale, dense_dtype
+        E, F_, D = *base.gate_up_proj.shape[:2], base.down_proj.shape[1]  # (a 4-bit stack's last dim is packed)
+        I = F_ // 2
         dev, r = base.gate_up_proj.device, spec.rank
         self.gate_up_lora_A = nn.Parameter(torch.empty(E, r, D, device=dev))
         self.gate_up_lora_B = nn.Parameter(torch.zeros(E, F_, r, device=dev))
@@ -147,13 +157,13 @@ class LoRAExperts(nn.Module):
     def gate_up_proj(self) -> torch.Tensor:
         """The effective gate|up weights W + s * B A [E, F, D] (one batched matmul), for code that reads the stacked
         weights instead of calling the module (the decode paths in anyseek.infer), as `LoRALinear.weight` is."""
-        w = self.base.gate_up_proj
+        w = _dense(self.base.gate_up_proj, self.dense_dtype)
         return torch.baddbmm(w, self.gate_up_lora_B.to(w.dtype), self.gate_up_lora_A.to(w.dtype), alpha=self.scale)
 
     @property
     def down_proj(self) -> torch.Tensor:
         """The effective down weights W + s * B A [E, D, I]."""
-        w = self.base.down_proj
+        w = _dense(self.base.down_proj, self.dense_dtype)
         return torch.baddbmm(w, self.down_lora_B.to(w.dtype), self.down_lora_A.to(w.dtype), alpha=self.scale)
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -164,7 +174,7 @@ class LoRAExperts(nn.Module):
 
     def merged(self) -> Experts:
         with torch.no_grad():
-            w_gu, w_d = self.base.gate_up_proj, self.base.down_proj
+            w_gu, w_d = (_dense(w, self.dense_dtype) for w in (self.base.gate_up_proj, self.base.down_proj))
             gu = torch.baddbmm(w_gu.float(), self.gate_up_lora_B.float(), self.gate_up_lora_A.float(), alpha=self.scale)
             d = torch.baddbmm(w_d.float(), self.down_lora_B.float(), self.down_lora_A.float(), alpha=self.scale)
         out = self.base
@@ -195,24 +205,63 @@ def target_modules(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple
 def apply_lora(model: nn.Module, spec: LoRASpec, base_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Freeze every base parameter, hold the matrices in `base_dtype` (the embedding, norms and 1-D tensors stay
     fp32 so the residual stream is as in full fine-tuning; the router stays fp32 so that the experts chosen are the
-    base's), and wrap the targets.
+    base's), and wrap the targets. With spec.base_bits == 4 the targets' base weights are held in 4 bits instead
+    (`quantize_targets`; the embedding then in `base_dtype` too, as the output head is).
     Adapters are fp32 parameters (the optimizer's only ones). Returns `model`, changed in place."""
     if spec.rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {spec.rank}")
-    keep_fp32 = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, nn.Embedding, Router))}
+    if spec.base_bits not in (4, 16):
+        raise ValueError(f"LoRA base_bits must be 4 or 16, got {spec.base_bits}")
+    fp32_kinds = (RMSNorm, Router) if spec.base_bits == 4 else (RMSNorm, nn.Embedding, Router)
+    keep_fp32 = {id(m.weight) for m in model.modules() if isinstance(m, fp32_kinds)}
+    found = list(target_modules(model, spec.targets))
+    if not found:
+        raise ValueError(f"train.lora_targets {list(spec.targets)} match no layer of this model")
     for p in model.parameters():
         p.requires_grad_(False)
+    if spec.base_bits == 4:
+        quantize_targets(found)
+    for p in model.parameters():
         want = torch.float32 if id(p) in keep_fp32 or p.dim() < 2 else base_dtype
         if p.is_floating_point() and p.dtype != want:
             p.data = p.data.to(want)
     _join_frozen(model)
-    found = list(target_modules(model, spec.targets))
-    if not found:
-        raise ValueError(f"train.lora_targets {list(spec.targets)} match no layer of this model")
     for _, owner, attr in found:
         base = getattr(owner, attr)
-        setattr(owner, attr, LoRAExperts(base, spec) if isinstance(base, Experts) else LoRALinear(base, spec))
+        wrap = LoRAExperts if isinstance(base, Experts) else LoRALinear
+        setattr(owner, attr, wrap(base, spec, base_dtype))
     return model
+
+
+def quantize_targets(found: list[tuple[str, nn.Module, str]]) -> None:
+    """Hold the base weights of the targets (`target_modules`' rows) in 4 bits, in place: each frozen weight's data
+    becomes its packed NF4 rows (`kernels.quantize4`, uint8 [out, 17 in / 32], one tensor at a time; a weight
+    already packed, e.g. quantized while it was read from disk, stays as it is). The seams take them as they are."""
+    for name, owner, attr in found:
+        mod = getattr(owner, attr)
+        weights = [mod.gate_up_proj, mod.down_proj] if isinstance(mod, Experts) else [mod.weight]
+        for w in weights:
+            if w.dtype == torch.uint8:
+                continue
+            try:
+                w.data = kernels.quantize4(w.data)
+            except ValueError as e:
+                raise ValueError(f"train.base_bits = 4: {name}.{attr}: {e}") from None
+
+
+def quantized_names(model: nn.Module, spec: LoRASpec) -> list[str]:
+    """The full names of the parameters `quantize_targets` holds in 4 bits for `spec` (for a loader that quantizes
+    them as it reads them: `anyseek.hf.load_pretrained(quantize4=)`)."""
+    names = []
+    for name, owner, attr in target_modules(model, spec.targets):
+        leaves = ("gate_up_proj", "down_proj") if isinstance(getattr(owner, attr), Experts) else ("weight",)
+        names += [f"{name}.{attr}.{leaf}" for leaf in leaves]
+    return names
+
+
+def _dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A frozen base weight as a dense tensor: dequantized to `dtype` where it is held in 4 bits, else itself."""
+    return kernels.dequantize4(w, dtype) if w.dtype == torch.uint8 else w
 
 
 def _join_frozen(model: nn.Module) -> None:
@@ -282,5 +331,6 @@ class LoRA:
 
     def describe(self, model: nn.Module) -> str:
         s = self.spec
+        held = f"{self.base_dtype}" if s.base_bits == 16 else f"4 bits (NF4) for the targets, {self.base_dtype} else"
         return (f"lora: rank {s.rank}, alpha {s.alpha:g}, targets {', '.join(s.targets)}: "
-                f"{count_adapters(model) / 1e6:.2f}M adapter parameters trained, base frozen in {self.base_dtype}")
+                f"{count_adapters(model) / 1e6:.2f}M adapter parameters trained, base frozen in {held}")

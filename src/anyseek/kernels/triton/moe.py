@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from anyseek.kernels.reference.quant4 import GROUP, in_features
 from anyseek.kernels.triton import moe_family
 from anyseek.kernels.triton.launch import launch as _launch
 from anyseek.kernels.triton.moe_gemm import (
@@ -33,6 +34,7 @@ from anyseek.kernels.triton.moe_gemm import (
     _grouped_gemm_kernel,
     _grouped_wgrad_kernel,
 )
+from anyseek.kernels.triton.quant4_dq import nf4_lut
 
 # Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
 # the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight
@@ -108,16 +110,19 @@ def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=Fa
     l_, p_, strides_p, r_, strides_r = low_rank if low_rank is not None else (c, c, (0, 0, 0), c, (0, 0, 0))
     rank = l_.shape[1] if low_rank is not None else 0
     l_mode = 2 if l_rows else 0
+    quant = b_e.dtype == torch.uint8  # a packed 4-bit stack (quant4_moe.py): k along its rows where strides_b[1] == 1
+    q_args = (b_e.view(torch.int16), nf4_lut(b_e.device), b_e.stride(1), in_features(b_e) // 4) if quant \
+        else (c, c, 0, 0)
     if l_token is not None:
         assert gather and low_rank is not None and l_token.stride(1) == 1, "l_token: gathered rows, a rank-r term"
         p_, strides_p, l_mode = l_token, (0, l_token.stride(0), 1), 1
     _launch(_grouped_gemm_kernel, grid, cfg)(
         a, tok, slot, b_e, c, h, c if w is None else w, c if dw is None else dw, offs, tile_expert, tile_row,
         n_m, N, K_red, a.stride(0), *strides_b, c.stride(0), h.stride(0), up_cols,
-        l_, p_, r_, l_.stride(0), *strides_p, *strides_r, rank,
+        l_, p_, r_, l_.stride(0), *strides_p, *strides_r, rank, *q_args,
         GATHER_A=gather, SCATTER_C=scatter, EPI=epi, SAVE_H=save_h, EVEN_K=K_red % cfg["BLOCK_K"] == 0,
         EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=low_rank is not None, L_MODE=l_mode,
-        RANK=_rank_block(rank), PREC=_prec(a.dtype),
+        RANK=_rank_block(rank), PREC=_prec(a.dtype), QUANT=quant, Q_K_IN=quant and strides_b[1] == 1, Q_GROUP=GROUP,
     )  # fmt: skip
 
 

@@ -27,6 +27,11 @@ L_MODE 2: L is loaded in row order, made beforehand by this kernel with N = r (A
 `_grouped_wgrad_kernel`: dW_e = A_e^T @ B_e, the reduction running over the rows of expert e (a loop whose
 bounds are read from offs on the device). Empty experts get zeros.
 
+With QUANT, B_e is a 4-bit packed weight (`kernels/reference/quant4.py`: uint8 rows of codes and bf16 scales, read
+through `s_ptr`, an int16 view of the same bytes, and the NF4 levels `lut_ptr`), dequantized tile by tile in the loop
+over K (`quant4_dq.py`); Q_K_IN: the loop runs over the weight's input dim (forward), else its output dim (backward).
+A LoRA expert's frozen stacks in 4 bits (`quant4_moe.py`); everything else as above.
+
 Shape legend: M routed rows, K_red the reduction length, N output columns, E experts, BM/BN/BK tile sizes.
 """
 
@@ -34,6 +39,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from anyseek.kernels.triton.quant4_dq import dq_tile
 
 EPI_PLAIN, EPI_SWIGLU, EPI_DSWIGLU = 0, 1, 2
 
@@ -62,9 +69,11 @@ def _grouped_gemm_kernel(
     n_tiles_m, N, K_red,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_hm, up_cols,
     l_ptr, p_ptr, r_ptr, stride_lm, stride_pe, stride_pk, stride_pn, stride_re, stride_rk, stride_rn, rank,
+    s_ptr, lut_ptr, q_row, q_scale_at,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, EPI: tl.constexpr, SAVE_H: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LORA: tl.constexpr, L_MODE: tl.constexpr, RANK: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    QUANT: tl.constexpr = False, Q_K_IN: tl.constexpr = False, Q_GROUP: tl.constexpr = 64,
 ):  # fmt: skip
     pid_m, pid_n = _tile_of(tl.program_id(0), n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_m)
@@ -105,13 +114,26 @@ def _grouped_gemm_kernel(
             r_u_early = tl.load(r_ptrs + up_cols * stride_rn, mask=(kr < rank)[:, None], other=0.0)
     if LORA and L_MODE == 0:  # P_e [K_red, r]; columns past r wrap (duplicates, cancelled by R's zero rows past r)
         p_ptrs = p_ptr + e.to(tl.int64) * stride_pe + ks[:, None] * stride_pk + (kr % rank)[None, :] * stride_pn
+    if QUANT:  # B_e is expert e's packed 4-bit weight (bytes: stride_be per expert), dequantized tile by tile
+        q_e = b_ptr + e.to(tl.int64) * stride_be
+        s_e = s_ptr + e.to(tl.int64) * (stride_be // 2)
     for k in range(tl.cdiv(K_red, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
         else:
             kmask = ks < K_red - k * BLOCK_K
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        if QUANT:
+            kk = k * BLOCK_K + ks
+            qmask = (kk < K_red)[:, None] & (cols_c >= 0)[None, :]
+            if Q_K_IN:  # k runs over W's input dim (the forward GEMMs)
+                b = dq_tile(q_e, s_e, lut_ptr, cols_c[None, :], kk[:, None], qmask, q_row, q_scale_at, Q_GROUP)
+            else:  # k runs over W's output dim (the backward's dh and dx GEMMs)
+                b = dq_tile(q_e, s_e, lut_ptr, kk[:, None], cols_c[None, :], qmask, q_row, q_scale_at, Q_GROUP)
+            b = b.to(a_ptr.dtype.element_ty)
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
             b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
         if LORA and L_MODE == 0:
@@ -121,7 +143,10 @@ def _grouped_gemm_kernel(
                 pk = tl.load(p_ptrs, mask=kmask[:, None], other=0.0)
             acc_l = tl.dot(a, pk, acc_l, input_precision=PREC)
             p_ptrs += BLOCK_K * stride_pk
-        if EPI == 1:
+        if EPI == 1 and QUANT:  # (the forward: Q_K_IN)
+            bu = dq_tile(q_e, s_e, lut_ptr, up_cols + cols_c[None, :], kk[:, None], qmask, q_row, q_scale_at, Q_GROUP)
+            acc_u = tl.dot(a, bu.to(a_ptr.dtype.element_ty), acc_u, input_precision=PREC)
+        elif EPI == 1:
             if EVEN_K:
                 bu = tl.load(b_ptrs + up_cols * stride_bn)
             else:

@@ -1,0 +1,302 @@
+"""LoRA on the `16B` shape with a bf16 base and with a 4-bit (NF4) base, and the transformers + PEFT + bitsandbytes
+4-bit peer: peak GPU memory (allocated, and reserved: what the caching allocator holds) and tokens/s.
+
+    python benchmarks/finetune_4bit.py [--layers 27] [--tokens 4096] [--seqlen 2048] [--steps 5] [--ckpt none|full]
+                                       [--peer] [--peer-layers N] [--out results.json]
+
+Random weights (the 16B flavor: Moonlight / DeepSeek-V2-Lite widths, vocab 163840), one optimizer step as the
+trainer runs it (bf16 autocast, packed documents, AdamW on the adapters), LoRA rank 16 on every target (attention,
+dense MLP, shared and routed experts). The 4-bit base is made tensor by tensor (no bf16 model ever whole on the GPU).
+First a correctness check on one layer's shapes: the Triton 4-bit kernels (dense linear and the routed experts, with
+adapters, forward and gradients) against an fp64 computation over the dequantized weights, next to PyTorch's own
+bf16 error (the 2x rule); the script stops if it fails. Then one row per mode and a markdown table.
+
+The peer (--peer): a DeepseekV3 folder of the same shape and random weights (written to --peer-dir, bf16), loaded by
+transformers with BitsAndBytesConfig(load_in_4bit, nf4, bf16 compute), PEFT LoRA rank 16 on all linear layers; it
+reports how many expert weights bitsandbytes actually quantized. Skipped, saying why, where bitsandbytes, peft or
+transformers cannot be imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+from anyseek.kernels.reference import quant4 as ref4
+from anyseek.model.config import ModelConfig
+from anyseek.model.mtp import count_targets
+from anyseek.model.transformer import DeepSeekV3
+from anyseek.train.config import load_run_config
+from anyseek.train.memory import estimate
+from anyseek.train.optim import build_optimizer
+from anyseek.transforms import lora as lora_lib
+
+GiB = 1 << 30
+
+
+def batch(vocab: int, tokens: int, seqlen: int, device):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (tokens,), generator=g)
+    targets = torch.roll(ids, -1)
+    cu = torch.arange(0, tokens + 1, seqlen, dtype=torch.int32)
+    targets[cu[1:] - 1] = -100
+    return ids.to(device), targets.to(device), cu.to(device)
+
+
+# ---------------------------------------------------------------- correctness first
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def _grads(fn, leaves, dy):
+    """[fn(*leaves), then the gradient of each leaf] for the output gradient dy."""
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    y = fn(*leaves)
+    return [y.detach()] + list(torch.autograd.grad(y, leaves, dy.to(y.dtype)))
+
+
+def check_kernels(mc: ModelConfig, dev: torch.device, rank: int = 16, tokens: tuple[int, int] = (512, 256)
+                  ) -> list[tuple[str, float, float]]:  # fmt: skip
+    """(what, err of the Triton kernel in bf16, err of the PyTorch reference in bf16) against the reference in fp64
+    (which dequantizes, then computes): the shared experts' gate|up projection and one MoE layer's routed experts."""
+    from anyseek.kernels.triton import quant4_linear, quant4_moe
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    D, I, E, K = mc.hidden_size, mc.moe_intermediate_size, mc.n_routed_experts, mc.num_experts_per_tok
+    T, Fs = tokens[0], 2 * I * mc.n_shared_experts
+    W = ref4.quantize4(torch.randn(Fs, D, device=dev, generator=g) * 0.02)
+    x = torch.randn(T, D, device=dev, generator=g)
+    A, B = torch.randn(rank, D, device=dev, generator=g) * 0.02, torch.randn(Fs, rank, device=dev, generator=g) * 0.02
+    dy = torch.randn(T, Fs, device=dev, generator=g)
+
+    def linear(impl, dt):
+        return _grads(lambda x_, A_, B_: impl(x_, W, A_, B_, None, 2.0), [t.to(dt) for t in (x, A, B)], dy)
+
+    rows = []
+    truth, pt, got = linear(ref4.low_rank_linear, torch.float64), linear(ref4.low_rank_linear, torch.bfloat16), \
+        linear(quant4_linear.low_rank_linear, torch.bfloat16)  # fmt: skip
+    rows += [(f"linear {n}", _err(a, t), _err(b, t)) for n, a, b, t in zip(("y", "dx", "dA", "dB"), got, pt, truth)]
+    T = tokens[1]
+    gu = ref4.quantize4(torch.randn(E, 2 * I, D, device=dev, generator=g) * 0.02)
+    dn = ref4.quantize4(torch.randn(E, D, I, device=dev, generator=g) * 0.02)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices
+    w = torch.rand(T, K, device=dev, generator=g)
+    x = torch.randn(T, D, device=dev, generator=g)
+    ad = [torch.randn(E, rank, D, device=dev, generator=g) * 0.02, torch.randn(E, 2 * I, rank, device=dev, generator=g)
+          * 0.02, torch.randn(E, rank, I, device=dev, generator=g) * 0.02,
+          torch.randn(E, D, rank, device=dev, generator=g) * 0.02]  # fmt: skip
+    dy = torch.randn(T, D, device=dev, generator=g)
+
+    def experts(impl, dt):
+        def fn(x_, *a):
+            return impl(x_, ids, w, gu, dn, *a, 2.0)
+        return _grads(fn, [x.to(dt)] + [a.to(dt) for a in ad], dy)
+
+    truth = experts(ref4.lora_routed_experts, torch.float64)
+    pt, got = experts(ref4.lora_routed_experts, torch.bfloat16), experts(quant4_moe.lora_routed_experts, torch.bfloat16)
+    names = ("y", "dx", "dA_gu", "dB_gu", "dA_dn", "dB_dn")
+    rows += [(f"experts {n}", _err(a, t), _err(b, t)) for n, a, b, t in zip(names, got, pt, truth)]
+    return rows
+
+
+# ---------------------------------------------------------------- anyseek
+
+
+def random_model(mc: ModelConfig, dev: torch.device, spec: lora_lib.LoRASpec) -> DeepSeekV3:
+    """A random-weight model built parameter by parameter on `dev` (bf16 matrices, fp32 vectors), LoRA's targets
+    packed in 4 bits as they are made where spec.base_bits is 4: the bf16 model never exists whole."""
+    model = DeepSeekV3(mc, device="meta")
+    packed = set(lora_lib.quantized_names(model, spec)) if spec.base_bits == 4 else set()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for name, p in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        if p.dim() < 2:
+            t = (torch.ones if name.endswith("norm.weight") else torch.zeros)(p.shape, device=dev)
+        elif name in packed:  # one expert (or one weight) at a time
+            rows = p.reshape(-1, *p.shape[-2:])
+            t = torch.stack([ref4.quantize4(torch.randn(rows.shape[1:], device=dev, generator=gen,
+                                                        dtype=torch.bfloat16) * mc.init_std)
+                             for _ in range(rows.shape[0])]).reshape(*p.shape[:-1], -1)  # fmt: skip
+        else:
+            t = torch.randn(p.shape, device=dev, generator=gen, dtype=torch.bfloat16) * mc.init_std
+        model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+    for name, b in list(model.named_buffers()):
+        if b.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = torch.zeros(b.shape, dtype=b.dtype, device=dev)
+    return model.to(dev)
+
+
+def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int, seqlen: int, steps: int,
+                ckpt: str) -> dict:  # fmt: skip
+    spec = lora_lib.LoRASpec(rank=16, alpha=32, base_bits=base_bits)
+    torch.cuda.reset_peak_memory_stats()
+    model = random_model(mc, dev, spec)
+    lora_lib.apply_lora(model, spec, torch.bfloat16)
+    if ckpt != "none":
+        from anyseek.distributed.fsdp import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, ckpt)
+    model.train()
+    run_cfg = load_run_config("small", [f"--data.tokens_per_batch={tokens}", f"--data.max_seqlen={seqlen}",
+                                        f"--parallel.activation_checkpointing={ckpt}"])  # fmt: skip
+    opt = build_optimizer(model, run_cfg.train, dev)
+    ids, targets, cu = batch(mc.vocab_size, tokens, seqlen, dev)
+    n = torch.tensor(count_targets(targets.cpu(), cu.cpu(), len(model.mtp)), dtype=torch.float32, device=dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    gc.collect()
+    torch.cuda.empty_cache()
+    resident = torch.cuda.memory_allocated()
+    build_peak = torch.cuda.max_memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            out = model(ids, cu_seqlens=cu, targets=targets, max_seqlen=seqlen, return_logits=False, num_targets=n)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss
+
+    first = float(step().detach())
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        last = step()
+    last = float(last.detach())
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    est = estimate(mc, run_cfg, spec, torch.bfloat16, autocast=True, triton_experts=True)
+    row = {"mode": f"anyseek LoRA r16, {'4-bit NF4' if base_bits == 4 else 'bf16'} base", "resident_GiB":
+           resident / GiB, "build_peak_reserved_GiB": build_peak / GiB,
+           "peak_alloc_GiB": torch.cuda.max_memory_allocated() / GiB,
+           "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "estimate_GiB": est.total / GiB,
+           "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3, "first_loss": first, "last_loss": last}
+    return row
+
+
+# ---------------------------------------------------------------- the peer
+
+
+def peer_row(mc: ModelConfig, dev: torch.device, tokens: int, seqlen: int, steps: int, folder: str) -> dict:
+    try:
+        import bitsandbytes  # noqa: F401
+        import peft
+        import transformers
+    except ImportError as e:
+        return {"mode": "transformers + PEFT + bitsandbytes 4-bit", "skipped": f"cannot import: {e}"}
+    from pathlib import Path
+
+    from anyseek import hf
+
+    if not (Path(folder) / "config.json").is_file():
+        torch.manual_seed(0)
+        cpu_model = DeepSeekV3(mc, dtype=torch.bfloat16)
+        hf.save_pretrained(cpu_model, folder, dtype=torch.bfloat16)
+        del cpu_model
+        gc.collect()
+    torch.cuda.reset_peak_memory_stats()
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                        bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=q, dtype=torch.bfloat16,
+                                                              device_map={"": dev.index or 0})  # fmt: skip
+    four = sum(p.numel() * 2 for n, p in model.named_parameters() if p.dtype == torch.uint8)  # 2 weights a byte
+    expert_16 = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and p.is_floating_point())
+    expert_4 = sum(p.numel() * 2 for n, p in model.named_parameters() if ".experts." in n and p.dtype == torch.uint8)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    ids = batch(mc.vocab_size, tokens, seqlen, dev)[0].view(-1, seqlen)
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    first = float(step().detach())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        last = step()
+    last = float(last.detach())
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    row = {"mode": "transformers + PEFT + bitsandbytes 4-bit", "resident_GiB": resident / GiB,
+           "peak_alloc_GiB": torch.cuda.max_memory_allocated() / GiB,
+           "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "ms_per_step": ms,
+           "tokens_per_s": tokens / ms * 1e3, "first_loss": first, "last_loss": last,
+           "weights_in_4bit_M": four / 1e6, "expert_weights_4bit_M": expert_4 / 1e6,
+           "expert_weights_16bit_M": expert_16 / 1e6}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=27, help="decoder layers of the 16B shape (27: the whole model)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--ckpt", default="none", choices=("none", "selective", "full"),
+                    help="parallel.activation_checkpointing for the anyseek rows")
+    ap.add_argument("--skip-bf16", action="store_true", help="no bf16-base row (e.g. a GPU smaller than ~40 GB)")
+    ap.add_argument("--peer", action="store_true")
+    ap.add_argument("--peer-layers", type=int, default=None, help="default: --layers")
+    ap.add_argument("--peer-dir", default="/tmp/anyseek-16B-random")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    mc = ModelConfig.from_name("16B", num_hidden_layers=args.layers, num_nextn_predict_layers=0)
+    table = check_kernels(mc, dev)
+    ok = all(err <= 2 * err_pt + 1e-3 for _, err, err_pt in table)
+    print("correctness (what, err Triton bf16, err PyTorch bf16; vs fp64):")
+    for what, err, err_pt in table:
+        print(f"  {what:16s} {err:.3e} {err_pt:.3e} {'ok' if err <= 2 * err_pt + 1e-3 else 'FAIL'}")
+    if not ok:
+        raise SystemExit("the 4-bit kernels fail the 2x rule: no timings")
+    rows = []
+    for bits in ((4,) if args.skip_bf16 else (16, 4)):
+        t0 = time.perf_counter()
+        rows.append(anyseek_row(mc, dev, bits, args.tokens, args.seqlen, args.steps, args.ckpt))
+        gc.collect()  # the row's model and optimizer went with its frame
+        torch.cuda.empty_cache()
+        print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.peer:
+        pc = ModelConfig.from_name("16B", num_hidden_layers=args.peer_layers or args.layers,
+                                   num_nextn_predict_layers=0)  # fmt: skip
+        rows.append(peer_row(pc, dev, args.tokens, args.seqlen, args.steps, f"{args.peer_dir}-{pc.num_hidden_layers}"))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | 16B shape, {args.layers} layers | "
+          f"{args.tokens} tokens/step | activation checkpointing {args.ckpt}")
+    print("| mode | resident GiB | peak allocated GiB | peak reserved GiB | estimate GiB | ms/step | tokens/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['mode']} | skipped: {r['skipped']} | | | | | |")
+            continue
+        print(f"| {r['mode']} | {r['resident_GiB']:.2f} | {r['peak_alloc_GiB']:.2f} | {r['peak_reserved_GiB']:.2f} | "
+              f"{r.get('estimate_GiB', float('nan')):.2f} | {r['ms_per_step']:.0f} | {r['tokens_per_s']:,.0f} |")
+    peer = next((r for r in rows if r["mode"].startswith("transformers") and "skipped" not in r), None)
+    if peer:
+        print(f"peer: {peer['weights_in_4bit_M']:.0f}M weights in 4 bits; routed experts "
+              f"{peer['expert_weights_4bit_M']:.0f}M"
+              f" in 4 bits, {peer['expert_weights_16bit_M']:.0f}M left in 16 bits")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+                       "correctness": table, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

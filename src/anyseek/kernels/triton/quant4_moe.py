@@ -1,0 +1,38 @@
+"""The triton backend of `kernels.lora_routed_experts` for 4-bit frozen stacks: LoRA's routed experts
+(`ops/moe.py: _LoRARoutedExperts`, `moe_lora.py`) unchanged, their grouped GEMMs reading the packed stacks
+(gate_up [E, F, 17D/32], down [E, D, 17I/32] uint8: `reference/quant4.py`) and dequantizing tile by tile in the
+loop over K (`moe_gemm.py`'s QUANT: `moe.py`'s `_gemm` sees a uint8 stack). The same fused gather, SwiGLU, scatter
+and combine, the same adapters inside the GEMMs; nothing [E, F, D]-sized is formed, in bf16 or otherwise.
+
+Shape legend: T tokens, E experts, D hidden, I expert width, F = 2I, r the adapters' rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anyseek.kernels.ops.moe import _compute_dtype, _foldable, _LoRARoutedExperts, _with_addend
+
+
+def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFP, down_EDP, A_gu, B_gu, A_dn, B_dn,
+                        scale: float, add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """As `kernels.lora_routed_experts` with packed stacks; -> [T, D] in x's dtype. Under torch.compile: the
+    reference (the stacks dequantized, then the effective weights: the LoRA Function launches its kernels itself)."""
+    if torch.compiler.is_compiling():
+        from anyseek.kernels.reference.quant4 import lora_routed_experts as reference
+
+        return reference(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFP, down_EDP, A_gu, B_gu, A_dn, B_dn, scale,
+                         add_TD)  # fmt: skip
+    out_dtype = x_TD.dtype
+    dtype = _compute_dtype(x_TD)
+    with torch.autocast(x_TD.device.type, enabled=False):
+        x, a_gu, a_dn = (t.to(dtype).contiguous() for t in (x_TD, A_gu, A_dn))
+        b_gu, b_dn = ((b * scale).to(dtype).contiguous() for b in (B_gu, B_dn))
+        folded = _foldable(add_TD, dtype, out_dtype)
+        y = _LoRARoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(),
+                                     gate_up_EFP.detach().contiguous(), down_EDP.detach().contiguous(), a_gu, b_gu,
+                                     a_dn, b_dn, folded)  # fmt: skip
+    return _with_addend(y, add_TD, folded, out_dtype)
+
+
+__all__ = ["lora_routed_experts"]
