@@ -1,0 +1,159 @@
+"""Pure-PyTorch twin of FP8 training's linear layers, DeepSeek-V3's recipe (arXiv 2412.19437 §3.3):
+
+- every FP8 tensor is E4M3 (torch.float8_e4m3fn, largest finite 448), scaled by fp32 scales taken from the current
+  tensor (amax / 448 per tile, no delayed scaling); a tile whose values are all zero gets scale 1;
+- activations and gradients are quantized per 1x128 tile (one row, 128 consecutive elements along the reduction
+  dim; the last tile of a row may be shorter), weights per 128x128 block;
+- an FP8 GEMM sums each 128-wide K-block of products in fp32 and applies the two operands' scales there, adding
+  the scaled block into an fp32 accumulator (the "promotion every 128 K-elements" that makes up for the tensor
+  cores' ~14-bit FP8 accumulation);
+- the linear layer y = x W^T runs three such GEMMs: Fprop (x 1x128 tiles, W 128x128 blocks), Dgrad
+  (dy 1x128 tiles along the output features, W's blocks used transposed) and Wgrad (dy^T and x^T, both in 1x128
+  tiles along the tokens, i.e. 128x1 tiles of dy and x; fp32 out). Wgrad's x comes from the FP8 copy the forward
+  kept: dequantized and quantized again along the tokens (`requantize_t`).
+
+Every GEMM here is `gemm(a, sa, b, sb)` = a @ b^T with both operands K-contiguous ([M, K] and [N, K]), the layout the
+Triton kernel (`kernels/triton/fp8_gemm.py`) reads; sa [M, KB] per row, sb [N, KB] per row or [NB, KB] per block.
+`accumulate_limited` emulates the tensor cores' limited accumulator, for the test that shows why promotion matters.
+
+Shape legend: M rows (tokens), K the reduction dim, N output features, KB / MB / NB their counts of 128-blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+TILE = 128
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 in fp32; 1 where the tile is all zeros (its values quantize to 0 whatever the scale)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with zeros appended along `dim` up to a multiple of TILE (zeros change no amax)."""
+    extra = -x.shape[dim] % TILE
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return torch.nn.functional.pad(x, pad)
+
+
+def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles: x [M, K] (any float dtype) -> (q [M, K] E4M3, scales [M, KB] fp32), x ~ q * scale."""
+    M, K = x_MK.shape
+    xp = _pad_to(x_MK.float(), 1).view(M, -1, TILE)
+    s_MB = _scale(xp.abs().amax(dim=-1))
+    q = (xp / s_MB[..., None]).to(E4M3).view(M, -1)[:, :K]
+    return q, s_MB
+
+
+def quantize_rows_t(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x^T in 1x128 tiles along M (128x1 tiles of x): x [M, K] -> (q [K, M] E4M3, scales [K, MB] fp32)."""
+    return quantize_rows(x_MK.t())
+
+
+def quantize_blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks: w [N, K] -> (q [N, K] E4M3, scales [NB, KB] fp32). The same scales serve w^T (transposed)."""
+    N, K = w_NK.shape
+    wp = _pad_to(_pad_to(w_NK.float(), 0), 1)
+    NB, KB = wp.shape[0] // TILE, wp.shape[1] // TILE
+    blocks = wp.view(NB, TILE, KB, TILE)
+    s_NBKB = _scale(blocks.abs().amax(dim=(1, 3)))
+    q = (blocks / s_NBKB[:, None, :, None]).to(E4M3).view(NB * TILE, KB * TILE)[:N, :K]
+    return q, s_NBKB
+
+
+def dequantize_rows(q_MK: torch.Tensor, s_MB: torch.Tensor) -> torch.Tensor:
+    """The fp32 values q * scale of a 1x128-tiled tensor (exact: an E4M3 value times an fp32 scale)."""
+    return q_MK.float() * s_MB.repeat_interleave(TILE, dim=1)[:, :q_MK.shape[1]]
+
+
+def dequantize_blocks(q_NK: torch.Tensor, s_NBKB: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of a 128x128-blocked tensor."""
+    N, K = q_NK.shape
+    s = s_NBKB.repeat_interleave(TILE, dim=0).repeat_interleave(TILE, dim=1)[:N, :K]
+    return q_NK.float() * s
+
+
+def requantize_t(q_MK: torch.Tensor, s_MB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wgrad's re-tiling: a 1x128-tiled x (q [M, K], scales [M, KB]) -> x^T in 1x128 tiles along M (q [K, M],
+    scales [K, MB]), from the dequantized values."""
+    return quantize_rows_t(dequantize_rows(q_MK, s_MB))
+
+
+def _b_scales(sb: torch.Tensor, N: int) -> torch.Tensor:
+    """b's scales per row [N, KB]: as given (1x128 tiles) or each block's scale repeated over its 128 rows."""
+    return sb if sb.shape[0] == N else sb.repeat_interleave(TILE, dim=0)[:N]
+
+
+def gemm(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.Tensor,
+         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """a @ b^T from E4M3 operands: a [M, K] with scales [M, KB] (1x128 tiles), b [N, K] with scales [N, KB] (1x128
+    tiles) or [NB, KB] (128x128 blocks) -> [M, N] in out_dtype. Each K-block's products are summed in fp32 (exact
+    products: E4M3 has 4 significant bits), scaled by sa and sb there and added into the fp32 result."""
+    M, K = a_MK.shape
+    N = b_NK.shape[0]
+    sb_NB = _b_scales(sb, N)
+    out = torch.zeros(M, N, dtype=torch.float32, device=a_MK.device)
+    for kb, k0 in enumerate(range(0, K, TILE)):
+        part = a_MK[:, k0:k0 + TILE].float() @ b_NK[:, k0:k0 + TILE].float().t()
+        out += part * sa_MB[:, kb, None] * sb_NB[None, :, kb]
+    return out.to(out_dtype)
+
+
+def accumulate_limited(a_MK: torch.Tensor, b_NK: torch.Tensor, promote_every: int | None, chunk: int = 32,
+                       bits: int = 14) -> torch.Tensor:  # fmt: skip
+    """An emulation of the tensor cores' FP8 accumulator, for unscaled E4M3 operands a [M, K], b [N, K] -> fp64
+    [M, N]. What is emulated: the products are exact and reach the accumulator `chunk` at a time (one Hopper FP8
+    WGMMA reduces 32 K-elements); the accumulator keeps `bits` significant bits (FP22's 13 stored mantissa bits + 1;
+    DeepSeek-V3 measures ~14): within a chunk every product is aligned to the largest exponent among them and the
+    accumulator and cut there toward zero, and the new sum is cut to `bits` bits again. promote_every=None: that
+    accumulator runs over all of K (an FP8 GEMM without promotion); an int (128): it restarts every promote_every
+    K-elements and each partial sum is added into an fp64 accumulator (the promotion, fp32 on the GPU)."""
+    prods = a_MK.double()[:, None, :] * b_NK.double()[None, :, :]  # [M, N, K]
+    K = prods.shape[-1]
+    span = promote_every or K
+    total = torch.zeros(prods.shape[:2], dtype=torch.float64, device=a_MK.device)
+    for p0 in range(0, K, span):
+        acc = torch.zeros_like(total)
+        for c0 in range(p0, min(p0 + span, K), chunk):
+            part = prods[..., c0:min(c0 + chunk, p0 + span)]
+            top = torch.maximum(acc.abs(), part.abs().amax(-1))
+            quantum = torch.ldexp(torch.ones_like(top), torch.frexp(top)[1] - bits)[..., None]  # one unit of the last bit kept
+            acc = _truncate(acc + (torch.trunc(part / quantum) * quantum).sum(-1), bits)
+        total += acc
+    return total
+
+
+def _truncate(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x with its significand cut to `bits` bits, toward zero."""
+    m, e = torch.frexp(x)  # x = m * 2^e, 0.5 <= |m| < 1
+    return torch.ldexp(torch.trunc(torch.ldexp(m, torch.full_like(e, bits))), e - bits)
+
+
+def linear_forward(x_MK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtype):
+    """Fprop: y = x W^T -> (y [M, N] in out_dtype, what backward needs: (q_x, s_x, q_w, s_w))."""
+    q_x, s_x = quantize_rows(x_MK)
+    q_w, s_w = quantize_blocks(w_NK)
+    return gemm(q_x, s_x, q_w, s_w, out_dtype), (q_x, s_x, q_w, s_w)
+
+
+def linear_backward(dy_MN: torch.Tensor, saved, dx_dtype: torch.dtype, want_dx: bool = True, want_dw: bool = True):
+    """Dgrad and Wgrad from the forward's saved FP8 tensors -> (dx [M, K] in dx_dtype or None, dW [N, K] fp32 or
+    None). dx = dy W: dy in 1x128 tiles along N, W^T's blocks (W's, transposed). dW = dy^T x: both in 1x128 tiles
+    along the tokens."""
+    q_x, s_x, q_w, s_w = saved
+    dx = dw = None
+    if want_dx:
+        q_dy, s_dy = quantize_rows(dy_MN)
+        dx = gemm(q_dy, s_dy, q_w.t(), s_w.t(), dx_dtype)
+    if want_dw:
+        q_dyt, s_dyt = quantize_rows_t(dy_MN)
+        q_xt, s_xt = requantize_t(q_x, s_x)
+        dw = gemm(q_dyt, s_dyt, q_xt, s_xt, torch.float32)
+    return dx, dw
