@@ -10,7 +10,9 @@
     over lists of tensors: `adamw_tensors` (train/optim.py: FSDP2's shards, LoRA's adapters);
 (f) LoRA, applied from outside the model (transforms/lora.py): `low_rank_linear` (a linear layer with a low-rank term
     beside its frozen weight; `model.concat.fused_linear` calls it for joined layers too) and `lora_routed_experts`
-    (the routed experts with per-expert adapters beside the frozen stacks).
+    (the routed experts with per-expert adapters beside the frozen stacks);
+(g) FP8 training, applied from outside the model (transforms/fp8.py): `fp8_linear` (a linear layer in DeepSeek-V3's
+    FP8 recipe; `model.concat.fused_linear` calls it for joined layers too).
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -332,12 +334,25 @@ def lora_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, A_gu, B_gu, A_dn, B_dn, scale, add_TD)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T (no bias) with DeepSeek-V3's FP8 recipe -> [..., out] in autocast's dtype where autocast is on, else in
+    x's: x [..., in] quantized to E4M3 in 1x128 tiles, W [out, in] (the fp32 master or its bf16 working copy) in
+    128x128 blocks, scales from the current tensors, fp32 promotion every 128 products; backward in FP8 too (Dgrad,
+    and Wgrad in fp32, returned in W's dtype). Used by `transforms.fp8` (`train.precision = "fp8"`); the reference
+    backend emulates the same quantization in PyTorch (`kernels/reference/fp8.py`)."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x [..., in] and weight [out, in] expected, got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    return registry.get("fp8_linear", x)(x, weight)
+
+
 def sq_norm(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) of a 1-D tensor, accumulated and returned in fp32 (0-dim)."""
     return registry.get("sq_norm", x)(x)
 
 
-__all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "describe", "grad_destination",
+__all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "describe", "fp8_linear",
+           "grad_destination",
            "lora_routed_experts", "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode", "registry",
            "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend", "set_grad_destination", "sq_norm",
            "swiglu", "varlen_attention"]

@@ -157,3 +157,10 @@ def linear_backward(dy_MN: torch.Tensor, saved, dx_dtype: torch.dtype, want_dx: 
         q_xt, s_xt = requantize_t(q_x, s_x)
         dw = gemm(q_dyt, s_dyt, q_xt, s_xt, torch.float32)
     return dx, dw
+
+
+def quantize_weight(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_blocks` plus w^T's E4M3 values [K, N] (Dgrad's operand; here a view) -> (q, scales, q^T), the
+    Triton backend's `quantize_blocks` contract."""
+    q, s = quantize_blocks(w_NK)
+    return q, s, q.t()
