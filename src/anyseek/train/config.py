@@ -120,6 +120,11 @@ class TrainConfig:
     # the frozen base: "auto" (bf16 when autocasting to bf16, else fp32), "bf16", "fp32" (with a GPU working copy,
     # which computes on bf16 copies, frozen tensors are held in bf16 whatever this says: train/precision.py)
     lora_base_dtype: str = "auto"
+    # "fp8": DeepSeek-V3's FP8 training recipe for the attention projections, dense MLPs and shared experts
+    # (anyseek.transforms.fp8; routed experts, embedding, head, router, norms and attention stay in train.dtype);
+    # "bf16": none (every matmul in train.dtype). fp8 needs a GPU of compute capability 8.9+ (or ANYSEEK_FP8=reference:
+    # the PyTorch emulation, for tests)
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "grad_accum", "log_every", "eval_every", "save_every", "keep_last",
@@ -160,6 +165,11 @@ class TrainConfig:
         for name in ("mtp_loss_weight_schedule", "bias_update_speed_schedule"):
             _check_schedule(f"train.{name}", getattr(self, name))
         _check_lora(self)
+        if self.precision not in ("bf16", "fp8"):
+            raise ConfigError(f"train.precision must be bf16 or fp8, got {self.precision!r}")
+        if self.precision == "fp8" and self.lora_rank:
+            raise ConfigError("train.precision=fp8 trains full weights; with LoRA (train.lora_rank > 0) the base is "
+                              "frozen: use train.precision=bf16")
 
 
 @dataclass

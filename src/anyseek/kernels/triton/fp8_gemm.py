@@ -74,6 +74,8 @@ def gemm(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.
     if sa_MB.shape != (M, KB) or not (blocks or sb.shape == (N, KB)):
         raise ValueError(f"fp8 gemm: scales sa {tuple(sa_MB.shape)} (want ({M}, {KB})) and sb {tuple(sb.shape)} "
                          f"(want ({N}, {KB}) or ({triton.cdiv(N, TILE)}, {KB})) do not fit")
+    if a_MK.device.type == "cpu" and out_dtype != torch.float32:  # Triton's interpreter rounds fp32 to bf16 toward
+        return gemm(a_MK, sa_MB, b_NK, sb, torch.float32, config).to(out_dtype)  # zero (3.9): PyTorch rounds here
     sa_MB, sb = sa_MB.contiguous(), sb.contiguous()  # (the kernel steps through a row's scales one by one)
     c = torch.empty(M, N, dtype=out_dtype, device=a_MK.device)
     if M == 0 or N == 0:
