@@ -278,16 +278,16 @@ def test_fp8_with_lora_is_a_config_error():
 
 
 def test_tiny_model_trains_in_fp8_close_to_full_precision(data_dir, tmp_path, monkeypatch):
-    """Six steps of the tiny model through the PyTorch emulation: every loss within 2% of the unconverted run's
-    (FP8's relative error per matmul is a few percent, averaged over the batch the loss moves far less; the paper's
-    gap at scale is < 0.25%), and not identical to it (the layers did change)."""
+    """Six steps of the tiny model through the PyTorch emulation: every loss within 0.5% of the unconverted run's
+    (the issue's bar for the 1,000-step comparison; measured here: <= 0.04%), and not identical to it (the layers
+    did change)."""
     monkeypatch.setenv("ANYSEEK_FP8", "reference")
     run(tiny_cfg(data_dir, "--train.max_steps=6", "--train.device=cpu"), tmp_path / "a")
     run(tiny_cfg(data_dir, "--train.max_steps=6", "--train.device=cpu", "--train.precision=fp8"), tmp_path / "b")
     base, fp8 = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
     assert len(base) == len(fp8) == 6
     rel = [abs(base[s] - fp8[s]) / base[s] for s in base]
-    assert max(rel) < 0.02 and max(rel) > 0, rel
+    assert max(rel) < 0.005 and max(rel) > 0, rel
 
 
 if __name__ == "__main__":
