@@ -45,6 +45,17 @@ def _nearest_e4m3(y: torch.Tensor) -> torch.Tensor:
     return grid[pick].reshape(y.shape).float()
 
 
+def _ties() -> torch.Tensor:
+    """Rows of 128 whose amax is 448 (scale 1), the rest exact midpoints between neighbouring E4M3 values (normal
+    and subnormal, both signs): rounding has to break every tie, to the even bit pattern."""
+    grid = _all_e4m3()
+    mids = (grid[1:] + grid[:-1]) / 2
+    mids = mids[mids.abs() < 440][:-1]
+    n = math.ceil(len(mids) / 127) * 127
+    rows = torch.cat([mids, torch.zeros(n - len(mids))]).view(-1, 127)
+    return torch.cat([torch.full((rows.shape[0], 1), 448.0), rows], dim=1)
+
+
 def _spread(*shape, seed=0) -> torch.Tensor:
     """Random values across 8 decades (subnormal E4M3 after scaling included), some tiles all zero."""
     g = torch.Generator().manual_seed(seed)
@@ -74,6 +85,12 @@ def test_rows_are_amax_scaled_and_rounded_to_nearest(shape):
             want = amax / 448 if amax > 0 else torch.tensor(1.0)
             assert s[r, kb] == want, (r, kb)
             assert torch.equal(q[r, kb * 128:(kb + 1) * 128].float(), _nearest_e4m3(tile / want)), (r, kb)
+
+
+def test_ties_round_to_even():
+    x = _ties()
+    q, s = ref.quantize_rows(x)
+    assert torch.equal(s, torch.ones_like(s)) and torch.equal(q.float(), _nearest_e4m3(x))
 
 
 def test_blocks_and_transposed_tiles():
@@ -165,8 +182,8 @@ def _worker() -> None:
         return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
     results = {}
-    for shape in [(70, 300), (128, 128), (5, 40)]:
-        x = _spread(*shape, seed=8)
+    for shape in [(70, 300), (128, 128), (5, 40), "ties"]:
+        x = _ties() if shape == "ties" else _spread(*shape, seed=8)
         q0, s0 = ref.quantize_rows(x)
         cases = {"rows": (fp8_quant.quantize_rows(x), (q0, s0)),
                  "rows_t": (fp8_quant.quantize_rows_t(x), ref.quantize_rows_t(x)),
@@ -174,7 +191,7 @@ def _worker() -> None:
                  "blocks": (fp8_quant.quantize_blocks(x), ref.quantize_weight(x))}
         for name, (got, want) in cases.items():
             ok = all(same(g, w) if g.dtype == torch.float8_e4m3fn else torch.equal(g, w) for g, w in zip(got, want))
-            results[f"{name}{shape}"] = {"pass": ok, "table": [name, list(shape)]}
+            results[f"{name}{shape}"] = {"pass": ok, "table": [name, str(shape)]}
     a, b = _spread(70, 300, seed=9), _spread(45, 300, seed=10)
     for out_dtype in (torch.float32, torch.bfloat16):
         for blocks in (False, True):
@@ -193,7 +210,8 @@ def _worker() -> None:
     interpreter.report(results)
 
 
-INTERP_CASES = ([f"{n}{s}" for s in [(70, 300), (128, 128), (5, 40)] for n in ("rows", "rows_t", "requantize_t", "blocks")]
+INTERP_CASES = ([f"{n}{s}" for s in [(70, 300), (128, 128), (5, 40), "ties"]
+                 for n in ("rows", "rows_t", "requantize_t", "blocks")]
                 + [f"gemm_{d}_{b}" for d in ("float32", "bfloat16") for b in ("rows", "blocks")] + ["linear_vs_reference"])
 
 
