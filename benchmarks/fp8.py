@@ -1,0 +1,370 @@
+"""FP8 training (DeepSeek-V3's recipe, `train.precision = "fp8"`) on one GPU: compile, check, then time.
+
+    python benchmarks/fp8.py                       # everything below, ~3-4 min on one H100
+    python benchmarks/fp8.py --only compile        # no GPU needed: the kernels compiled for sm_89, sm_90, sm_120
+    python benchmarks/fp8.py --only gemm --flavors small --tokens 8192
+    --out DIR also writes each table to DIR/fp8-<section>.md.
+
+Sections, in order (each prints a markdown table):
+  compile  every Triton FP8 kernel compiled (not run) for sm_89 (Ada), sm_90 (Hopper) and sm_120 (consumer
+           Blackwell) with `triton.compile(..., target=GPUTarget(...))`: ok or the error, and which MMA the PTX uses.
+  check    on this GPU, before any timing: the Triton GEMM within 2x of fp64 on the same quantized operands (beside
+           PyTorch's fp32 matmul of the dequantized operands, rounded to the output dtype), for 1x128 and 128x128
+           scales, bf16 and fp32 out; `kernels.fp8_linear`'s output and both gradients, Triton against the PyTorch
+           twin. A failure stops the script (exit 1).
+  gemm     TFLOP/s (2 M N K / time) of each dense linear of the `small` and `16B` flavors at 8192 and 32768 tokens,
+           Fprop / Dgrad / Wgrad, the operands already quantized: ours (Triton, promoted every 128 K) against cuBLAS
+           bf16 (torch.matmul) and torch._scaled_mm rowwise FP8 (one scale per row / column; cuBLAS's fp32
+           accumulation, and its fast accumulation) in the same run, same shapes.
+  quant    time of each quantization the linear layer runs (x rows, W blocks + W^T, dy rows, dy^T rows, x^T
+           re-tiled from the FP8 copy), in GB/s of bytes read + written.
+  train    `small`, one optimizer step as `anyseek train` runs it (CUDA graphs, working copy), bf16 against
+           train.precision=fp8, at 8192 and 32768 tokens: ms/step, tokens/s, peak memory, loss after the steps.
+Times: medians of triton.testing.do_bench (CUDA events, L2 flushed) for kernels; mean over timed steps after
+warm-up for the training step (each case in a fresh process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from anyseek.kernels.reference import fp8 as ref  # noqa: E402
+
+SECTIONS = ("compile", "check", "gemm", "quant", "train")
+
+
+def linear_shapes(flavor: str) -> list[tuple[str, int, int]]:
+    """(layer, N out, K in) of each distinct FP8 linear of a flavor (joined layers as the model joins them)."""
+    from anyseek.model.config import ModelConfig
+
+    c = ModelConfig.from_name(flavor)
+    H, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    kv_a = c.kv_lora_rank + c.qk_rope_head_dim
+    out = []
+    if c.q_lora_rank:
+        out += [("q_a|kv_a", c.q_lora_rank + kv_a, c.hidden_size), ("q_b", H * qk, c.q_lora_rank)]
+    else:
+        out += [("q_proj", H * qk, c.hidden_size), ("kv_a", kv_a, c.hidden_size)]
+    out += [("kv_b", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+            ("o_proj", c.hidden_size, H * c.v_head_dim),
+            ("dense gate|up", 2 * c.intermediate_size, c.hidden_size), ("dense down", c.hidden_size, c.intermediate_size)]
+    shared = c.n_shared_experts * c.moe_intermediate_size
+    if shared:
+        out += [("shared gate|up", 2 * shared, c.hidden_size), ("shared down", c.hidden_size, shared)]
+    return out
+
+
+def table(title: str, head: list[str], rows: list[list], out: Path | None, name: str) -> None:
+    lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"fp8-{name}.md").write_text(text)
+
+
+# ------------------------------------------------------------------------------------------------------- compile
+
+
+def compile_targets(out: Path | None) -> bool:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from anyseek.kernels.triton import fp8_gemm, fp8_quant
+
+    i32 = "i32"
+    kernels = {
+        "gemm (128x128 blocks, bf16 out)": (fp8_gemm._gemm_kernel, {
+            "A": "*fp8e4nv", "SA": "*fp32", "B": "*fp8e4nv", "SB": "*fp32", "C": "*bf16", "M": i32, "N": i32, "K": i32,
+            "stride_a": i32, "stride_b": i32, "stride_c": i32, "stride_sa": i32, "stride_sb": i32},
+            {"B_BLOCKS": True, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8}, {"num_warps": 8, "num_stages": 4}),
+        "gemm (1x128 tiles, fp32 out)": (fp8_gemm._gemm_kernel, {
+            "A": "*fp8e4nv", "SA": "*fp32", "B": "*fp8e4nv", "SB": "*fp32", "C": "*fp32", "M": i32, "N": i32, "K": i32,
+            "stride_a": i32, "stride_b": i32, "stride_c": i32, "stride_sa": i32, "stride_sb": i32},
+            {"B_BLOCKS": False, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8}, {"num_warps": 8, "num_stages": 4}),
+        "quantize rows": (fp8_quant._rows_kernel, {
+            "X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "M": i32, "K": i32, "stride_x": i32, "stride_q": i32,
+            "stride_s": i32}, {"BR": fp8_quant.BR, "TILE": 128}, {"num_warps": 4}),
+        "quantize rows_t (re-tiling)": (fp8_quant._cols_t_kernel, {
+            "X": "*fp8e4nv", "SX": "*fp32", "QT": "*fp8e4nv", "ST": "*fp32", "M": i32, "K": i32, "stride_x": i32,
+            "stride_sx": i32, "stride_qt": i32, "stride_st": i32},
+            {"DEQUANT": True, "BC": fp8_quant.BC, "TILE": 128}, {"num_warps": 4}),
+        "quantize blocks": (fp8_quant._blocks_kernel, {
+            "W": "*fp32", "Q": "*fp8e4nv", "QT": "*fp8e4nv", "S": "*fp32", "N": i32, "K": i32, "stride_w": i32,
+            "stride_q": i32, "stride_qt": i32, "stride_s": i32}, {"TILE": 128}, {"num_warps": 8}),
+    }
+    rows, ok_all = [], True
+    for cap in (89, 90, 120):
+        for name, (fn, sig, const, opts) in kernels.items():
+            t0 = time.perf_counter()
+            try:
+                k = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in const}}, const),
+                                   target=GPUTarget("cuda", cap, 32), options=opts)
+                ptx = k.asm["ptx"]
+                mma = ("wgmma" if "wgmma" in ptx else "mma.sync e4m3" if "e4m3" in ptx and "mma.sync" in ptx
+                       else "-")  # fmt: skip
+                rows.append([f"sm_{cap}", name, "ok", mma, f"{len(k.asm['cubin']) / 1024:.0f} KB",
+                             f"{time.perf_counter() - t0:.1f} s"])
+            except Exception as e:  # noqa: BLE001  (reported in the table: that is the point of the section)
+                ok_all = False
+                rows.append([f"sm_{cap}", name, f"FAILED: {type(e).__name__}: {str(e)[:120]}", "", "", ""])
+    table(f"Triton {triton.__version__}: FP8 kernels compiled for other targets (not run)",
+          ["target", "kernel", "compiled", "MMA in the PTX", "cubin", "time"], rows, out, "compile")
+    return ok_all
+
+
+# --------------------------------------------------------------------------------------------------------- check
+
+
+def _gemm_err(gemm, a, b, out_dtype, blocks):
+    qa, sa = ref.quantize_rows(a)
+    qb, sb = ref.quantize_blocks(b) if blocks else ref.quantize_rows(b)
+    da = ref.dequantize_rows(qa, sa)
+    db = ref.dequantize_blocks(qb, sb) if blocks else ref.dequantize_rows(qb, sb)
+    exact = da.double() @ db.double().t()
+    pt = (da @ db.t()).to(out_dtype).double()
+    got = gemm(qa, sa, qb, sb, out_dtype).double()
+    return (got - exact).abs().max().item(), (pt - exact).abs().max().item()
+
+
+def check(device, out: Path | None) -> bool:
+    from anyseek.kernels import fp8 as fp8_autograd
+    from anyseek.kernels.triton import fp8_gemm
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows, ok_all = [], True
+    for M, N, K in [(1000, 832, 1024), (257, 300, 4096 + 77), (4096, 2048, 2048)]:
+        a = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 10).to(device)
+        b = torch.randn(N, K, generator=g).to(device)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            for blocks in (True, False):
+                err, err_pt = _gemm_err(fp8_gemm.gemm, a, b, out_dtype, blocks)
+                ok = err <= 2 * err_pt + 1e-6
+                ok_all &= ok
+                rows.append([f"gemm {M}x{N}x{K}", f"{'128x128' if blocks else '1x128'} b, {str(out_dtype)[6:]} out",
+                             f"{err:.3g}", f"{err_pt:.3g}", "pass" if ok else "FAIL"])
+    x = torch.randn(2, 1000, 2048, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(1408, 2048, generator=g) * 0.02).to(device)
+    dy = torch.randn(2, 1000, 1408, generator=g).to(device, torch.bfloat16)
+    res = []
+    for fn in (fp8_autograd.fp8_linear_triton, fp8_autograd.fp8_linear_reference):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xg, wg)
+        y.backward(dy)
+        res.append([y.float(), xg.grad.float(), wg.grad.float()])
+    for name, t, r in zip(["y (bf16)", "dx (bf16)", "dW (fp32)"], *res):
+        rel = ((t - r).norm() / r.norm()).item()
+        ok = rel <= 2.0 ** -8  # bf16's rounding: the two backends differ in the order of fp32 sums only
+        ok_all &= ok
+        rows.append(["fp8_linear 2000x2048 -> 1408", name + ": triton vs twin, rel. L2", f"{rel:.3g}", "<= 2^-8",
+                     "pass" if ok else "FAIL"])
+    table("Correctness before timing (GEMM: err vs fp64 on the same quantized operands, 2x rule)",
+          ["case", "variant", "err", "err PyTorch / bound", "result"], rows, out, "check")
+    return ok_all
+
+
+# ---------------------------------------------------------------------------------------------------------- gemm
+
+
+def _bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
+
+
+def _rowwise(t_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One E4M3 scale per row (torch._scaled_mm's rowwise recipe): -> (q [M, K], scale [M, 1] fp32)."""
+    amax = t_MK.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    s = amax / 448.0
+    return (t_MK.float() / s).to(torch.float8_e4m3fn), s
+
+
+def gemm_tables(device, flavors, tokens_list, out: Path | None) -> None:
+    from anyseek.kernels.triton import fp8_gemm, fp8_quant
+
+    rows, qrows = [], []
+    bf16 = torch.bfloat16
+    for flavor in flavors:
+        for T in tokens_list:
+            for layer, N, K in linear_shapes(flavor):
+                x = torch.randn(T, K, device=device, dtype=bf16)
+                w = torch.randn(N, K, device=device) * 0.02
+                dy = torch.randn(T, N, device=device, dtype=bf16)
+                wb = w.to(bf16)
+                q_x, s_x = fp8_quant.quantize_rows(x)
+                q_w, s_w, q_wt = fp8_quant.quantize_blocks(w)
+                q_dy, s_dy = fp8_quant.quantize_rows(dy)
+                q_dyt, s_dyt = fp8_quant.quantize_rows_t(dy)
+                q_xt, s_xt = fp8_quant.requantize_t(q_x, s_x)
+                s_wt = s_w.t().contiguous()
+                # rowwise peers: a's rows and b's columns each one scale (b given column-major, as cuBLAS wants)
+                rx, rsx = _rowwise(x)
+                rw, rsw = _rowwise(wb)
+                rdy, rsdy = _rowwise(dy)
+                rwt, rswt = _rowwise(wb.t().contiguous())
+                rdyt, rsdyt = _rowwise(dy.t().contiguous())
+                rxt, rsxt = _rowwise(x.t().contiguous())
+                passes = {
+                    "fprop": (T, N, K, lambda: fp8_gemm.gemm(q_x, s_x, q_w, s_w, bf16), lambda: x @ wb.t(),
+                              (rx, rw.t(), rsx, rsw.t())),
+                    "dgrad": (T, K, N, lambda: fp8_gemm.gemm(q_dy, s_dy, q_wt, s_wt, bf16), lambda: dy @ wb,
+                              (rdy, rwt.t(), rsdy, rswt.t())),
+                    "wgrad": (N, K, T, lambda: fp8_gemm.gemm(q_dyt, s_dyt, q_xt, s_xt, torch.float32),
+                              lambda: dy.t() @ x, (rdyt, rxt.t(), rsdyt, rsxt.t())),
+                }
+                for name, (m, n, k, ours, cublas, (a, b, sa, sb)) in passes.items():
+                    flop = 2 * m * n * k
+                    t_ours, t_bf16 = _bench(ours), _bench(cublas)
+                    peers = []
+                    for fast in (False, True):
+                        try:
+                            t = _bench(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=bf16,
+                                                                use_fast_accum=fast))
+                            peers.append(f"{flop / t / 1e12:.0f}")
+                        except (RuntimeError, TypeError) as e:
+                            peers.append(f"n/a ({str(e)[:40]})")
+                    rows.append([flavor, T, layer, name, f"{m}x{n}x{k}", f"{flop / t_ours / 1e12:.0f}",
+                                 f"{flop / t_bf16 / 1e12:.0f}", *peers, f"{t_bf16 / t_ours:.2f}x"])
+                    print(" | ".join(str(c) for c in rows[-1]), flush=True)
+                quants = {"x rows": (lambda: fp8_quant.quantize_rows(x), x.numel() * 3),
+                          "W blocks + W^T (fp32 in)": (lambda: fp8_quant.quantize_blocks(w), w.numel() * 6),
+                          "dy rows": (lambda: fp8_quant.quantize_rows(dy), dy.numel() * 3),
+                          "dy^T rows (transposed)": (lambda: fp8_quant.quantize_rows_t(dy), dy.numel() * 3),
+                          "x^T re-tiled from FP8 x": (lambda: fp8_quant.requantize_t(q_x, s_x), x.numel() * 2)}
+                for qname, (fn, nbytes) in quants.items():
+                    t = _bench(fn)
+                    qrows.append([flavor, T, layer, qname, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}"])
+                del x, w, dy, wb, q_x, q_w, q_wt, q_dy, q_dyt, q_xt, rx, rw, rdy, rwt, rdyt, rxt
+                torch.cuda.empty_cache()
+    table("Dense FP8 GEMMs, TFLOP/s (operands already quantized; bf16 out, Wgrad fp32 out)",
+          ["flavor", "tokens", "layer", "pass", "M x N x K", "ours (Triton, 1x128/128x128, promoted)",
+           "cuBLAS bf16", "_scaled_mm rowwise", "_scaled_mm rowwise fast-accum", "ours / bf16"], rows, out, "gemm")
+    table("Quantization kernels (E4M3, fp32 scales): time and GB/s of bytes read + written",
+          ["flavor", "tokens", "layer", "quantize", "us", "GB/s"], qrows, out, "quant")
+
+
+# --------------------------------------------------------------------------------------------------------- train
+
+
+def train_case(args) -> None:
+    """One training case in this process: prints RESULT {...}."""
+    from anyseek.data.prepare import ensure_prepared
+    from anyseek.train.config import load_run_config
+    from anyseek.train.trainer import Trainer
+
+    precision, tokens = args.train_case.split(":")
+    data_dir = ensure_prepared("wiki-sample", vocab_size=32000)
+    overrides = [f"--data.path={json.dumps(str(data_dir))}", f"--data.tokens_per_batch={tokens}",
+                 "--data.max_seqlen=2048", "--train.tensorboard=false", f"--train.precision={precision}",
+                 "--train.eval_every=100000", "--train.save_every=100000", "--train.warmup_steps=5"]
+    cfg = load_run_config("small", overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = Trainer(cfg, Path(tmp) / "run", log=lambda *a: None)
+        batches = iter(tr.train_loader)
+        losses = []
+
+        def step():
+            for o in tr.engine.advance(batches):
+                losses.append(o.values["loss"])
+                if not o.ok:
+                    raise RuntimeError("non-finite step")
+
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        tr.engine.flush()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / args.steps
+        print("RESULT " + json.dumps({"ms": dt * 1e3, "tok_s": int(tokens) / dt,
+                                      "mem": torch.cuda.max_memory_allocated() / 2**30,
+                                      "loss_first": losses[0], "loss_last": losses[-1]}), flush=True)
+
+
+def train_table(tokens_list, args, out: Path | None) -> None:
+    rows = []
+    for tokens in tokens_list:
+        got = {}
+        for precision in ("bf16", "fp8"):
+            cmd = [sys.executable, __file__, "--train-case", f"{precision}:{tokens}", "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)]
+            p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode or not res:
+                print(f"train {precision} {tokens}: FAILED\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}", flush=True)
+                rows.append(["small", tokens, precision, "FAILED", "", "", "", ""])
+                continue
+            r = got[precision] = json.loads(res[-1][len("RESULT "):])
+            speed = f"{got['bf16']['ms'] / r['ms']:.2f}x" if "bf16" in got else ""
+            rows.append(["small", tokens, precision, f"{r['ms']:.1f}", f"{r['tok_s']:,.0f}", f"{r['mem']:.2f}",
+                         f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}", speed])
+            print(" | ".join(str(c) for c in rows[-1]), flush=True)
+    table(f"Training step, `small` (`anyseek train`'s step: CUDA graphs, bf16 working copy; {args.warmup} warm-up "
+          f"+ {args.steps} timed steps)", ["flavor", "tokens", "precision", "ms/step", "tokens/s", "peak GiB",
+                                           "loss (first -> last step)", "vs bf16"], rows, out, "train")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    p.add_argument("--flavors", default="small,16B")
+    p.add_argument("--tokens", default="8192,32768")
+    p.add_argument("--steps", type=int, default=20, help="timed training steps per case")
+    p.add_argument("--warmup", type=int, default=8, help="training steps before timing (graph capture included)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--train-case", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.train_case:
+        return train_case(args)
+    out = Path(args.out) if args.out else None
+    sections = [s for s in args.only.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; known: {', '.join(SECTIONS)}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    import triton
+
+    print(f"anyseek benchmarks/fp8.py, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+          f"triton {triton.__version__}, python {platform.python_version()}", flush=True)
+    ok = True
+    if "compile" in sections:
+        ok &= compile_targets(out)
+    if any(s in sections for s in ("check", "gemm", "quant", "train")):
+        if not torch.cuda.is_available():
+            raise SystemExit("check/gemm/quant/train need a CUDA GPU (--only compile runs without one)")
+        device = torch.device("cuda")
+        major, minor = torch.cuda.get_device_capability(device)
+        print(f"device: {torch.cuda.get_device_name(device)} (sm_{major}{minor})", flush=True)
+        if (major, minor) < (8, 9):
+            raise SystemExit("FP8 needs compute capability 8.9+")
+        if not check(device, out):
+            print("correctness check FAILED: no timing", flush=True)
+            sys.exit(1)
+        if "gemm" in sections or "quant" in sections:
+            gemm_tables(device, args.flavors.split(","), tokens, out)
+        if "train" in sections:
+            train_table(tokens, args, out)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
