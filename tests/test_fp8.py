@@ -182,12 +182,13 @@ def _worker() -> None:
         return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
     results = {}
-    for shape in [(70, 300), (128, 128), (5, 40), "ties"]:
+    for shape in [(130, 300), (5, 40), "ties"]:
         x = _ties() if shape == "ties" else _spread(*shape, seed=8)
         q0, s0 = ref.quantize_rows(x)
         cases = {"rows": (fp8_quant.quantize_rows(x), (q0, s0)),
                  "rows_t": (fp8_quant.quantize_rows_t(x), ref.quantize_rows_t(x)),
                  "requantize_t": (fp8_quant.requantize_t(q0, s0), ref.requantize_t(q0, s0)),
+                 "both": (fp8_quant.quantize_both(x), ref.quantize_both(x)),
                  "blocks": (fp8_quant.quantize_blocks(x), ref.quantize_weight(x))}
         for name, (got, want) in cases.items():
             ok = all(same(g, w) if g.dtype == torch.float8_e4m3fn else torch.equal(g, w) for g, w in zip(got, want))
@@ -210,8 +211,8 @@ def _worker() -> None:
     interpreter.report(results)
 
 
-INTERP_CASES = ([f"{n}{s}" for s in [(70, 300), (128, 128), (5, 40), "ties"]
-                 for n in ("rows", "rows_t", "requantize_t", "blocks")]
+INTERP_CASES = ([f"{n}{s}" for s in [(130, 300), (5, 40), "ties"]
+                 for n in ("rows", "rows_t", "requantize_t", "both", "blocks")]
                 + [f"gemm_{d}_{b}" for d in ("float32", "bfloat16") for b in ("rows", "blocks")] + ["linear_vs_reference"])
 
 
@@ -296,14 +297,14 @@ def test_fp8_with_lora_is_a_config_error():
 
 
 def test_tiny_model_trains_in_fp8_close_to_full_precision(data_dir, tmp_path, monkeypatch):
-    """Six steps of the tiny model through the PyTorch emulation: every loss within 0.5% of the unconverted run's
+    """Four steps of the tiny model through the PyTorch emulation: every loss within 0.5% of the unconverted run's
     (the issue's bar for the 1,000-step comparison; measured here: <= 0.04%), and not identical to it (the layers
     did change)."""
     monkeypatch.setenv("ANYSEEK_FP8", "reference")
-    run(tiny_cfg(data_dir, "--train.max_steps=6", "--train.device=cpu"), tmp_path / "a")
-    run(tiny_cfg(data_dir, "--train.max_steps=6", "--train.device=cpu", "--train.precision=fp8"), tmp_path / "b")
+    run(tiny_cfg(data_dir, "--train.max_steps=4", "--train.device=cpu"), tmp_path / "a")
+    run(tiny_cfg(data_dir, "--train.max_steps=4", "--train.device=cpu", "--train.precision=fp8"), tmp_path / "b")
     base, fp8 = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
-    assert len(base) == len(fp8) == 6
+    assert len(base) == len(fp8) == 4
     rel = [abs(base[s] - fp8[s]) / base[s] for s in base]
     assert max(rel) < 0.005 and max(rel) > 0, rel
 

@@ -1,13 +1,13 @@
 """`kernels.fp8_linear`'s autograd Function, one for both backends: y = x W^T with DeepSeek-V3's FP8 recipe
-(`kernels/reference/fp8.py` describes it). A backend is a module of five functions with one contract:
-`quantize_rows`, `quantize_rows_t`, `requantize_t`, `quantize_weight` and `gemm` (`reference.fp8`, the twin that
+(`kernels/reference/fp8.py` describes it). A backend is a module of six functions with one contract:
+`quantize_rows`, `quantize_rows_t`, `quantize_both`, `requantize_t`, `quantize_weight` and `gemm` (`reference.fp8`, the twin that
 runs anywhere; `triton.fp8_quant` + `triton.fp8_gemm`, loaded only when chosen).
 
 Forward: x in 1x128 tiles, W in 128x128 blocks (from the weight as it is at this step: no delayed scaling), one
 promoted FP8 GEMM. What backward keeps: x's E4M3 values and scales (1 byte an element instead of bf16's 2) and
 W^T's E4M3 values (Dgrad's operand, K-contiguous) with W's block scales. Backward: Dgrad dx = dy W (dy in 1x128
 tiles along the output features), Wgrad dW = dy^T x in fp32 (dy and x re-tiled 1x128 along the tokens, x from its
-FP8 copy), handed back in the weight's dtype.
+FP8 copy), handed back in the weight's dtype; dy is quantized for both from one read (`quantize_both`).
 
 Shape legend: M rows (all leading dims of x), K input features, N output features.
 """
@@ -34,12 +34,17 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy_MN):
         q_x, s_x, q_wt, s_w = ctx.saved_tensors
         impl, dy_MN = ctx.impl, dy_MN.contiguous()
+        want_dx, want_dw = ctx.needs_input_grad[:2]
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if want_dx and want_dw:  # dy read once for both layouts
+            q_dy, s_dy, q_dyt, s_dyt = impl.quantize_both(dy_MN)
+        elif want_dx:
             q_dy, s_dy = impl.quantize_rows(dy_MN)
-            dx = impl.gemm(q_dy, s_dy, q_wt, s_w.t(), ctx.x_dtype)  # W^T's blocks: W's scales transposed
-        if ctx.needs_input_grad[1]:
+        elif want_dw:
             q_dyt, s_dyt = impl.quantize_rows_t(dy_MN)
+        if want_dx:
+            dx = impl.gemm(q_dy, s_dy, q_wt, s_w.t(), ctx.x_dtype)  # W^T's blocks: W's scales transposed
+        if want_dw:
             q_xt, s_xt = impl.requantize_t(q_x, s_x)
             dw = impl.gemm(q_dyt, s_dyt, q_xt, s_xt, torch.float32).to(ctx.w_dtype)
         return dx, dw, None, None
@@ -76,5 +81,5 @@ def _triton_impl():
     from anyseek.kernels.triton import fp8_gemm, fp8_quant
 
     return types.SimpleNamespace(quantize_rows=fp8_quant.quantize_rows, quantize_rows_t=fp8_quant.quantize_rows_t,
-                                 requantize_t=fp8_quant.requantize_t, quantize_weight=fp8_quant.quantize_blocks,
-                                 gemm=fp8_gemm.gemm)  # fmt: skip
+                                 quantize_both=fp8_quant.quantize_both, requantize_t=fp8_quant.requantize_t,
+                                 quantize_weight=fp8_quant.quantize_blocks, gemm=fp8_gemm.gemm)  # fmt: skip

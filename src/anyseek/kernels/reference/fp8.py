@@ -164,3 +164,9 @@ def quantize_weight(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     Triton backend's `quantize_blocks` contract."""
     q, s = quantize_blocks(w_NK)
     return q, s, q.t()
+
+
+def quantize_both(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(`quantize_rows`, `quantize_rows_t`) of x -> (q [M, K], scales [M, KB], q^T [K, M], scales [K, MB]), the
+    Triton backend's one-pass `quantize_both` contract."""
+    return (*quantize_rows(x_MK), *quantize_rows_t(x_MK))

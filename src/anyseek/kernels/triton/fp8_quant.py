@@ -4,6 +4,8 @@
 - `quantize_rows_t`: x [M, K] -> x^T's q [K, M], scales [K, MB]: 1x128 tiles along M, written transposed so that
   Wgrad's GEMM reads both operands K-contiguous (Hopper's FP8 MMA wants K-major operands). The same kernel does
   Wgrad's re-tiling of the forward's FP8 x (`requantize_t`): it dequantizes with the 1x128 scales as it loads;
+- `quantize_both`: both of the above from one read of x (the output gradient: Dgrad wants its rows, Wgrad its
+  transposed tiles);
 - `quantize_blocks`: w [N, K] -> q [N, K], q^T [K, N], scales [NB, KB]: 128x128 blocks, and the transposed copy
   Dgrad reads (the blocks are square: w^T's scales are w's, transposed).
 
@@ -78,6 +80,25 @@ def _cols_t_kernel(X, SX, QT, ST, M, K, stride_x, stride_sx, stride_qt, stride_s
 
 
 @triton.jit
+def _both_kernel(X, Q, S, QT, ST, M, K, stride_x, stride_q, stride_s, stride_qt, stride_st, TILE: tl.constexpr):
+    """A [128, 128] tile of x -> its 1x128 rows (q, scales [M, KB]) and x^T's 1x128 tiles along M (q^T, scales
+    [K, MB]) from one read of x (the output gradient, which Dgrad and Wgrad both quantize)."""
+    mb, kb = tl.program_id(0), tl.program_id(1)
+    rows = mb.to(tl.int64) * TILE + tl.arange(0, TILE)
+    cols = kb * TILE + tl.arange(0, TILE)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = _scale_of(tl.max(tl.abs(x), axis=1))
+    q = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)))
+    tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + rows * stride_s + kb, s, mask=rows < M)
+    st = _scale_of(tl.max(tl.abs(x), axis=0))
+    qt = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(st[None, :], x.shape)))
+    tl.store(QT + cols[None, :].to(tl.int64) * stride_qt + rows[:, None], qt.to(QT.dtype.element_ty), mask=mask)
+    tl.store(ST + cols * stride_st + mb, st, mask=cols < K)
+
+
+@triton.jit
 def _blocks_kernel(W, Q, QT, S, N, K, stride_w, stride_q, stride_qt, stride_s, TILE: tl.constexpr):
     nb, kb = tl.program_id(0), tl.program_id(1)
     rows = nb.to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -133,6 +154,22 @@ def requantize_t(q_MK: torch.Tensor, s_MB: torch.Tensor) -> tuple[torch.Tensor, 
     if s_MB.shape != (q_MK.shape[0], triton.cdiv(q_MK.shape[1], TILE)):
         raise ValueError(f"requantize_t: scales {tuple(s_MB.shape)} do not fit q {tuple(q_MK.shape)} (1x128 tiles)")
     return _cols_t(q_MK, s_MB)
+
+
+def quantize_both(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_rows` and `quantize_rows_t` of x from one read: -> (q [M, K], scales [M, KB], q^T [K, M],
+    scales [K, MB])."""
+    _check(x_MK, "quantize_both")
+    M, K = x_MK.shape
+    dev = x_MK.device
+    q, qt = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=dev), torch.empty(K, M, dtype=torch.float8_e4m3fn,
+                                                                                 device=dev)  # fmt: skip
+    s = torch.empty(M, triton.cdiv(K, TILE), dtype=torch.float32, device=dev)
+    st = torch.empty(K, triton.cdiv(M, TILE), dtype=torch.float32, device=dev)
+    if M and K:
+        _both_kernel[(st.shape[1], s.shape[1])](x_MK, q, s, qt, st, M, K, x_MK.stride(0), q.stride(0), s.stride(0),
+                                                qt.stride(0), st.stride(0), TILE=TILE, num_warps=8)  # fmt: skip
+    return q, s, qt, st
 
 
 def quantize_blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
