@@ -283,8 +283,8 @@ def _register_defaults() -> None:
     register("low_rank_linear", Backend("reference", _lazy("anyseek.kernels.reference.lowrank.low_rank_linear"),
                                         _always("pure PyTorch (the formula through autograd)")))
     # FP8 training's linear layers (transforms/fp8.py): Triton quantize and promoted-GEMM kernels on GPUs with FP8
-    # tensor cores, the PyTorch emulation of the same recipe elsewhere (kernels/fp8.py)
-    register("fp8_linear", Backend("triton", _lazy("anyseek.kernels.fp8.fp8_linear_triton"),
+    # tensor cores (kernels/ops/fp8.py), the PyTorch emulation of the same recipe elsewhere (kernels/fp8.py)
+    register("fp8_linear", Backend("triton", _lazy("anyseek.kernels.ops.fp8.fp8_linear"),
                                    _lazy_check("anyseek.kernels.triton.check.fp8_available"), ("cuda",)))
     register("fp8_linear", Backend("reference", _lazy("anyseek.kernels.fp8.fp8_linear_reference"),
                                    _always("pure PyTorch emulation (E4M3 casts, a matmul per 128-wide K-block)")))

@@ -146,24 +146,12 @@ def linear_forward(x_MK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtyp
 def linear_backward(dy_MN: torch.Tensor, saved, dx_dtype: torch.dtype, want_dx: bool = True, want_dw: bool = True):
     """Dgrad and Wgrad from the forward's saved FP8 tensors -> (dx [M, K] in dx_dtype or None, dW [N, K] fp32 or
     None). dx = dy W: dy in 1x128 tiles along N, W^T's blocks (W's, transposed). dW = dy^T x: both in 1x128 tiles
-    along the tokens."""
+    along the tokens, x^T re-tiled from the forward's FP8 x."""
     q_x, s_x, q_w, s_w = saved
-    dx = dw = None
-    if want_dx:
-        q_dy, s_dy = quantize_rows(dy_MN)
-        dx = gemm(q_dy, s_dy, q_w.t(), s_w.t(), dx_dtype)
-    if want_dw:
-        q_dyt, s_dyt = quantize_rows_t(dy_MN)
-        q_xt, s_xt = requantize_t(q_x, s_x)
-        dw = gemm(q_dyt, s_dyt, q_xt, s_xt, torch.float32)
+    q_dy, s_dy, q_dyt, s_dyt = quantize_both(dy_MN)
+    dx = gemm(q_dy, s_dy, q_w.t(), s_w.t(), dx_dtype) if want_dx else None
+    dw = gemm(q_dyt, s_dyt, *requantize_t(q_x, s_x), torch.float32) if want_dw else None
     return dx, dw
-
-
-def quantize_weight(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_blocks` plus w^T's E4M3 values [K, N] (Dgrad's operand; here a view) -> (q, scales, q^T), the
-    Triton backend's `quantize_blocks` contract."""
-    q, s = quantize_blocks(w_NK)
-    return q, s, q.t()
 
 
 def quantize_both(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
