@@ -132,14 +132,18 @@ def compile_targets(out: Path | None) -> bool:
 
 
 def _gemm_err(gemm, a, b, out_dtype, blocks):
+    """(err, err_pt): the GEMM against fp64 on the same quantized operands; err_pt the larger of PyTorch's fp32
+    matmul of the dequantized operands rounded to out_dtype and the emulated promoted tensor-core sum
+    (`reference.fp8.gemm_emulated`: the hardware sums each 128-block at ~14 bits, fp32 out cannot do better)."""
     qa, sa = ref.quantize_rows(a)
     qb, sb = ref.quantize_blocks(b) if blocks else ref.quantize_rows(b)
     da = ref.dequantize_rows(qa, sa)
     db = ref.dequantize_blocks(qb, sb) if blocks else ref.dequantize_rows(qb, sb)
     exact = da.double() @ db.double().t()
-    pt = (da @ db.t()).to(out_dtype).double()
+    err_pt = ((da @ db.t()).to(out_dtype).double() - exact).abs().max().item()
+    err_hw = (ref.gemm_emulated(qa, sa, qb, sb) - exact).abs().max().item()
     got = gemm(qa, sa, qb, sb, out_dtype).double()
-    return (got - exact).abs().max().item(), (pt - exact).abs().max().item()
+    return (got - exact).abs().max().item(), max(err_pt, err_hw)
 
 
 def check(device, out: Path | None) -> bool:
@@ -150,7 +154,7 @@ def check(device, out: Path | None) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cpu").manual_seed(0)
     rows, ok_all = [], True
-    for M, N, K in [(1000, 832, 1024), (257, 300, 4096 + 77), (4096, 2048, 2048)]:
+    for M, N, K in [(200, 136, 4096 + 77), (257, 300, 1024), (130, 260, 2048)]:  # small: emulated in fp64
         a = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 10).to(device)
         b = torch.randn(N, K, generator=g).to(device)
         for out_dtype in (torch.bfloat16, torch.float32):
@@ -175,7 +179,8 @@ def check(device, out: Path | None) -> bool:
         ok_all &= ok
         rows.append(["fp8_linear 2000x2048 -> 1408", name + ": triton vs twin, rel. L2", f"{rel:.3g}", "<= 2^-8",
                      "pass" if ok else "FAIL"])
-    table("Correctness before timing (GEMM: err vs fp64 on the same quantized operands, 2x rule)",
+    table("Correctness before timing (GEMM: err vs fp64 on the same quantized operands, within 2x of the larger of "
+          "PyTorch's fp32 matmul rounded to the output dtype and the emulated promoted FP8 tensor-core sum)",
           ["case", "variant", "err", "err PyTorch / bound", "result"], rows, out, "check")
     return ok_all
 

@@ -112,16 +112,19 @@ def _dequant_b(q, s):
     return ref.dequantize_rows(q, s) if s.shape[0] == q.shape[0] else ref.dequantize_blocks(q, s)
 
 
-def _gemm_table(fn, a, b, out_dtype, b_blocks):
+def _gemm_table(fn, a, b, out_dtype, b_blocks, tensor_cores=False):
     """(what, err, err_pt): fn's a @ b^T on the quantized operands against fp64 on the same, beside PyTorch's fp32
-    matmul of the dequantized operands rounded to out_dtype."""
+    matmul of the dequantized operands rounded to out_dtype. tensor_cores (a GPU kernel): err_pt is the larger of
+    that and the error of `ref.gemm_emulated` (FP8 tensor cores' ~14-bit sums within each promoted K-block)."""
     qa, sa = ref.quantize_rows(a)
     qb, sb = ref.quantize_blocks(b) if b_blocks else ref.quantize_rows(b)
     da, db = ref.dequantize_rows(qa, sa), _dequant_b(qb, sb)
     exact = da.double() @ db.double().t()
-    pt = (da @ db.t()).to(out_dtype).double()
+    err_pt = ((da @ db.t()).to(out_dtype).double() - exact).abs().max().item()
+    if tensor_cores:
+        err_pt = max(err_pt, (ref.gemm_emulated(qa, sa, qb, sb) - exact).abs().max().item())
     got = fn(qa, sa, qb, sb, out_dtype).double()
-    return [("out", (got - exact).abs().max().item(), (pt - exact).abs().max().item())]
+    return [("out", (got - exact).abs().max().item(), err_pt)]
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -233,8 +236,10 @@ def test_interpreter(interp_results, name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("M,N,K", [(1000, 384, 4096), (130, 200, 300)])
+@pytest.mark.parametrize("M,N,K", [(200, 136, 4096 + 77), (130, 200, 300)])
 def test_cuda_gemm_and_linear(M, N, K):
+    """The GEMM on the GPU within 2x of fp64 on the same operands (beside the emulated promoted tensor-core sum for
+    fp32 out: without the promotion, K = 4096 falls well outside); the linear layer as its twin to bf16 rounding."""
     from anyseek.kernels import fp8 as fp8_autograd
     from anyseek.kernels.ops import fp8 as fp8_ops
     from anyseek.kernels.triton import fp8_gemm
@@ -242,7 +247,7 @@ def test_cuda_gemm_and_linear(M, N, K):
     a, b = _spread(M, K, seed=14).cuda(), _spread(N, K, seed=15).cuda()
     for out_dtype in (torch.float32, torch.bfloat16):
         for blocks in (False, True):
-            table = _gemm_table(fp8_gemm.gemm, a, b, out_dtype, blocks)
+            table = _gemm_table(fp8_gemm.gemm, a, b, out_dtype, blocks, tensor_cores=True)
             assert interpreter.passes(table, atol=1e-6), (out_dtype, blocks, table)
     x, w = _bounded(M, K, seed=16).cuda().bfloat16(), _bounded(N, K, seed=17).cuda()
     y = fp8_ops.fp8_linear(x, w)

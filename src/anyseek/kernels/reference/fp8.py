@@ -14,7 +14,8 @@
 
 Every GEMM here is `gemm(a, sa, b, sb)` = a @ b^T with both operands K-contiguous ([M, K] and [N, K]), the layout the
 Triton kernel (`kernels/triton/fp8_gemm.py`) reads; sa [M, KB] per row, sb [N, KB] per row or [NB, KB] per block.
-`accumulate_limited` emulates the tensor cores' limited accumulator, for the test that shows why promotion matters.
+`accumulate_limited` emulates the tensor cores' limited accumulator, for the test that shows why promotion matters,
+and `gemm_emulated` the promoted GEMM on such tensor cores, the yardstick of a GPU kernel's fp32 output.
 
 Shape legend: M rows (tokens), K the reduction dim, N output features, KB / MB / NB their counts of 128-blocks.
 """
@@ -128,6 +129,20 @@ def accumulate_limited(a_MK: torch.Tensor, b_NK: torch.Tensor, promote_every: in
             acc = _truncate(acc + (torch.trunc(part / quantum) * quantum).sum(-1), bits)
         total += acc
     return total
+
+
+def gemm_emulated(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """`gemm` as FP8 tensor cores with the promotion compute it, in fp64 [M, N]: each K-block's products summed by
+    the limited accumulator of `accumulate_limited`, then scaled and added exactly. The yardstick for a GPU kernel's
+    fp32 output, whose K-blocks the hardware sums at ~14 bits (PyTorch's fp32 matmul is far more exact than any FP8
+    tensor core). Memory: M * N * 128 fp64 products at a time."""
+    M, K = a_MK.shape
+    sb_NB = _b_scales(sb, b_NK.shape[0]).double()
+    out = torch.zeros(M, b_NK.shape[0], dtype=torch.float64, device=a_MK.device)
+    for kb, k0 in enumerate(range(0, K, TILE)):
+        part = accumulate_limited(a_MK[:, k0:k0 + TILE], b_NK[:, k0:k0 + TILE], None)
+        out += part * sa_MB[:, kb, None].double() * sb_NB[None, :, kb]
+    return out
 
 
 def _truncate(x: torch.Tensor, bits: int) -> torch.Tensor:
