@@ -3,6 +3,7 @@
     python benchmarks/fp8.py                       # everything below, ~3-4 min on one H100
     python benchmarks/fp8.py --only compile        # no GPU needed: the kernels compiled for sm_89, sm_90, sm_120
     python benchmarks/fp8.py --only gemm --flavors small --tokens 8192
+    python benchmarks/fp8.py --only check,tune     # the GEMM under other launch settings (not in the default run)
     --out DIR also writes each table to DIR/fp8-<section>.md.
 
 Sections, in order (each prints a markdown table):
@@ -18,6 +19,8 @@ Sections, in order (each prints a markdown table):
            accumulation, and its fast accumulation) in the same run, same shapes.
   quant    time of each quantization the linear layer runs (x rows, W blocks + W^T, dy rows, dy^T rows, x^T
            re-tiled from the FP8 copy), in GB/s of bytes read + written.
+  tune     (only when asked) the GEMM at three shapes under a few launch settings (tile, warps, stages), for
+           choosing `fp8_gemm.CONFIG` (set from no measurement so far).
   train    `small`, one optimizer step as `anyseek train` runs it (CUDA graphs, working copy), bf16 against
            train.precision=fp8, at 8192 and 32768 tokens: ms/step, tokens/s, peak memory, loss after the steps.
 Times: medians of triton.testing.do_bench (CUDA events, L2 flushed) for kernels; mean over timed steps after
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,9 +45,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from anyseek.kernels.reference import fp8 as ref  # noqa: E402
+from anyseek.kernels.reference import fp8 as ref
 
-SECTIONS = ("compile", "check", "gemm", "quant", "train")
+SECTIONS = ("compile", "check", "gemm", "quant", "train", "tune")
+DEFAULT = ("compile", "check", "gemm", "quant", "train")
 
 
 def linear_shapes(flavor: str) -> list[tuple[str, int, int]]:
@@ -227,12 +232,12 @@ def gemm_tables(device, flavors, tokens_list, out: Path | None) -> None:
                 rdyt, rsdyt = _rowwise(dy.t().contiguous())
                 rxt, rsxt = _rowwise(x.t().contiguous())
                 passes = {
-                    "fprop": (T, N, K, lambda: fp8_gemm.gemm(q_x, s_x, q_w, s_w, bf16), lambda: x @ wb.t(),
-                              (rx, rw.t(), rsx, rsw.t())),
-                    "dgrad": (T, K, N, lambda: fp8_gemm.gemm(q_dy, s_dy, q_wt, s_wt, bf16), lambda: dy @ wb,
-                              (rdy, rwt.t(), rsdy, rswt.t())),
-                    "wgrad": (N, K, T, lambda: fp8_gemm.gemm(q_dyt, s_dyt, q_xt, s_xt, torch.float32),
-                              lambda: dy.t() @ x, (rdyt, rxt.t(), rsdyt, rsxt.t())),
+                    "fprop": (T, N, K, partial(fp8_gemm.gemm, q_x, s_x, q_w, s_w, bf16),
+                              partial(torch.matmul, x, wb.t()), (rx, rw.t(), rsx, rsw.t())),
+                    "dgrad": (T, K, N, partial(fp8_gemm.gemm, q_dy, s_dy, q_wt, s_wt, bf16),
+                              partial(torch.matmul, dy, wb), (rdy, rwt.t(), rsdy, rswt.t())),
+                    "wgrad": (N, K, T, partial(fp8_gemm.gemm, q_dyt, s_dyt, q_xt, s_xt, torch.float32),
+                              partial(torch.matmul, dy.t(), x), (rdyt, rxt.t(), rsdyt, rsxt.t())),
                 }
                 for name, (m, n, k, ours, cublas, (a, b, sa, sb)) in passes.items():
                     flop = 2 * m * n * k
@@ -240,19 +245,18 @@ def gemm_tables(device, flavors, tokens_list, out: Path | None) -> None:
                     peers = []
                     for fast in (False, True):
                         try:
-                            t = _bench(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=bf16,
-                                                                use_fast_accum=fast))
+                            t = _bench(partial(torch._scaled_mm, a, b, scale_a=sa, scale_b=sb, out_dtype=bf16,
+                                               use_fast_accum=fast))
                             peers.append(f"{flop / t / 1e12:.0f}")
                         except (RuntimeError, TypeError) as e:
                             peers.append(f"n/a ({str(e)[:40]})")
                     rows.append([flavor, T, layer, name, f"{m}x{n}x{k}", f"{flop / t_ours / 1e12:.0f}",
                                  f"{flop / t_bf16 / 1e12:.0f}", *peers, f"{t_bf16 / t_ours:.2f}x"])
                     print(" | ".join(str(c) for c in rows[-1]), flush=True)
-                quants = {"x rows": (lambda: fp8_quant.quantize_rows(x), x.numel() * 3),
-                          "W blocks + W^T (fp32 in)": (lambda: fp8_quant.quantize_blocks(w), w.numel() * 6),
-                          "dy rows": (lambda: fp8_quant.quantize_rows(dy), dy.numel() * 3),
-                          "dy^T rows (transposed)": (lambda: fp8_quant.quantize_rows_t(dy), dy.numel() * 3),
-                          "x^T re-tiled from FP8 x": (lambda: fp8_quant.requantize_t(q_x, s_x), x.numel() * 2)}
+                quants = {"x rows": (partial(fp8_quant.quantize_rows, x), x.numel() * 3),
+                          "W blocks + W^T (fp32 in)": (partial(fp8_quant.quantize_blocks, w), w.numel() * 6),
+                          "dy rows + dy^T rows (one read)": (partial(fp8_quant.quantize_both, dy), dy.numel() * 4),
+                          "x^T re-tiled from FP8 x": (partial(fp8_quant.requantize_t, q_x, s_x), x.numel() * 2)}
                 for qname, (fn, nbytes) in quants.items():
                     t = _bench(fn)
                     qrows.append([flavor, T, layer, qname, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}"])
@@ -263,6 +267,39 @@ def gemm_tables(device, flavors, tokens_list, out: Path | None) -> None:
            "cuBLAS bf16", "_scaled_mm rowwise", "_scaled_mm rowwise fast-accum", "ours / bf16"], rows, out, "gemm")
     table("Quantization kernels (E4M3, fp32 scales): time and GB/s of bytes read + written",
           ["flavor", "tokens", "layer", "quantize", "us", "GB/s"], qrows, out, "quant")
+
+
+def tune_table(device, out: Path | None) -> None:
+    from anyseek.kernels.triton import fp8_gemm
+
+    configs = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5), (128, 256, 8, 3), (256, 128, 8, 3),
+               (128, 256, 16, 3), (64, 128, 4, 4), (128, 64, 4, 4)]  # (BM, BN, warps, stages)
+    shapes = [("small dense gate|up fprop", 32768, 8192, 1024, torch.bfloat16, True),
+              ("16B dense down fprop", 32768, 2048, 11264, torch.bfloat16, True),
+              ("16B dense gate|up wgrad", 22528, 2048, 32768, torch.float32, False)]
+    rows = []
+    for name, M, N, K, out_dtype, blocks in shapes:
+        a = torch.randn(M, K, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(N, K, device=device).to(torch.float8_e4m3fn)
+        sa = torch.rand(M, _n_blocks(K), device=device) + 0.5
+        sb = torch.rand(_n_blocks(N) if blocks else N, _n_blocks(K), device=device) + 0.5
+        for bm, bn, warps, stages in configs:
+            cfg = {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+            try:
+                t = _bench(partial(fp8_gemm.gemm, a, sa, b, sb, out_dtype, config=cfg))
+                rows.append([name, f"{M}x{N}x{K}", f"{bm}x{bn}", warps, stages, f"{2 * M * N * K / t / 1e12:.0f}"])
+            except Exception as e:  # noqa: BLE001  (a setting that cannot run is a row of the table)
+                rows.append([name, f"{M}x{N}x{K}", f"{bm}x{bn}", warps, stages, f"failed: {str(e)[:60]}"])
+            print(" | ".join(str(c) for c in rows[-1]), flush=True)
+        del a, b
+        torch.cuda.empty_cache()
+    table("FP8 GEMM launch settings (TFLOP/s; stages lowered automatically where shared memory is short)",
+          ["shape", "M x N x K", "tile", "warps", "stages", "TFLOP/s"], rows, out, "tune")
+
+
+def _n_blocks(n: int) -> int:
+    """128-blocks covering n."""
+    return -(-n // 128)
 
 
 # --------------------------------------------------------------------------------------------------------- train
@@ -331,7 +368,8 @@ def train_table(tokens_list, args, out: Path | None) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    p.add_argument("--only", default=",".join(DEFAULT), help=f"comma-separated sections of {', '.join(SECTIONS)} "
+                   f"(default: all but tune)")
     p.add_argument("--flavors", default="small,16B")
     p.add_argument("--tokens", default="8192,32768")
     p.add_argument("--steps", type=int, default=20, help="timed training steps per case")
@@ -354,7 +392,7 @@ def main() -> None:
     ok = True
     if "compile" in sections:
         ok &= compile_targets(out)
-    if any(s in sections for s in ("check", "gemm", "quant", "train")):
+    if any(s in sections for s in ("check", "gemm", "quant", "train", "tune")):
         if not torch.cuda.is_available():
             raise SystemExit("check/gemm/quant/train need a CUDA GPU (--only compile runs without one)")
         device = torch.device("cuda")
@@ -367,6 +405,8 @@ def main() -> None:
             sys.exit(1)
         if "gemm" in sections or "quant" in sections:
             gemm_tables(device, args.flavors.split(","), tokens, out)
+        if "tune" in sections:
+            tune_table(device, out)
         if "train" in sections:
             train_table(tokens, args, out)
     sys.exit(0 if ok else 1)

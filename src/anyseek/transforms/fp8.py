@@ -57,8 +57,7 @@ class FP8Linear(nn.Linear):
 
 def unavailable(device: torch.device) -> str | None:
     """Why FP8 training cannot run on `device` (None: it can). The emulation runs anywhere when asked for."""
-    name, source = registry.requested("fp8_linear")
-    if name == "reference":
+    if registry.requested("fp8_linear")[0] == "reference":
         return None
     how = "ANYSEEK_FP8=reference runs the PyTorch emulation of the recipe instead (slow; for tests)"
     if device.type != "cuda":

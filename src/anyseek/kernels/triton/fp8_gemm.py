@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from anyseek.kernels.triton.launch import launch
+
 TILE = 128  # the K-block of the promotion and of the scales (fixed by the recipe)
 # 128x128 tiles, 8 warps, 4 stages: DeepGEMM's and FBGEMM's usual shape for 128-blocked FP8 on H100 (not swept
 # here yet: no GPU measurement so far)
@@ -44,7 +46,7 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_
     b_ptr = B + rn[:, None] * stride_b + rk[None, :]
     sb_row = (rn // BK) if B_BLOCKS else rn  # b's scale row: its block (128x128) or itself (1x128)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BK)):
+    for kb in range(tl.cdiv(K, BK)):
         k_ok = rk < K - kb * BK
         a = tl.load(a_ptr, mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr, mask=(rn < N)[:, None] & k_ok[None, :], other=0.0)
@@ -83,8 +85,11 @@ def gemm(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.
     if K == 0:
         return c.zero_()
     cfg = dict(config or (INTERPRET_CONFIG if a_MK.device.type == "cpu" else CONFIG))
-    BM, BN = cfg.pop("BM"), cfg.pop("BN")
+    BM, BN, group_m = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M")
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-    _gemm_kernel[grid](a_MK, sa_MB, b_NK, sb, c, M, N, K, a_MK.stride(0), b_NK.stride(0), c.stride(0),
-                       sa_MB.stride(0), sb.stride(0), B_BLOCKS=blocks, BM=BM, BN=BN, BK=TILE, **cfg)
+    # (`launch` lowers num_stages where shared memory is short: 4 stages of 128x128 + 128x128 bytes want 128 KB,
+    # consumer GPUs (sm_89, sm_120) have ~100)
+    launch(_gemm_kernel, grid, cfg)(a_MK, sa_MB, b_NK, sb, c, M, N, K, a_MK.stride(0), b_NK.stride(0), c.stride(0),
+                                    sa_MB.stride(0), sb.stride(0), B_BLOCKS=blocks, BM=BM, BN=BN, BK=TILE,
+                                    GROUP_M=group_m)  # fmt: skip
     return c
