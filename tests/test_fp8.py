@@ -177,6 +177,44 @@ def test_seam_rejects_mismatched_shapes():
 # ------------------------------------------------------------------------------ the Triton kernels (interpreter)
 
 
+def _grouped_cases() -> dict:
+    """The grouped GEMM (interpreter) on 37 tokens, top-3 of 5 experts (expert 3 empty, one slot no expert takes),
+    K = 300 (a tail), N = 200: gathered rows in plan order (fp32), scattered to token order (bf16), rows given in plan
+    order; each within 2x of fp64 on the same operands, beside PyTorch's fp32 matmul rounded to the output dtype."""
+    from anyseek.kernels.triton import fp8_grouped, moe_plan
+
+    T, K, E, D, N, bm = 37, 3, 5, 300, 200, 16
+    g = torch.Generator().manual_seed(20)
+    x, w = _spread(T, D, seed=21), torch.randn(E, N, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids = torch.where(ids == 3, 2 + 0 * ids, ids)  # expert 3 empty (expert 2 may appear twice for a token)
+    ids[0, 0] = E
+    plan = moe_plan.build_plan(ids, E, bm)
+    slot, tok = plan[0].long(), plan[1].long()
+    expert_M = ids.flatten()[slot]
+    valid = expert_M < E
+    qx, sx = ref.quantize_rows(x)
+    qw, sw = ref.quantize_expert_blocks(w)
+    dx, dw = ref.dequantize_rows(qx, sx), torch.stack([ref.dequantize_blocks(q, s) for q, s in zip(qw, sw)])
+    exact = torch.einsum("md,mnd->mn", dx[tok].double(), dw[expert_M.clamp(max=E - 1)].double())
+    fp32 = torch.einsum("md,mnd->mn", dx[tok], dw[expert_M.clamp(max=E - 1)])
+    qa, sa = ref.quantize_rows(x[tok])  # rows in plan order, for the case without gather
+    cases = {"gathered": (fp8_grouped.grouped_gemm(qx, sx, qw, sw, plan, bm, torch.float32, gather=True),
+                          torch.float32, None),
+             "scattered_bf16": (fp8_grouped.grouped_gemm(qx, sx, qw, sw, plan, bm, torch.bfloat16, gather=True,
+                                                         scatter=True)[slot], torch.bfloat16, None),
+             "plan_rows": (fp8_grouped.grouped_gemm(qa, sa, qw, sw, plan, bm, torch.float32), torch.float32,
+                           ref.grouped_gemm(qa, sa, qw, sw, expert_M, torch.arange(len(tok))))}  # fmt: skip
+    out = {}
+    for name, (got, dtype, twin) in cases.items():
+        err_pt = (fp32.to(dtype).double() - exact)[valid].abs().max().item()
+        table = [("out", (got.double() - exact)[valid].abs().max().item(), err_pt)]
+        if twin is not None:  # the twin as an oracle too (same row semantics, independent loop over experts)
+            table.append(("vs twin", (got - twin)[valid].abs().max().item(), err_pt))
+        out[f"grouped_{name}"] = {"pass": interpreter.passes(table, atol=1e-6), "table": table}
+    return out
+
+
 def _worker() -> None:
     from anyseek.kernels import fp8 as fp8_autograd
     from anyseek.kernels.ops import fp8 as fp8_ops
@@ -205,6 +243,7 @@ def _worker() -> None:
                 "pass": interpreter.passes(table, atol=1e-6), "table": table}
     x, w, dy = _spread(3, 50, 300, seed=11), _spread(200, 300, seed=12), _spread(3, 50, 200, seed=13)
     outs = []
+    results.update(_grouped_cases())
     # the custom ops traced by torch.compile through their fake implementations (aot_eager: no C++ compiler)
     compiled = torch.compile(fp8_ops.fp8_linear, backend="aot_eager", fullgraph=True)
     for fn in (fp8_ops.fp8_linear, fp8_autograd.fp8_linear_reference, compiled):
@@ -220,7 +259,8 @@ def _worker() -> None:
 
 INTERP_CASES = ([f"{n}{s}" for s in [(130, 300), (5, 40), "ties"]
                  for n in ("rows", "rows_t", "requantize_t", "both", "blocks")]
-                + [f"gemm_{d}_{b}" for d in ("float32", "bfloat16") for b in ("rows", "blocks")] + ["linear_vs_reference", "compile"])
+                + [f"gemm_{d}_{b}" for d in ("float32", "bfloat16") for b in ("rows", "blocks")]
+                + ["linear_vs_reference", "compile", "grouped_gathered", "grouped_scattered_bf16", "grouped_plan_rows"])
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@
 
 Every GEMM here is `gemm(a, sa, b, sb)` = a @ b^T with both operands K-contiguous ([M, K] and [N, K]), the layout the
 Triton kernel (`kernels/triton/fp8_gemm.py`) reads; sa [M, KB] per row, sb [N, KB] per row or [NB, KB] per block.
-`accumulate_limited` emulates the tensor cores' limited accumulator, for the test that shows why promotion matters,
+`grouped_gemm` is the routed experts' GEMM (per-expert weights, rows gathered from the tokens), the twin of
+`kernels/triton/fp8_grouped.py`. `accumulate_limited` emulates the tensor cores' limited accumulator, for the test that shows why promotion matters,
 and `gemm_emulated` the promoted GEMM on such tensor cores, the yardstick of a GPU kernel's fp32 output.
 
 Shape legend: M rows (tokens), K the reduction dim, N output features, KB / MB / NB their counts of 128-blocks.
@@ -173,3 +174,29 @@ def quantize_both(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """(`quantize_rows`, `quantize_rows_t`) of x -> (q [M, K], scales [M, KB], q^T [K, M], scales [K, MB]), the
     Triton backend's one-pass `quantize_both` contract."""
     return (*quantize_rows(x_MK), *quantize_rows_t(x_MK))
+
+
+def quantize_expert_blocks(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's weight in 128x128 blocks: w [E, N, K] -> (q [E, N, K] E4M3, scales [E, NB, KB] fp32)."""
+    E, N, K = w_ENK.shape
+    wp = _pad_to(_pad_to(w_ENK.float(), 1), 2)
+    NB, KB = wp.shape[1] // TILE, wp.shape[2] // TILE
+    blocks = wp.view(E, NB, TILE, KB, TILE)
+    s = _scale(blocks.abs().amax(dim=(2, 4)))
+    q = (blocks / s[:, :, None, :, None]).to(E4M3).view(E, NB * TILE, KB * TILE)[:, :N, :K]
+    return q.contiguous(), s
+
+
+def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, sb_E: torch.Tensor,
+                 expert_M: torch.Tensor, rows_M: torch.Tensor, out_dtype: torch.dtype = torch.float32
+                 ) -> torch.Tensor:  # fmt: skip
+    """The routed experts' FP8 GEMM, row by row: C[r] = a[rows[r]] @ b[expert[r]]^T with `gemm`'s promotion ->
+    [M, N] in out_dtype; a [R, K] with 1x128 scales [R, KB], b [E, N, K] with 128x128 block scales [E, NB, KB],
+    expert_M and rows_M int [M] (an expert id of E or more: no expert, a zero row)."""
+    out = torch.zeros(expert_M.numel(), b_ENK.shape[1], dtype=torch.float32, device=a_RK.device)
+    for e in range(b_ENK.shape[0]):
+        at = (expert_M == e).nonzero().flatten()
+        if at.numel():
+            rows = rows_M[at].long()
+            out[at] = gemm(a_RK[rows], sa_RB[rows], b_ENK[e], sb_E[e], torch.float32)
+    return out.to(out_dtype)

@@ -1,0 +1,112 @@
+"""The grouped FP8 GEMM for the routed experts, DeepSeek-V3's recipe with the bf16 path's fused gather / scatter
+(twin: `kernels.reference.fp8.grouped_gemm`). Not yet used by training: `transforms.fp8` leaves the routed experts
+in bf16 until the whole FP8 expert step (SwiGLU epilogue with its 1x128 quantization, Dgrad, Wgrad over each
+expert's rows) is built on it; `benchmarks/fp8.py` times it against the bf16 grouped GEMM.
+
+    C[r] = a[row(r)] @ b[e]^T    for the rows r of expert e (rows sorted by expert: `moe_plan.build_plan`)
+
+a [R, K] E4M3 with 1x128 scales sa [R, KB]: the tokens (quantized once, before any gather) or rows in plan order;
+row(r) = tok[r] with gather (the first GEMM reads each token's FP8 row and scales where the expert needs them: no
+permuted copy), else r. b [E, N, K] E4M3, each expert's weight in nn.Linear's layout (K-contiguous), with 128x128
+block scales sb [E, NB, KB]. C [M, N] in plan order, or with scatter at row slot[r] (token order: t*K + k). The
+K-loop promotes every 128 products into fp32 as the dense kernel does (`fp8_gemm.py`). Row tiles come from the
+plan's tile map (never straddling two experts, grid independent of the counts: no host sync, CUDA-graph safe).
+
+Shape legend: R rows of a, M routed rows, E experts, N output columns, K the reduction dim, BM x BN a tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from anyseek.kernels.triton.launch import launch
+
+TILE = 128
+CONFIG = {"BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}  # BM: the plan's block_m (128 on a GPU)
+INTERPRET_CONFIG = {"BN": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+
+
+@triton.jit
+def _grouped_kernel(A, SA, TOK, SLOT, B, SB, C, OFFS, TILE_E, TILE_ROW, n_tiles_m, N, K,
+                    stride_a, stride_sa, stride_be, stride_bn, stride_sbe, stride_sbn, stride_c,
+                    GATHER: tl.constexpr, SCATTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * n_tiles_n  # GROUP_M row tiles side by side share each weight tile in L2
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    e = tl.load(TILE_E + pid_m)
+    if e < 0:
+        return
+    row0 = tl.load(TILE_ROW + pid_m)
+    row_end = tl.load(OFFS + e + 1)
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < row_end
+    rows_c = tl.minimum(rows, row_end - 1)  # clamped: loads need no row mask (a tile holds >= 1 valid row)
+    if GATHER:
+        a_rows = tl.load(TOK + rows_c).to(tl.int64)
+    else:
+        a_rows = rows_c.to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rn_c = rn % N  # wrapped: loads need no column mask
+    rk = tl.arange(0, BK)
+    a_ptr = A + a_rows[:, None] * stride_a + rk[None, :]
+    b_ptr = B + e.to(tl.int64) * stride_be + rn_c[:, None].to(tl.int64) * stride_bn + rk[None, :]
+    sa_ptr = SA + a_rows * stride_sa
+    sb_ptr = SB + e.to(tl.int64) * stride_sbe + (rn_c // BK) * stride_sbn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BK)):
+        k_ok = rk < K - kb * BK
+        a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr, mask=k_ok[None, :], other=0.0)
+        block = tl.dot(a, tl.trans(b))  # this K-block's products, summed by the tensor cores
+        acc += block * tl.load(sa_ptr + kb)[:, None] * tl.load(sb_ptr + kb)[None, :]  # promoted in fp32
+        a_ptr += BK
+        b_ptr += BK
+    if SCATTER:
+        c_rows = tl.load(SLOT + rows_c).to(tl.int64)
+    else:
+        c_rows = rows.to(tl.int64)
+    tl.store(C + c_rows[:, None] * stride_c + rn[None, :], acc.to(C.dtype.element_ty),
+             mask=rmask[:, None] & (rn < N)[None, :])  # fmt: skip
+
+
+def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, sb_E: torch.Tensor, plan,
+                 block_m: int, out_dtype: torch.dtype = torch.bfloat16, gather: bool = False, scatter: bool = False,
+                 config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """C [M, N] (plan order; with scatter, slot order) in out_dtype = a[row(r)] @ b[e]^T per routed row, from E4M3
+    a [R, K] (scales [R, KB]) and b [E, N, K] (128x128 block scales [E, NB, KB]); plan = `moe_plan.build_plan`'s
+    (slot, tok, offs, tile_expert, tile_row) built with `block_m` (the row tile here). gather: a holds the tokens
+    (row(r) = tok[r]); else a holds the M routed rows in plan order. Rows of slots no expert takes are not written."""
+    slot, tok, offs, tile_expert, tile_row = plan
+    M, (E, N, K) = slot.numel(), b_ENK.shape
+    KB = triton.cdiv(K, TILE)
+    if a_RK.shape[1] != K or a_RK.stride(1) != 1 or b_ENK.stride(2) != 1:
+        raise ValueError(f"fp8 grouped_gemm: a [R, K] and b [E, N, K], K-contiguous, expected; got a "
+                         f"{tuple(a_RK.shape)}, b {tuple(b_ENK.shape)}")
+    if sa_RB.shape != (a_RK.shape[0], KB) or sb_E.shape != (E, triton.cdiv(N, TILE), KB):
+        raise ValueError(f"fp8 grouped_gemm: scales sa {tuple(sa_RB.shape)}, sb {tuple(sb_E.shape)} do not fit a "
+                         f"{tuple(a_RK.shape)} (1x128 tiles) and b {tuple(b_ENK.shape)} (128x128 blocks)")
+    if not gather and a_RK.shape[0] != M:
+        raise ValueError(f"fp8 grouped_gemm: without gather a must hold the plan's {M} rows, got {a_RK.shape[0]}")
+    if a_RK.device.type == "cpu" and out_dtype != torch.float32:  # (the interpreter rounds to bf16 toward zero)
+        return grouped_gemm(a_RK, sa_RB, b_ENK, sb_E, plan, block_m, torch.float32, gather, scatter,
+                            config).to(out_dtype)  # fmt: skip
+    c = torch.empty(M, N, dtype=out_dtype, device=a_RK.device)
+    if M == 0 or N == 0:
+        return c
+    sa_RB, sb_E = sa_RB.contiguous(), sb_E.contiguous()
+    cfg = dict(config or (INTERPRET_CONFIG if a_RK.device.type == "cpu" else CONFIG))
+    BN, group_m = cfg.pop("BN"), cfg.pop("GROUP_M")
+    n_m = tile_expert.numel()
+    launch(_grouped_kernel, (n_m * triton.cdiv(N, BN),), cfg)(
+        a_RK, sa_RB, tok, slot, b_ENK, sb_E, c, offs, tile_expert, tile_row, n_m, N, K, a_RK.stride(0),
+        sa_RB.stride(0), b_ENK.stride(0), b_ENK.stride(1), sb_E.stride(0), sb_E.stride(1), c.stride(0),
+        GATHER=gather, SCATTER=scatter, BM=block_m, BN=BN, BK=TILE, GROUP_M=group_m)  # fmt: skip
+    return c
+
