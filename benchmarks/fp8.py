@@ -21,6 +21,10 @@ Sections, in order (each prints a markdown table):
            re-tiled from the FP8 copy), in GB/s of bytes read + written.
   tune     (only when asked) the GEMM at three shapes under a few launch settings (tile, warps, stages), for
            choosing `fp8_gemm.CONFIG` (set from no measurement so far).
+  grouped  the routed experts' grouped FP8 GEMM (`fp8_grouped.py`, forward only: not used by training yet) at the
+           `small` and `16B` expert shapes, balanced random routing: gate|up with the token rows gathered, down with
+           the rows scattered to token order, against anyseek's bf16 Triton grouped GEMM (same plan, gather and
+           scatter, plain epilogue) and torch._grouped_mm bf16 on rows permuted beforehand (copy not timed).
   train    `small`, one optimizer step as `anyseek train` runs it (CUDA graphs, working copy), bf16 against
            train.precision=fp8, at 8192 and 32768 tokens: ms/step, tokens/s, peak memory, loss after the steps.
 Times: medians of triton.testing.do_bench (CUDA events, L2 flushed) for kernels; mean over timed steps after
@@ -47,8 +51,8 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from anyseek.kernels.reference import fp8 as ref
 
-SECTIONS = ("compile", "check", "gemm", "quant", "train", "tune")
-DEFAULT = ("compile", "check", "gemm", "quant", "train")
+SECTIONS = ("compile", "check", "gemm", "quant", "grouped", "train", "tune")
+DEFAULT = ("compile", "check", "gemm", "quant", "grouped", "train")
 
 
 def linear_shapes(flavor: str) -> list[tuple[str, int, int]]:
@@ -269,6 +273,63 @@ def gemm_tables(device, flavors, tokens_list, out: Path | None) -> None:
           ["flavor", "tokens", "layer", "quantize", "us", "GB/s"], qrows, out, "quant")
 
 
+def grouped_table(device, flavors, tokens_list, out: Path | None) -> None:
+    from anyseek.kernels.triton import fp8_grouped, moe, moe_plan
+    from anyseek.kernels.triton.moe_gemm import EPI_PLAIN
+    from anyseek.model.config import ModelConfig
+
+    rows = []
+    bf16 = torch.bfloat16
+    for flavor in flavors:
+        c = ModelConfig.from_name(flavor)
+        E, I, K, D = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.hidden_size
+        for T in tokens_list:
+            ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K].contiguous()  # K distinct experts, uniform
+            cfg = moe._config(device, "gemm")
+            bm = cfg["BLOCK_M"]
+            plan = moe_plan.build_plan(ids, E, bm)
+            M = T * K
+            x = torch.randn(T, D, device=device, dtype=bf16)
+            act = torch.randn(M, I, device=device, dtype=bf16)
+            gu = torch.randn(E, 2 * I, D, device=device) * 0.02
+            dn = torch.randn(E, D, I, device=device) * 0.02
+            q_x, s_x = ref.quantize_rows(x)
+            q_act, s_act = ref.quantize_rows(act)
+            q_gu, s_gu = ref.quantize_expert_blocks(gu)
+            q_dn, s_dn = ref.quantize_expert_blocks(dn)
+            gu_b, dn_b = gu.to(bf16), dn.to(bf16)
+            x_perm = x[plan[1].long()]
+            offs = plan[2][1:].contiguous()
+            cases = {
+                "gate|up (gather)": (2 * I, D,
+                                     partial(fp8_grouped.grouped_gemm, q_x, s_x, q_gu, s_gu, plan, bm, bf16, True),
+                                     partial(moe._gemm, x, gu_b, moe._nk(gu_b), torch.empty(M, 2 * I, device=device,
+                                             dtype=bf16), plan, 2 * I, D, cfg, gather=True, epi=EPI_PLAIN),
+                                     partial(torch._grouped_mm, x_perm, gu_b.transpose(1, 2), offs=offs)),
+                "down (scatter)": (D, I,
+                                   partial(fp8_grouped.grouped_gemm, q_act, s_act, q_dn, s_dn, plan, bm, bf16, False,
+                                           True),
+                                   partial(moe._gemm, act, dn_b, moe._nk(dn_b), torch.empty(M, D, device=device,
+                                           dtype=bf16), plan, D, I, cfg, scatter=True, epi=EPI_PLAIN),
+                                   partial(torch._grouped_mm, act, dn_b.transpose(1, 2), offs=offs)),
+            }  # fmt: skip
+            for name, (N, Kr, ours, bf16_triton, grouped_mm) in cases.items():
+                flop = 2 * M * N * Kr
+                res = []
+                for fn in (ours, bf16_triton, grouped_mm):
+                    try:
+                        res.append(f"{flop / _bench(fn) / 1e12:.0f}")
+                    except (RuntimeError, TypeError, ValueError) as e:
+                        res.append(f"n/a ({str(e)[:40]})")
+                rows.append([flavor, T, f"{E} experts, top-{K}", name, f"{M}x{N}x{Kr}", *res])
+                print(" | ".join(str(v) for v in rows[-1]), flush=True)
+            del x, act, gu, dn, q_x, q_act, q_gu, q_dn, gu_b, dn_b, x_perm
+            torch.cuda.empty_cache()
+    table("Grouped FP8 GEMM of the routed experts, forward, TFLOP/s (operands already quantized; bf16 out)",
+          ["flavor", "tokens", "experts", "GEMM", "M x N x K", "ours (Triton FP8, promoted)",
+           "anyseek Triton bf16", "torch._grouped_mm bf16"], rows, out, "grouped")
+
+
 def tune_table(device, out: Path | None) -> None:
     from anyseek.kernels.triton import fp8_gemm
 
@@ -392,7 +453,7 @@ def main() -> None:
     ok = True
     if "compile" in sections:
         ok &= compile_targets(out)
-    if any(s in sections for s in ("check", "gemm", "quant", "train", "tune")):
+    if any(s in sections for s in ("check", "gemm", "quant", "grouped", "train", "tune")):
         if not torch.cuda.is_available():
             raise SystemExit("check/gemm/quant/train need a CUDA GPU (--only compile runs without one)")
         device = torch.device("cuda")
@@ -405,6 +466,8 @@ def main() -> None:
             sys.exit(1)
         if "gemm" in sections or "quant" in sections:
             gemm_tables(device, args.flavors.split(","), tokens, out)
+        if "grouped" in sections:
+            grouped_table(device, args.flavors.split(","), tokens, out)
         if "tune" in sections:
             tune_table(device, out)
         if "train" in sections:
