@@ -352,7 +352,6 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "describe", "fp8_linear",
-           "grad_destination",
-           "lora_routed_experts", "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode", "registry",
-           "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend", "set_grad_destination", "sq_norm",
-           "swiglu", "varlen_attention"]
+           "grad_destination", "lora_routed_experts", "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode",
+           "registry", "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend", "set_grad_destination",
+           "sq_norm", "swiglu", "varlen_attention"]
