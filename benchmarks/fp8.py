@@ -69,7 +69,8 @@ def linear_shapes(flavor: str) -> list[tuple[str, int, int]]:
         out += [("q_proj", H * qk, c.hidden_size), ("kv_a", kv_a, c.hidden_size)]
     out += [("kv_b", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
             ("o_proj", c.hidden_size, H * c.v_head_dim),
-            ("dense gate|up", 2 * c.intermediate_size, c.hidden_size), ("dense down", c.hidden_size, c.intermediate_size)]
+            ("dense gate|up", 2 * c.intermediate_size, c.hidden_size),
+            ("dense down", c.hidden_size, c.intermediate_size)]
     shared = c.n_shared_experts * c.moe_intermediate_size
     if shared:
         out += [("shared gate|up", 2 * shared, c.hidden_size), ("shared down", c.hidden_size, shared)]

@@ -101,7 +101,8 @@ def test_blocks_and_transposed_tiles():
         for kb in range(3):
             blk = w[nb * 128:(nb + 1) * 128, kb * 128:(kb + 1) * 128]
             assert s[nb, kb] == blk.abs().max() / 448
-            assert torch.equal(q[nb * 128:(nb + 1) * 128, kb * 128:(kb + 1) * 128].float(), _nearest_e4m3(blk / s[nb, kb]))
+            got = q[nb * 128:(nb + 1) * 128, kb * 128:(kb + 1) * 128].float()
+            assert torch.equal(got, _nearest_e4m3(blk / s[nb, kb]))
     qt, st = ref.quantize_rows_t(w)  # 128x1 tiles of w: column c, rows 128 at a time
     assert qt.shape == (300, 200) and st.shape == (300, 2)
     assert st[7, 1] == w[128:, 7].abs().max() / 448

@@ -15,8 +15,9 @@
 Every GEMM here is `gemm(a, sa, b, sb)` = a @ b^T with both operands K-contiguous ([M, K] and [N, K]), the layout the
 Triton kernel (`kernels/triton/fp8_gemm.py`) reads; sa [M, KB] per row, sb [N, KB] per row or [NB, KB] per block.
 `grouped_gemm` is the routed experts' GEMM (per-expert weights, rows gathered from the tokens), the twin of
-`kernels/triton/fp8_grouped.py`. `accumulate_limited` emulates the tensor cores' limited accumulator, for the test that shows why promotion matters,
-and `gemm_emulated` the promoted GEMM on such tensor cores, the yardstick of a GPU kernel's fp32 output.
+`kernels/triton/fp8_grouped.py`. `accumulate_limited` emulates the tensor cores' limited accumulator, for the test
+that shows why promotion matters, and `gemm_emulated` the promoted GEMM on such tensor cores, the yardstick of a GPU
+kernel's fp32 output.
 
 Shape legend: M rows (tokens), K the reduction dim, N output features, KB / MB / NB their counts of 128-blocks.
 """
@@ -57,6 +58,12 @@ def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_t(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x^T in 1x128 tiles along M (128x1 tiles of x): x [M, K] -> (q [K, M] E4M3, scales [K, MB] fp32)."""
     return quantize_rows(x_MK.t())
+
+
+def quantize_both(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(`quantize_rows`, `quantize_rows_t`) of x -> (q [M, K], scales [M, KB], q^T [K, M], scales [K, MB]) (the
+    Triton kernel reads x once for both)."""
+    return (*quantize_rows(x_MK), *quantize_rows_t(x_MK))
 
 
 def quantize_blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +133,8 @@ def accumulate_limited(a_MK: torch.Tensor, b_NK: torch.Tensor, promote_every: in
         for c0 in range(p0, min(p0 + span, K), chunk):
             part = prods[..., c0:min(c0 + chunk, p0 + span)]
             top = torch.maximum(acc.abs(), part.abs().amax(-1))
-            quantum = torch.ldexp(torch.ones_like(top), torch.frexp(top)[1] - bits)[..., None]  # one unit of the last bit kept
+            # one unit of the last bit the accumulator keeps, at the largest magnitude in play
+            quantum = torch.ldexp(torch.ones_like(top), torch.frexp(top)[1] - bits)[..., None]
             acc = _truncate(acc + (torch.trunc(part / quantum) * quantum).sum(-1), bits)
         total += acc
     return total
@@ -168,12 +176,6 @@ def linear_backward(dy_MN: torch.Tensor, saved, dx_dtype: torch.dtype, want_dx: 
     dx = gemm(q_dy, s_dy, q_w.t(), s_w.t(), dx_dtype) if want_dx else None
     dw = gemm(q_dyt, s_dyt, *requantize_t(q_x, s_x), torch.float32) if want_dw else None
     return dx, dw
-
-
-def quantize_both(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(`quantize_rows`, `quantize_rows_t`) of x -> (q [M, K], scales [M, KB], q^T [K, M], scales [K, MB]), the
-    Triton backend's one-pass `quantize_both` contract."""
-    return (*quantize_rows(x_MK), *quantize_rows_t(x_MK))
 
 
 def quantize_expert_blocks(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
