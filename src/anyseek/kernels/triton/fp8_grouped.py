@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from anyseek.kernels.triton.fp8_quant import _round_e4m3, _scale_of
 from anyseek.kernels.triton.launch import launch
 
 TILE = 128
@@ -110,3 +111,111 @@ def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, s
         GATHER=gather, SCATTER=scatter, BM=block_m, BN=BN, BK=TILE, GROUP_M=group_m)  # fmt: skip
     return c
 
+
+
+# ------------------------------------------------------------------------------------- the experts' weight gradients
+
+
+@triton.jit
+def _plan_rows_t_kernel(X, SX, TOK, QT, ST, OFFS, TILE_E, TILE_ROW, C, stride_x, stride_sx, stride_qt, stride_st,
+                        GATHER: tl.constexpr, DEQUANT: tl.constexpr, BC: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """Plan row tile u (<= 128 rows of one expert) x BC columns of x -> x^T's E4M3 values at [columns, rows] and one
+    scale per column and tile, ST[column, u]: the 128x1 tiles along each expert's rows that Wgrad reduces over.
+    GATHER: row r reads x[tok[r]]; DEQUANT: x is E4M3 with 1x128 scales SX (BC divides 128)."""
+    u = tl.program_id(0)
+    e = tl.load(TILE_E + u)
+    if e < 0:
+        return
+    rows = tl.load(TILE_ROW + u) + tl.arange(0, TILE)
+    end = tl.load(OFFS + e + 1)
+    rmask = rows < end
+    rows_c = tl.minimum(rows, end - 1)
+    if GATHER:
+        src = tl.load(TOK + rows_c).to(tl.int64)
+    else:
+        src = rows_c.to(tl.int64)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = rmask[:, None] & (cols < C)[None, :]
+    x = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if DEQUANT:
+        x = x * tl.load(SX + src * stride_sx + (tl.program_id(1) * BC) // TILE)[:, None]
+    s = _scale_of(tl.max(tl.abs(x), axis=0))
+    q = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[None, :], x.shape)))
+    tl.store(QT + cols[None, :].to(tl.int64) * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=mask)
+    tl.store(ST + cols * stride_st + u, s, mask=cols < C)
+
+
+@triton.jit
+def _wgrad_kernel(AT, SAT, BT, SBT, C, U_FIRST, TILE_ROW, OFFS, N1, N2, stride_a, stride_sa, stride_b, stride_sb,
+                  stride_ce, stride_c, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  GROUP_M: tl.constexpr):  # fmt: skip
+    """C[e] = A_e^T B_e in fp32, A^T [N1, M] and B^T [N2, M] in E4M3 with scales per (column, plan tile): the
+    reduction runs over expert e's plan tiles, each a 128-wide K-block promoted into fp32 with its scales."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    n_tiles_n = tl.cdiv(N2, BN)
+    width = GROUP_M * n_tiles_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(tl.cdiv(N1, BM) - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    i = pid_m * BM + tl.arange(0, BM)
+    j = pid_n * BN + tl.arange(0, BN)
+    i_c, j_c = (i % N1).to(tl.int64), (j % N2).to(tl.int64)
+    end = tl.load(OFFS + e + 1)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for u in range(tl.load(U_FIRST + e), tl.load(U_FIRST + e + 1)):
+        rk = tl.load(TILE_ROW + u) + tl.arange(0, BK)
+        k_ok = (rk < end)[None, :]
+        a = tl.load(AT + i_c[:, None] * stride_a + rk[None, :], mask=k_ok, other=0.0)
+        b = tl.load(BT + j_c[:, None] * stride_b + rk[None, :], mask=k_ok, other=0.0)
+        block = tl.dot(a, tl.trans(b))
+        acc += block * tl.load(SAT + i_c * stride_sa + u)[:, None] * tl.load(SBT + j_c * stride_sb + u)[None, :]
+    c_ptr = C + e.to(tl.int64) * stride_ce + i.to(tl.int64)[:, None] * stride_c + j[None, :]
+    tl.store(c_ptr, acc, mask=(i < N1)[:, None] & (j < N2)[None, :])
+
+
+def plan_rows_t(x_RC: torch.Tensor, plan, block_m: int, gather: bool = False,
+                s_RB: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x's rows in plan order (gathered through tok when `gather`), transposed and quantized in 128x1 tiles that
+    follow the plan's row tiles (each within one expert): -> (q^T [C, M] E4M3, scales [C, U] fp32, column c and
+    plan tile u). s_RB: x is E4M3 with these 1x128 scales (dequantized as it is read). block_m must be 128."""
+    if block_m != TILE:
+        raise ValueError(f"plan_rows_t: the plan's row tiles must be {TILE} rows (the recipe's tile), got {block_m}")
+    slot, tok, offs, tile_expert, tile_row = plan
+    M, (R, C) = slot.numel(), x_RC.shape
+    qt = torch.empty(C, M, dtype=torch.float8_e4m3fn, device=x_RC.device)
+    st = torch.empty(C, tile_expert.numel(), dtype=torch.float32, device=x_RC.device)
+    if M and C:
+        sx = s_RB if s_RB is not None else st
+        _plan_rows_t_kernel[(tile_expert.numel(), triton.cdiv(C, 32))](
+            x_RC, sx, tok, qt, st, offs, tile_expert, tile_row, C, x_RC.stride(0), sx.stride(0), qt.stride(0),
+            st.stride(0), GATHER=gather, DEQUANT=s_RB is not None, BC=32, TILE=TILE, num_warps=4)  # fmt: skip
+    return qt, st
+
+
+def tile_starts(plan, n_experts: int, block_m: int) -> torch.Tensor:
+    """Each expert's first plan tile (int32 [E + 1], the last: the tiles in all), on the device: the plan gives
+    expert e cdiv(rows of e, block_m) consecutive tiles, experts in order."""
+    counts = plan[2][1:n_experts + 1] - plan[2][:n_experts]
+    tiles = (counts + block_m - 1) // block_m
+    return torch.cat([tiles.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
+
+
+def grouped_wgrad(at_N1M: torch.Tensor, sat: torch.Tensor, bt_N2M: torch.Tensor, sbt: torch.Tensor, plan,
+                  n_experts: int, block_m: int, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """dW [E, N1, N2] fp32, dW[e] = sum over expert e's rows r of A[r]^T B[r], from `plan_rows_t`'s transposed E4M3
+    operands (1x128 tiles along each expert's rows). An expert without rows gets zeros."""
+    N1, N2 = at_N1M.shape[0], bt_N2M.shape[0]
+    c = torch.zeros(n_experts, N1, N2, dtype=torch.float32, device=at_N1M.device)
+    if at_N1M.shape[1] == 0 or N1 == 0 or N2 == 0:
+        return c
+    cfg = dict(config or (INTERPRET_CONFIG if at_N1M.device.type == "cpu" else CONFIG))
+    BN, group_m = cfg.pop("BN"), cfg.pop("GROUP_M")
+    BM = 32 if at_N1M.device.type == "cpu" else 128
+    grid = (triton.cdiv(N1, BM) * triton.cdiv(N2, BN), n_experts)
+    launch(_wgrad_kernel, grid, cfg)(
+        at_N1M, sat, bt_N2M, sbt, c, tile_starts(plan, n_experts, block_m), plan[4], plan[2], N1, N2,
+        at_N1M.stride(0), sat.stride(0), bt_N2M.stride(0), sbt.stride(0), c.stride(0), c.stride(1),
+        BM=BM, BN=BN, BK=TILE, GROUP_M=group_m)  # fmt: skip
+    return c
