@@ -11,7 +11,10 @@ E4M3 values (W^T's, K-contiguous, for the Triton Dgrad) with its block scales. B
 1x128 tiles along the output features), Wgrad dW = dy^T x in fp32 (dy and x re-tiled 1x128 along the tokens, x from
 its FP8 copy), handed back in the weight's dtype.
 
-Shape legend: M rows (all leading dims of x), K input features, N output features.
+The routed experts' Function (`kernels.fp8_routed_experts`) is built the same way: a backend's
+`experts_forward` / `experts_backward` (`reference/fp8.py`, `ops/fp8.py`).
+
+Shape legend: M rows (all leading dims of x), K input features, N output features; T tokens, K experts per token.
 """
 
 from __future__ import annotations
@@ -66,3 +69,50 @@ def run(x: torch.Tensor, w_NK: torch.Tensor, fn) -> torch.Tensor:
 def fp8_linear_reference(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """The pure-PyTorch backend: the twin's quantization and K-block loop (`kernels.reference.fp8`)."""
     return run(x, w_NK, _FP8Linear)
+
+
+# ------------------------------------------------------------------------------------------------ the routed experts
+
+
+def experts_fwd(ctx, backend_forward, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
+    """An FP8 experts Function's forward through a backend's `experts_forward`."""
+    y, saved = backend_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI)
+    ctx.save_for_backward(*saved)
+    ctx.dtypes = (topk_weights_TK.dtype, gate_up_EFD.dtype, down_EDI.dtype)
+    return y
+
+
+def experts_bwd(ctx, backend_backward, dy_TD):
+    """Its backward: (dx, None, d topk_weights, d gate_up, d down) in their inputs' dtypes."""
+    dx, dw, d_gu, d_dn = backend_backward(dy_TD.contiguous(), ctx.saved_tensors)
+    w_dt, gu_dt, dn_dt = ctx.dtypes
+    return dx, None, dw.to(w_dt), d_gu.to(gu_dt), d_dn.to(dn_dt)
+
+
+class _FP8Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
+        return experts_fwd(ctx, ref.experts_forward, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI)
+
+    @staticmethod
+    def backward(ctx, dy_TD):
+        return experts_bwd(ctx, ref.experts_backward, dy_TD)
+
+
+def run_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD, fn) -> torch.Tensor:
+    """The routed experts through the Function `fn` in autocast's dtype where autocast is on, else x's; the weights
+    are quantized from whatever dtype they have (fp32 masters, the bf16 working copy); add_TD added after."""
+    kind = x_TD.device.type
+    autocast = kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind)
+    dtype = torch.get_autocast_dtype(kind) if autocast else x_TD.dtype
+    with torch.autocast(kind, enabled=False) if autocast else contextlib.nullcontext():
+        y = fn.apply(x_TD.to(dtype).contiguous(), topk_ids_TK.contiguous(), topk_weights_TK.contiguous(),
+                     gate_up_EFD.contiguous(), down_EDI.contiguous())  # fmt: skip
+    y = y.to(x_TD.dtype)
+    return y if add_TD is None else y + add_TD
+
+
+def fp8_routed_experts_reference(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD=None):
+    """The pure-PyTorch backend of `kernels.fp8_routed_experts` (`reference.fp8.experts_forward`, a loop over
+    experts)."""
+    return run_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD, _FP8Experts)

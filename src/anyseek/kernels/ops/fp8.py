@@ -1,4 +1,4 @@
-"""The Triton FP8 linear layer as PyTorch ops: the forward and the backward of `kernels.fp8_linear` as
+"""The Triton FP8 linear layer as PyTorch ops, and the Triton FP8 routed experts: the forward and the backward of `kernels.fp8_linear` as
 torch.library custom ops (with fake implementations, so that torch.compile traces them without running them) over
 `triton/fp8_quant.py` and `triton/fp8_gemm.py`, the autograd Function around them (its forward and backward are
 `kernels/fp8.py`'s, which the PyTorch twin's Function shares) and `fp8_linear`, what the registry loads as the
@@ -9,7 +9,14 @@ triton backend. Importing this module imports Triton.
     backward  q_dy, s_dy, q_dyt, s_dyt = dy in 1x128 tiles, and dy^T along the tokens (one read)
               dx = gemm(q_dy, s_dy, q_wt, s_w^T)        dW = gemm(q_dyt, s_dyt, x^T re-tiled from q_x) in fp32
 
-Shape legend: M rows, K input features, N output features, KB / MB / NB their counts of 128-blocks.
+The routed experts (`fp8_routed_experts`; an autograd Function over the launchers, no custom ops yet): the routing
+plan (`moe_plan.build_plan`, 128-row tiles), x per 1x128 tile before the gather, each expert's weights in 128x128
+blocks, the grouped GEMMs of `triton/fp8_grouped.py` (gate|up gathering token rows, down scattering to token order;
+backward: d_act gathering dy's rows, dx scattering, Wgrad over each expert's plan tiles), the weighted SwiGLU and
+its gradient in fp32 between them (PyTorch ops: not fused into the GEMMs' epilogues yet).
+
+Shape legend: M rows, K input features, N output features, KB / MB / NB their counts of 128-blocks; for the experts
+T tokens, K experts per token, E experts, D hidden, I expert width, F = 2I.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import torch
 import triton
 
 from anyseek.kernels import fp8 as fp8_autograd
-from anyseek.kernels.triton import fp8_gemm, fp8_quant
+from anyseek.kernels.reference.fp8 import dswiglu_weighted, swiglu_weighted
+from anyseek.kernels.triton import fp8_gemm, fp8_grouped, fp8_quant
+from anyseek.kernels.triton.moe_plan import build_plan
 
 E4M3 = torch.float8_e4m3fn
 
@@ -93,3 +102,79 @@ class _FP8LinearTriton(torch.autograd.Function):
 def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """The triton backend of `kernels.fp8_linear`: x [..., K], W [N, K] -> [..., N] (see `kernels.fp8_linear`)."""
     return fp8_autograd.run(x, w_NK, _FP8LinearTriton)
+
+
+# ------------------------------------------------------------------------------------------------ the routed experts
+
+BLOCK_M = 128  # the routing plan's row tile: the recipe's 128 rows along the tokens for Wgrad, and the GEMMs' BM
+
+
+def _expert_blocks(w_ENK: torch.Tensor):
+    """Each expert's weight in 128x128 blocks -> (q [E, N, K], scales [E, NB, KB], q^T [E, K, N] (K-contiguous view
+    for the transposed GEMMs), its scales [E, KB, NB]). With N a multiple of 128 one launch over the stacked rows
+    (no block crosses two experts); else one per expert."""
+    E, N, K = w_ENK.shape
+    if N % 128 == 0:
+        q, s, qt = fp8_quant.quantize_blocks(w_ENK.reshape(E * N, K))
+        s = s.view(E, N // 128, -1)
+        return q.view(E, N, K), s, qt.as_strided((E, K, N), (N, E * N, 1)), s.transpose(1, 2).contiguous()
+    parts = [fp8_quant.quantize_blocks(w) for w in w_ENK]
+    s = torch.stack([p[1] for p in parts])
+    return (torch.stack([p[0] for p in parts]), s, torch.stack([p[2] for p in parts]),
+            s.transpose(1, 2).contiguous())  # fmt: skip
+
+
+def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
+    """As `reference.fp8.experts_forward`, on the Triton kernels: -> (y [T, D], saved)."""
+    T, K = topk_ids_TK.shape
+    E, F, D = gate_up_EFD.shape
+    plan = build_plan(topk_ids_TK, E, BLOCK_M)
+    q_x, s_x = fp8_quant.quantize_rows(x_TD)
+    q_gu, s_gu, q_gut, s_gut = _expert_blocks(gate_up_EFD)
+    q_dn, s_dn, q_dnt, s_dnt = _expert_blocks(down_EDI)
+    h = fp8_grouped.grouped_gemm(q_x, s_x, q_gu, s_gu, plan, BLOCK_M, x_TD.dtype, gather=True)
+    w_M = topk_weights_TK.reshape(-1)[plan[0].long()]
+    q_act, s_act = fp8_quant.quantize_rows(swiglu_weighted(h, w_M).to(x_TD.dtype))
+    y_slot = fp8_grouped.grouped_gemm(q_act, s_act, q_dn, s_dn, plan, BLOCK_M, x_TD.dtype, scatter=True)
+    saved = (q_x, s_x, h, q_act, s_act, q_gut, s_gut, q_dnt, s_dnt, topk_ids_TK, topk_weights_TK, *plan)
+    return y_slot.view(T, K, D).float().sum(1).to(x_TD.dtype), saved
+
+
+def experts_backward(dy_TD: torch.Tensor, saved):
+    """As `reference.fp8.experts_backward`: -> (dx, d topk_weights fp32, d gate_up fp32, d down fp32)."""
+    q_x, s_x, h, q_act, s_act, q_gut, s_gut, q_dnt, s_dnt, topk_ids_TK, topk_weights_TK, *plan = saved
+    T, K = topk_ids_TK.shape
+    E, D = q_gut.shape[0], dy_TD.shape[1]
+    slot = plan[0].long()
+    q_dy, s_dy = fp8_quant.quantize_rows(dy_TD)
+    d_act = fp8_grouped.grouped_gemm(q_dy, s_dy, q_dnt, s_dnt, plan, BLOCK_M, torch.float32, gather=True)
+    dh, dw_M = dswiglu_weighted(h, topk_weights_TK.reshape(-1)[slot], d_act)
+    dh = dh.to(dy_TD.dtype)
+    q_dh, s_dh = fp8_quant.quantize_rows(dh)
+    dx_slot = fp8_grouped.grouped_gemm(q_dh, s_dh, q_gut, s_gut, plan, BLOCK_M, dy_TD.dtype, scatter=True)
+    dw = torch.zeros(T * K, dtype=torch.float32, device=dy_TD.device)
+    valid = topk_ids_TK.reshape(-1)[slot] < E  # rows of slots no expert takes: in no tile, their values unset
+    dw[slot] = torch.where(valid, dw_M, 0.0)
+    d_dn = fp8_grouped.grouped_wgrad(*fp8_grouped.plan_rows_t(dy_TD, plan, BLOCK_M, gather=True),
+                                     *fp8_grouped.plan_rows_t(q_act, plan, BLOCK_M, s_RB=s_act), plan, E, BLOCK_M)
+    d_gu = fp8_grouped.grouped_wgrad(*fp8_grouped.plan_rows_t(dh, plan, BLOCK_M),
+                                     *fp8_grouped.plan_rows_t(q_x, plan, BLOCK_M, gather=True, s_RB=s_x), plan, E,
+                                     BLOCK_M)  # fmt: skip
+    return dx_slot.view(T, K, D).float().sum(1).to(dy_TD.dtype), dw.view(T, K), d_gu, d_dn
+
+
+class _FP8ExpertsTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
+        return fp8_autograd.experts_fwd(ctx, experts_forward, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD,
+                                        down_EDI)  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, dy_TD):
+        return fp8_autograd.experts_bwd(ctx, experts_backward, dy_TD)
+
+
+def fp8_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD=None):
+    """The triton backend of `kernels.fp8_routed_experts`."""
+    return fp8_autograd.run_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD,
+                                    _FP8ExpertsTriton)  # fmt: skip

@@ -202,3 +202,83 @@ def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, s
             rows = rows_M[at].long()
             out[at] = gemm(a_RK[rows], sa_RB[rows], b_ENK[e], sb_E[e], torch.float32)
     return out.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------ the routed experts
+
+
+def swiglu_weighted(h_MF: torch.Tensor, w_M: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up * w per row, in fp32 (h = [gate | up] [M, 2I], w [M]) -> [M, I] fp32."""
+    g, u = h_MF.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u * w_M.float()[:, None]
+
+
+def dswiglu_weighted(h_MF: torch.Tensor, w_M: torch.Tensor, d_act_MI: torch.Tensor):
+    """The gradients of `swiglu_weighted` -> (dh [M, 2I] fp32, dw [M] fp32)."""
+    g, u = h_MF.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    d = d_act_MI.float()
+    dw = (silu * u * d).sum(-1)
+    d = d * w_M.float()[:, None]
+    return torch.cat([d * u * sig * (1 + g * (1 - sig)), d * silu], dim=-1), dw
+
+
+def _routing(topk_ids_TK: torch.Tensor, E: int):
+    """(slot [M], tok [M], expert [M]) of the T*K slots sorted by expert (stable), slots of id E last."""
+    ids = topk_ids_TK.reshape(-1)
+    slot = torch.sort(ids, stable=True)[1]
+    return slot, slot // topk_ids_TK.shape[1], ids[slot]
+
+
+def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
+    """The routed experts in FP8 (see `kernels.fp8_routed_experts`): x in 1x128 tiles (per token, before the
+    gather), each expert's weights in 128x128 blocks, gate|up by the promoted grouped GEMM, the weighted SwiGLU in
+    fp32 rounded to x's dtype and quantized per 1x128 tile, down likewise, the K rows of a token summed in fp32.
+    -> (y [T, D] in x's dtype, saved: what `experts_backward` reads)."""
+    T, K = topk_ids_TK.shape
+    E = gate_up_EFD.shape[0]
+    slot, tok, expert = _routing(topk_ids_TK, E)
+    q_x, s_x = quantize_rows(x_TD)
+    q_gu, s_gu = quantize_expert_blocks(gate_up_EFD)
+    q_dn, s_dn = quantize_expert_blocks(down_EDI)
+    h = grouped_gemm(q_x, s_x, q_gu, s_gu, expert, tok, x_TD.dtype)
+    w_M = topk_weights_TK.reshape(-1)[slot]
+    q_act, s_act = quantize_rows(swiglu_weighted(h, w_M).to(x_TD.dtype))
+    y_rows = grouped_gemm(q_act, s_act, q_dn, s_dn, expert, torch.arange(len(slot), device=x_TD.device), x_TD.dtype)
+    y_slot = torch.zeros(T * K, y_rows.shape[1], dtype=torch.float32, device=x_TD.device)
+    y_slot[slot] = y_rows.float()
+    saved = (q_x, s_x, h, q_act, s_act, q_gu, s_gu, q_dn, s_dn, topk_ids_TK, topk_weights_TK)
+    return y_slot.view(T, K, -1).sum(1).to(x_TD.dtype), saved
+
+
+def experts_backward(dy_TD: torch.Tensor, saved):
+    """-> (dx [T, D] in dy's dtype, d topk_weights [T, K] fp32, d gate_up [E, F, D] fp32, d down [E, D, I] fp32).
+    d_act = dy[tok] W_down (dy per 1x128 tile, the blocks transposed), through the weighted SwiGLU in fp32 to dh
+    (rounded to dy's dtype, quantized per 1x128 tile), dx = dh W_gate_up summed over a token's K rows in fp32; the
+    weight gradients over each expert's rows in 1x128 tiles along them (dy and dh as they are, act and x from their
+    FP8 copies), fp32."""
+    q_x, s_x, h, q_act, s_act, q_gu, s_gu, q_dn, s_dn, topk_ids_TK, topk_weights_TK = saved
+    T, K = topk_ids_TK.shape
+    E = q_gu.shape[0]
+    slot, tok, expert = _routing(topk_ids_TK, E)
+    rows = torch.arange(len(slot), device=dy_TD.device)
+    q_dy, s_dy = quantize_rows(dy_TD)
+    d_act = grouped_gemm(q_dy, s_dy, q_dn.transpose(1, 2), s_dn.transpose(1, 2), expert, tok, torch.float32)
+    dh, dw_M = dswiglu_weighted(h, topk_weights_TK.reshape(-1)[slot], d_act)
+    dh = dh.to(dy_TD.dtype)
+    q_dh, s_dh = quantize_rows(dh)
+    dx_rows = grouped_gemm(q_dh, s_dh, q_gu.transpose(1, 2), s_gu.transpose(1, 2), expert, rows, dy_TD.dtype)
+    dx_slot = torch.zeros(T * K, dx_rows.shape[1], dtype=torch.float32, device=dy_TD.device)
+    dx_slot[slot] = dx_rows.float()
+    dw = torch.zeros(T * K, dtype=torch.float32, device=dy_TD.device)
+    dw[slot] = dw_M
+    x_deq, act_deq = dequantize_rows(q_x, s_x), dequantize_rows(q_act, s_act)
+    d_gu = torch.zeros(q_gu.shape, dtype=torch.float32, device=dy_TD.device)
+    d_dn = torch.zeros(q_dn.shape, dtype=torch.float32, device=dy_TD.device)
+    for e in range(E):
+        at = (expert == e).nonzero().flatten()
+        if at.numel():
+            d_dn[e] = gemm(*quantize_rows_t(dy_TD[tok[at]]), *quantize_rows_t(act_deq[at]))
+            d_gu[e] = gemm(*quantize_rows_t(dh[at]), *quantize_rows_t(x_deq[tok[at]]))
+    return dx_slot.view(T, K, -1).sum(1).to(dy_TD.dtype), dw.view(T, K), d_gu, d_dn

@@ -1,7 +1,6 @@
-"""The grouped FP8 GEMM for the routed experts, DeepSeek-V3's recipe with the bf16 path's fused gather / scatter
-(twin: `kernels.reference.fp8.grouped_gemm`). Not yet used by training: `transforms.fp8` leaves the routed experts
-in bf16 until the whole FP8 expert step (SwiGLU epilogue with its 1x128 quantization, Dgrad, Wgrad over each
-expert's rows) is built on it; `benchmarks/fp8.py` times it against the bf16 grouped GEMM.
+"""The routed experts' FP8 GEMMs, DeepSeek-V3's recipe with the bf16 path's fused gather / scatter (twins in
+`kernels.reference.fp8`: `grouped_gemm`, and the experts' whole step, `experts_forward` / `experts_backward`, which
+`kernels/ops/fp8.py` runs on these kernels).
 
     C[r] = a[row(r)] @ b[e]^T    for the rows r of expert e (rows sorted by expert: `moe_plan.build_plan`)
 
@@ -11,6 +10,10 @@ permuted copy), else r. b [E, N, K] E4M3, each expert's weight in nn.Linear's la
 block scales sb [E, NB, KB]. C [M, N] in plan order, or with scatter at row slot[r] (token order: t*K + k). The
 K-loop promotes every 128 products into fp32 as the dense kernel does (`fp8_gemm.py`). Row tiles come from the
 plan's tile map (never straddling two experts, grid independent of the counts: no host sync, CUDA-graph safe).
+
+    grouped_wgrad   dW[e] = A_e^T B_e over expert e's rows, from `plan_rows_t`'s operands: x^T of the rows in plan
+                    order, quantized in 128x1 tiles that follow the plan's row tiles (so no tile crosses two
+                    experts), gathered through tok or dequantized from an FP8 copy as it is read.
 
 Shape legend: R rows of a, M routed rows, E experts, N output columns, K the reduction dim, BM x BN a tile.
 """
@@ -83,7 +86,8 @@ def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, s
     """C [M, N] (plan order; with scatter, slot order) in out_dtype = a[row(r)] @ b[e]^T per routed row, from E4M3
     a [R, K] (scales [R, KB]) and b [E, N, K] (128x128 block scales [E, NB, KB]); plan = `moe_plan.build_plan`'s
     (slot, tok, offs, tile_expert, tile_row) built with `block_m` (the row tile here). gather: a holds the tokens
-    (row(r) = tok[r]); else a holds the M routed rows in plan order. Rows of slots no expert takes are not written."""
+    (row(r) = tok[r]); else a holds the M routed rows in plan order. Rows of slots no expert takes are not written
+    (with scatter: zeros)."""
     slot, tok, offs, tile_expert, tile_row = plan
     M, (E, N, K) = slot.numel(), b_ENK.shape
     KB = triton.cdiv(K, TILE)
@@ -98,7 +102,8 @@ def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, s
     if a_RK.device.type == "cpu" and out_dtype != torch.float32:  # (the interpreter rounds to bf16 toward zero)
         return grouped_gemm(a_RK, sa_RB, b_ENK, sb_E, plan, block_m, torch.float32, gather, scatter,
                             config).to(out_dtype)  # fmt: skip
-    c = torch.empty(M, N, dtype=out_dtype, device=a_RK.device)
+    # (scattered: zeros in the rows of slots no expert takes, which no tile writes, so that sums over them are 0)
+    c = (torch.zeros if scatter else torch.empty)(M, N, dtype=out_dtype, device=a_RK.device)
     if M == 0 or N == 0:
         return c
     sa_RB, sb_E = sa_RB.contiguous(), sb_E.contiguous()
