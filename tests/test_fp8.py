@@ -170,6 +170,45 @@ def test_linear_gradients_are_within_the_quantization_bound():
     assert wg.grad.dtype == torch.float32 and y.dtype == torch.float32
 
 
+def _experts_case(seed=30):
+    """40 tokens, top-2 of 4 experts (expert 2 empty, one slot no expert takes), D = 136, I = 128: gate|up's rows a
+    multiple of 128 (stacked quantization), down's not (one expert at a time)."""
+    g = torch.Generator().manual_seed(seed)
+    T, K, E, D, I = 40, 2, 4, 136, 128
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids = torch.where(ids == 2, 1 + 0 * ids, ids)
+    ids[0, 0] = E
+    ts = [torch.randn(T, D, generator=g), torch.rand(T, K, generator=g), 0.1 * torch.randn(E, 2 * I, D, generator=g),
+          0.1 * torch.randn(E, D, I, generator=g)]  # fmt: skip
+    return ids, ts, torch.randn(T, D, generator=g)
+
+
+def _run_experts(fn, ids, ts, dy):
+    leaves = [t.clone().requires_grad_() for t in ts]
+    y = fn(leaves[0], ids, *leaves[1:])
+    y.backward(dy)
+    return [y] + [t.grad for t in leaves]
+
+
+def test_reference_experts_track_the_exact_experts():
+    """The FP8 routed experts' twin against PyTorch's routed experts in fp32 (slot id E: no expert, weight 0): the
+    output and every gradient within 3U relative (four E4M3 roundings compound along the chain: ~6.5% measured), not
+    exact, and the weight gradients of the empty expert exactly zero."""
+    from anyseek.kernels import fp8 as fp8_autograd
+    from anyseek.kernels.reference import moe as ref_moe
+
+    ids, ts, dy = _experts_case()
+    E = ts[2].shape[0]
+    got = _run_experts(fp8_autograd.fp8_routed_experts_reference, ids, ts, dy)
+    exact = _run_experts(lambda x, i, w, gu, dn: ref_moe.routed_experts(x, i.clamp(max=E - 1), w * (i < E), gu, dn),
+                         ids, ts, dy)  # fmt: skip
+    exact[2] = exact[2] * (ids < E)  # (the slot no expert takes: no gradient)
+    for name, a, b in zip(["y", "dx", "d weights", "d gate_up", "d down"], got, exact):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert 0 < rel < 3 * U, (name, rel)
+    assert not got[3][2].any() and not got[4][2].any()
+
+
 def test_seam_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="fp8_linear"):
         kernels.fp8_linear(torch.zeros(4, 8), torch.zeros(3, 9))
@@ -255,13 +294,20 @@ def _worker() -> None:
     for name, (got, want) in {"linear_vs_reference": (outs[0], outs[1]), "compile": (outs[2], outs[0])}.items():
         table = [(n, ((t - r).norm() / r.norm()).item(), 0.0) for n, t, r in zip(["y", "dx", "dW"], got, want)]
         results[name] = {"pass": interpreter.passes(table, atol=1e-6), "table": table}
+    ids, ts, dy = _experts_case()
+    got = _run_experts(fp8_ops.fp8_routed_experts, ids, ts, dy)
+    want = _run_experts(fp8_autograd.fp8_routed_experts_reference, ids, ts, dy)
+    table = [(n, ((t - r).norm() / r.norm()).item(), 0.0)
+             for n, t, r in zip(["y", "dx", "d weights", "d gate_up", "d down"], got, want)]  # fmt: skip
+    results["experts_vs_reference"] = {"pass": interpreter.passes(table, atol=1e-6), "table": table}
     interpreter.report(results)
 
 
 INTERP_CASES = ([f"{n}{s}" for s in [(130, 300), (5, 40), "ties"]
                  for n in ("rows", "rows_t", "requantize_t", "both", "blocks")]
                 + [f"gemm_{d}_{b}" for d in ("float32", "bfloat16") for b in ("rows", "blocks")]
-                + ["linear_vs_reference", "compile", "grouped_gathered", "grouped_scattered_bf16", "grouped_plan_rows"])
+                + ["linear_vs_reference", "compile", "grouped_gathered", "grouped_scattered_bf16", "grouped_plan_rows",
+                   "experts_vs_reference"])
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +382,8 @@ def test_cpu_without_the_emulation_is_an_error_that_says_why():
 
 
 def test_apply_converts_the_recipe_layers_and_revert_gives_the_plain_model(monkeypatch):
-    from anyseek.transforms.fp8 import FP8, FP8Linear
+    from anyseek.model.moe import Experts
+    from anyseek.transforms.fp8 import FP8, FP8Experts, FP8Linear
 
     monkeypatch.setenv("ANYSEEK_FP8", "reference")
     model = _tiny_model()
@@ -347,7 +394,9 @@ def test_apply_converts_the_recipe_layers_and_revert_gives_the_plain_model(monke
     assert converted and all(n.rsplit(".", 1)[-1] in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa",
                                                        "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
                              for n in converted)  # fmt: skip
-    assert not any(".experts" in n or "lm_head" in n or "embed" in n for n in converted)
+    assert not any("lm_head" in n or "embed" in n or n.endswith(".gate") for n in converted)
+    experts = [n for n, m in model.named_modules() if isinstance(m, FP8Experts)]
+    assert experts and len(experts) == len(model.moe_layers())
     assert any("shared_experts" in n for n in converted) and any("mlp.gate_proj" in n for n in converted)
     assert set(model.state_dict()) == set(before)
     calls = []
@@ -356,7 +405,8 @@ def test_apply_converts_the_recipe_layers_and_revert_gives_the_plain_model(monke
     model(tokens)
     assert len(calls) >= 4  # q_a|kv_a and gate|up, per layer that has them: the joined layers go through FP8 too
     FP8().revert(model)
-    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    assert not any(isinstance(m, (FP8Linear, FP8Experts)) for m in model.modules())
+    assert all(type(m.experts) is Experts for m in model.moe_layers())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

@@ -8,12 +8,14 @@ The attention projections (q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_
 the shared experts (gate_proj, up_proj, down_proj) become `FP8Linear`: an nn.Linear holding the same weight
 Parameter under the same name, whose matmul is the seam `kernels.fp8_linear` (E4M3 in 1x128 activation tiles and
 128x128 weight blocks, scales from the current tensors, fp32 promotion every 128 products; Fprop, Dgrad and Wgrad
-in FP8). Where the model joins two layers into one matmul (q_a|kv_a, gate|up: `model.concat.fused_linear`), the
+in FP8). The routed experts become `FP8Experts` (the same stacked Parameters) through `kernels.fp8_routed_experts`
+(grouped FP8 GEMMs with the routing's gather and scatter; the weighted SwiGLU between them in fp32). Where the model joins two layers into one matmul (q_a|kv_a, gate|up: `model.concat.fused_linear`), the
 joined weight goes through `kernels.fp8_linear` as one (its 128x128 blocks cross the boundary between the two
 layers only where a layer's rows are not a multiple of 128).
 
-What stays in train.dtype (bf16 on a GPU): the embedding, the output head, the router, the norms, attention itself
-and, for now, the routed experts (no grouped FP8 GEMM yet). The weights stay fp32 masters (or the trainer's bf16
+What stays in train.dtype (bf16 on a GPU): the embedding, the output head, the router, the norms and attention
+itself; under expert parallelism the routed experts too (its module replaces them and calls
+`kernels.routed_experts`: FP8 dispatch is not built). The weights stay fp32 masters (or the trainer's bf16
 working copy of them), quantized afresh at every forward: checkpoints and export do not change.
 
 FP8 needs E4M3 tensor cores (compute capability 8.9+). Elsewhere an explicit request raises, unless the fp8_linear
@@ -28,9 +30,10 @@ from torch import nn
 
 from anyseek import kernels
 from anyseek.kernels import registry
+from anyseek.model.moe import Experts
 from anyseek.transforms.lora import target_modules
 
-TARGETS = ("attention", "dense_mlp", "shared_experts")
+TARGETS = ("attention", "dense_mlp", "shared_experts", "routed_experts")
 
 
 class FP8Linear(nn.Linear):
@@ -52,6 +55,28 @@ class FP8Linear(nn.Linear):
         """An nn.Linear holding the same weight (and bias)."""
         out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         out.weight, out.bias = self.weight, self.bias
+        return out
+
+
+class FP8Experts(Experts):
+    """The routed experts (same stacked Parameters, same names) through `kernels.fp8_routed_experts`."""
+
+    @classmethod
+    def from_experts(cls, experts: Experts) -> FP8Experts:
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.gate_up_proj, out.down_proj = experts.gate_up_proj, experts.down_proj
+        return out
+
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return kernels.fp8_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj,
+                                          add_TD)  # fmt: skip
+
+    def plain(self) -> Experts:
+        out = Experts.__new__(Experts)
+        nn.Module.__init__(out)
+        out.gate_up_proj, out.down_proj = self.gate_up_proj, self.down_proj
         return out
 
 
@@ -83,20 +108,25 @@ def apply_fp8(model: nn.Module) -> nn.Module:
         layer = getattr(owner, attr)
         if type(layer) is nn.Linear:
             setattr(owner, attr, FP8Linear.from_linear(layer))
+        elif type(layer) is Experts:
+            setattr(owner, attr, FP8Experts.from_experts(layer))
     return model
 
 
 def revert_fp8(model: nn.Module) -> nn.Module:
-    """Every `FP8Linear` back to a plain nn.Linear holding the same weight, in place; returns `model`."""
+    """Every `FP8Linear` / `FP8Experts` back to a plain nn.Linear / Experts holding the same weights, in place;
+    returns `model`."""
     for mod in list(model.modules()):
         for attr, child in list(mod.named_children()):
-            if isinstance(child, FP8Linear):
+            if isinstance(child, (FP8Linear, FP8Experts)):
                 setattr(mod, attr, child.plain())
     return model
 
 
-def count_fp8(model: nn.Module) -> int:
-    return sum(isinstance(m, FP8Linear) for m in model.modules())
+def count_fp8(model: nn.Module) -> tuple[int, int]:
+    """(FP8 linear layers, FP8 routed-expert stacks)."""
+    mods = list(model.modules())
+    return sum(isinstance(m, FP8Linear) for m in mods), sum(isinstance(m, FP8Experts) for m in mods)
 
 
 class FP8:
@@ -112,8 +142,10 @@ class FP8:
         return revert_fp8(model)
 
     def describe(self, model: nn.Module) -> str:
-        example = next(model.parameters())
-        _, backend, why = registry.choose("fp8_linear", example.new_empty(1, 128))
-        return (f"fp8: {count_fp8(model)} linear layers (attention projections, dense MLPs, shared experts) in "
-                f"DeepSeek-V3's FP8 recipe through backend {backend} ({why}); routed experts, embedding, head, "
-                f"router, norms and attention as before")
+        example = next(model.parameters()).new_empty(1, 128)
+        linears, experts = count_fp8(model)
+        _, backend, why = registry.choose("fp8_linear", example)
+        _, backend_e, _ = registry.choose("fp8_routed_experts", example)
+        return (f"fp8: {linears} linear layers (attention projections, dense MLPs, shared experts) and {experts} "
+                f"routed-expert stacks in DeepSeek-V3's FP8 recipe (backends {backend} / {backend_e}: {why}); "
+                "embedding, head, router, norms and attention as before")
