@@ -21,10 +21,11 @@ Sections, in order (each prints a markdown table):
            re-tiled from the FP8 copy), in GB/s of bytes read + written.
   tune     (only when asked) the GEMM at three shapes under a few launch settings (tile, warps, stages), for
            choosing `fp8_gemm.CONFIG` (set from no measurement so far).
-  grouped  the routed experts' grouped FP8 GEMM (`fp8_grouped.py`, forward only: not used by training yet) at the
-           `small` and `16B` expert shapes, balanced random routing: gate|up with the token rows gathered, down with
-           the rows scattered to token order, against anyseek's bf16 Triton grouped GEMM (same plan, gather and
-           scatter, plain epilogue) and torch._grouped_mm bf16 on rows permuted beforehand (copy not timed).
+  grouped  the routed experts' grouped FP8 GEMM (`fp8_grouped.py`) at the `small` and `16B` expert shapes, balanced
+           random routing: gate|up with the token rows gathered, down with the rows scattered to token order,
+           against anyseek's bf16 Triton grouped GEMM (same plan, gather and scatter, plain epilogue) and
+           torch._grouped_mm bf16 on rows permuted beforehand (copy not timed); then the experts' whole forward +
+           backward, `kernels.fp8_routed_experts` against the bf16 Triton experts.
   train    `small`, one optimizer step as `anyseek train` runs it (CUDA graphs, working copy), bf16 against
            train.precision=fp8, at 8192 and 32768 tokens: ms/step, tokens/s, peak memory, loss after the steps.
 Times: medians of triton.testing.do_bench (CUDA events, L2 flushed) for kernels; mean over timed steps after
@@ -329,6 +330,44 @@ def grouped_table(device, flavors, tokens_list, out: Path | None) -> None:
     table("Grouped FP8 GEMM of the routed experts, forward, TFLOP/s (operands already quantized; bf16 out)",
           ["flavor", "tokens", "experts", "GEMM", "M x N x K", "ours (Triton FP8, promoted)",
            "anyseek Triton bf16", "torch._grouped_mm bf16"], rows, out, "grouped")
+    experts_table(device, flavors, tokens_list, out)
+
+
+def _experts_step(fn, x, ids, w, gate_up, down, dy) -> None:
+    fn(x, ids, w, gate_up, down).backward(dy)
+
+
+def experts_table(device, flavors, tokens_list, out: Path | None) -> None:
+    """The routed experts' whole forward + backward (quantization, plan, GEMMs, SwiGLU, combine): FP8 against the
+    bf16 Triton experts (`kernels/ops/moe.py`), same inputs."""
+    from anyseek.kernels.ops import fp8 as fp8_ops
+    from anyseek.kernels.ops import moe as moe_ops
+    from anyseek.model.config import ModelConfig
+
+    rows = []
+    for flavor in flavors:
+        c = ModelConfig.from_name(flavor)
+        E, I, K, D = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.hidden_size
+        for T in tokens_list:
+            ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K].contiguous()
+            w = torch.rand(T, K, device=device)
+            x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+            gu = (torch.randn(E, 2 * I, D, device=device) * 0.02).requires_grad_()
+            dn = (torch.randn(E, D, I, device=device) * 0.02).requires_grad_()
+            gub, dnb = gu.detach().bfloat16().requires_grad_(), dn.detach().bfloat16().requires_grad_()
+            dy = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+
+            flop = 18 * T * K * D * I  # forward 6 M D I, backward twice that
+            t8 = _bench(partial(_experts_step, fp8_ops.fp8_routed_experts, x, ids, w, gu, dn, dy))
+            t16 = _bench(partial(_experts_step, moe_ops.routed_experts, x, ids, w, gub, dnb, dy))
+            rows.append([flavor, T, f"{E} experts, top-{K}", f"{t8 * 1e3:.2f}", f"{flop / t8 / 1e12:.0f}",
+                         f"{t16 * 1e3:.2f}", f"{flop / t16 / 1e12:.0f}", f"{t16 / t8:.2f}x"])
+            print(" | ".join(str(v) for v in rows[-1]), flush=True)
+            del x, gu, dn, gub, dnb, dy
+            torch.cuda.empty_cache()
+    table("Routed experts, forward + backward (FP8: weights quantized from fp32 each call; bf16: bf16 weights)",
+          ["flavor", "tokens", "experts", "FP8 ms", "FP8 TFLOP/s", "bf16 Triton ms", "bf16 TFLOP/s", "FP8 speed-up"],
+          rows, out, "experts")
 
 
 def tune_table(device, out: Path | None) -> None:
