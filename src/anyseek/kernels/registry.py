@@ -284,8 +284,9 @@ def _register_defaults() -> None:
                                         _always("PyTorch matmuls, merged weight or added term (torch_lowrank.py)")))
     register("low_rank_linear", Backend("reference", _lazy("anyseek.kernels.reference.lowrank.low_rank_linear"),
                                         _always("pure PyTorch (the formula through autograd)")))
-    # FP8 training's linear layers (transforms/fp8.py): Triton quantize and promoted-GEMM kernels on GPUs with FP8
-    # tensor cores (kernels/ops/fp8.py), the PyTorch emulation of the same recipe elsewhere (kernels/fp8.py)
+    # FP8 training's linear layers and routed experts (transforms/fp8.py): Triton quantize and promoted-GEMM kernels
+    # on GPUs with FP8 tensor cores (kernels/ops/fp8.py), the PyTorch emulation of the same recipe elsewhere
+    # (kernels/fp8.py)
     register("fp8_linear", Backend("triton", _lazy("anyseek.kernels.ops.fp8.fp8_linear"),
                                    _lazy_check("anyseek.kernels.triton.check.fp8_available"), ("cuda",)))
     register("fp8_linear", Backend("reference", _lazy("anyseek.kernels.fp8.fp8_linear_reference"),

@@ -120,10 +120,10 @@ class TrainConfig:
     # the frozen base: "auto" (bf16 when autocasting to bf16, else fp32), "bf16", "fp32" (with a GPU working copy,
     # which computes on bf16 copies, frozen tensors are held in bf16 whatever this says: train/precision.py)
     lora_base_dtype: str = "auto"
-    # "fp8": DeepSeek-V3's FP8 training recipe for the attention projections, dense MLPs and shared experts
-    # (anyseek.transforms.fp8; routed experts, embedding, head, router, norms and attention stay in train.dtype);
-    # "bf16": none (every matmul in train.dtype). fp8 needs a GPU of compute capability 8.9+ (or ANYSEEK_FP8=reference:
-    # the PyTorch emulation, for tests)
+    # "fp8": DeepSeek-V3's FP8 training recipe for the attention projections, dense MLPs, shared and routed experts
+    # (anyseek.transforms.fp8; embedding, head, router, norms and attention stay in train.dtype); "bf16": none (every
+    # matmul in train.dtype). fp8 needs a GPU of compute capability 8.9+ (or ANYSEEK_FP8=reference: the PyTorch
+    # emulation, for tests)
     precision: str = "bf16"
 
     def __post_init__(self) -> None:

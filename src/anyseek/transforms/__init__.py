@@ -13,8 +13,8 @@ loaded and before it is parallelized (FSDP2, expert parallelism) and compiled; c
 trains (LoRA: its adapters over the recorded base, `anyseek.checkpoint.adapters`).
 
     lora.py   LoRA: the base frozen (bf16 on a GPU), low-rank adapters trained (`train.lora_*`)
-    fp8.py    FP8 training, DeepSeek-V3's recipe, for the attention projections, dense MLPs and shared experts
-              (`train.precision = "fp8"`)
+    fp8.py    FP8 training, DeepSeek-V3's recipe, for the attention projections, dense MLPs, shared and routed
+              experts (`train.precision = "fp8"`)
 
 Planned here, by the same protocol: 4-bit frozen base weights under LoRA (`train.base_bits = 4`).
 """
