@@ -12,8 +12,9 @@ triton backend. Importing this module imports Triton.
 The routed experts (`fp8_routed_experts`; an autograd Function over the launchers, no custom ops yet): the routing
 plan (`moe_plan.build_plan`, 128-row tiles), x per 1x128 tile before the gather, each expert's weights in 128x128
 blocks, the grouped GEMMs of `triton/fp8_grouped.py` (gate|up gathering token rows, down scattering to token order;
-backward: d_act gathering dy's rows, dx scattering, Wgrad over each expert's plan tiles), the weighted SwiGLU and
-its gradient in fp32 between them (PyTorch ops: not fused into the GEMMs' epilogues yet).
+backward: d_act gathering dy's rows, dx scattering, Wgrad over each expert's plan tiles), the weighted SwiGLU in
+fp32 between them, quantized as it is made (`swiglu_quant`), and its gradient (`dswiglu`) (kernels of their own:
+not fused into the GEMMs' epilogues yet).
 
 Shape legend: M rows, K input features, N output features, KB / MB / NB their counts of 128-blocks; for the experts
 T tokens, K experts per token, E experts, D hidden, I expert width, F = 2I.
@@ -25,7 +26,6 @@ import torch
 import triton
 
 from anyseek.kernels import fp8 as fp8_autograd
-from anyseek.kernels.reference.fp8 import dswiglu_weighted, swiglu_weighted
 from anyseek.kernels.triton import fp8_gemm, fp8_grouped, fp8_quant
 from anyseek.kernels.triton.moe_plan import build_plan
 
@@ -134,7 +134,7 @@ def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     q_dn, s_dn, q_dnt, s_dnt = _expert_blocks(down_EDI)
     h = fp8_grouped.grouped_gemm(q_x, s_x, q_gu, s_gu, plan, BLOCK_M, x_TD.dtype, gather=True)
     w_M = topk_weights_TK.reshape(-1)[plan[0].long()]
-    q_act, s_act = fp8_quant.quantize_rows(swiglu_weighted(h, w_M).to(x_TD.dtype))
+    q_act, s_act = fp8_grouped.swiglu_quant(h, w_M)
     y_slot = fp8_grouped.grouped_gemm(q_act, s_act, q_dn, s_dn, plan, BLOCK_M, x_TD.dtype, scatter=True)
     saved = (q_x, s_x, h, q_act, s_act, q_gut, s_gut, q_dnt, s_dnt, topk_ids_TK, topk_weights_TK, *plan)
     return y_slot.view(T, K, D).float().sum(1).to(x_TD.dtype), saved
@@ -148,8 +148,7 @@ def experts_backward(dy_TD: torch.Tensor, saved):
     slot = plan[0].long()
     q_dy, s_dy = fp8_quant.quantize_rows(dy_TD)
     d_act = fp8_grouped.grouped_gemm(q_dy, s_dy, q_dnt, s_dnt, plan, BLOCK_M, torch.float32, gather=True)
-    dh, dw_M = dswiglu_weighted(h, topk_weights_TK.reshape(-1)[slot], d_act)
-    dh = dh.to(dy_TD.dtype)
+    dh, dw_M = fp8_grouped.dswiglu(h, topk_weights_TK.reshape(-1)[slot], d_act, dy_TD.dtype)
     q_dh, s_dh = fp8_quant.quantize_rows(dh)
     dx_slot = fp8_grouped.grouped_gemm(q_dh, s_dh, q_gut, s_gut, plan, BLOCK_M, dy_TD.dtype, scatter=True)
     dw = torch.zeros(T * K, dtype=torch.float32, device=dy_TD.device)

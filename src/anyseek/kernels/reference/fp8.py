@@ -233,8 +233,8 @@ def _routing(topk_ids_TK: torch.Tensor, E: int):
 
 def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     """The routed experts in FP8 (see `kernels.fp8_routed_experts`): x in 1x128 tiles (per token, before the
-    gather), each expert's weights in 128x128 blocks, gate|up by the promoted grouped GEMM, the weighted SwiGLU in
-    fp32 rounded to x's dtype and quantized per 1x128 tile, down likewise, the K rows of a token summed in fp32.
+    gather), each expert's weights in 128x128 blocks, gate|up by the promoted grouped GEMM (h in x's dtype), the
+    weighted SwiGLU in fp32 quantized per 1x128 tile, down likewise, the K rows of a token summed in fp32.
     -> (y [T, D] in x's dtype, saved: what `experts_backward` reads)."""
     T, K = topk_ids_TK.shape
     E = gate_up_EFD.shape[0]
@@ -244,7 +244,7 @@ def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     q_dn, s_dn = quantize_expert_blocks(down_EDI)
     h = grouped_gemm(q_x, s_x, q_gu, s_gu, expert, tok, x_TD.dtype)
     w_M = topk_weights_TK.reshape(-1)[slot]
-    q_act, s_act = quantize_rows(swiglu_weighted(h, w_M).to(x_TD.dtype))
+    q_act, s_act = quantize_rows(swiglu_weighted(h, w_M))
     y_rows = grouped_gemm(q_act, s_act, q_dn, s_dn, expert, torch.arange(len(slot), device=x_TD.device), x_TD.dtype)
     y_slot = torch.zeros(T * K, y_rows.shape[1], dtype=torch.float32, device=x_TD.device)
     y_slot[slot] = y_rows.float()

@@ -224,3 +224,73 @@ def grouped_wgrad(at_N1M: torch.Tensor, sat: torch.Tensor, bt_N2M: torch.Tensor,
         at_N1M.stride(0), sat.stride(0), bt_N2M.stride(0), sbt.stride(0), c.stride(0), c.stride(1),
         BM=BM, BN=BN, BK=TILE, GROUP_M=group_m)  # fmt: skip
     return c
+
+
+# --------------------------------------------------------------------------------- the weighted SwiGLU between them
+
+
+@triton.jit
+def _swiglu_quant_kernel(H, W, Q, S, M, I, stride_h, stride_q, stride_s, BR: tl.constexpr, TILE: tl.constexpr):
+    """act = silu(g) * u * w[r] for a [BR, 128] tile in fp32, quantized per 1x128 tile as it is made: the down
+    GEMM's FP8 input without a bf16 copy of act or a pass of its own."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    ib = tl.program_id(1)
+    cols = ib * TILE + tl.arange(0, TILE)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    at = rows[:, None] * stride_h + cols[None, :]
+    g = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(H + at + I, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + rows, mask=rows < M, other=0.0).to(tl.float32)
+    act = g * tl.sigmoid(g) * u * w[:, None]
+    s = _scale_of(tl.max(tl.abs(act), axis=1))
+    q = _round_e4m3(tl.math.div_rn(act, tl.broadcast_to(s[:, None], act.shape)))
+    tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + rows * stride_s + ib, s, mask=rows < M)
+
+
+@triton.jit
+def _dswiglu_kernel(H, W, DA, DH, DW, M, I, stride_h, stride_da, stride_dh, n_col, BR: tl.constexpr,
+                    BC: tl.constexpr):  # fmt: skip
+    """dh = d(silu(g) u w)/d[g, u] for d_act, and this column tile's part of dw[r] = sum_j silu(g) u d_act."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    at = rows[:, None] * stride_h + cols[None, :]
+    g = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(H + at + I, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(DA + rows[:, None] * stride_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + rows, mask=rows < M, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(DW + rows * n_col + tl.program_id(1), tl.sum(silu * u * d, axis=1), mask=rows < M)
+    d = d * w[:, None]
+    to = rows[:, None] * stride_dh + cols[None, :]
+    tl.store(DH + to, (d * u * sig * (1.0 + g * (1.0 - sig))).to(DH.dtype.element_ty), mask=mask)
+    tl.store(DH + to + I, (d * silu).to(DH.dtype.element_ty), mask=mask)
+
+
+def swiglu_quant(h_MF: torch.Tensor, w_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up * w per row (h = [gate | up] [M, 2I], w [M]) in fp32, quantized per 1x128 tile: -> (q [M, I]
+    E4M3, scales [M, IB]) (twin: `quantize_rows(swiglu_weighted(h, w))`)."""
+    M, I = h_MF.shape[0], h_MF.shape[1] // 2
+    q = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=h_MF.device)
+    s = torch.empty(M, triton.cdiv(I, TILE), dtype=torch.float32, device=h_MF.device)
+    if M and I:
+        _swiglu_quant_kernel[(triton.cdiv(M, 16), s.shape[1])](h_MF, w_M, q, s, M, I, h_MF.stride(0), q.stride(0),
+                                                              s.stride(0), BR=16, TILE=TILE, num_warps=4)  # fmt: skip
+    return q, s
+
+
+def dswiglu(h_MF: torch.Tensor, w_M: torch.Tensor, d_act_MI: torch.Tensor, out_dtype: torch.dtype):
+    """The gradients of `swiglu_quant`'s act for d_act [M, I] -> (dh [M, 2I] in out_dtype, dw [M] fp32) (twin:
+    `dswiglu_weighted`)."""
+    M, I = d_act_MI.shape
+    BR, BC = 8, 256
+    dh = torch.empty(M, 2 * I, dtype=out_dtype, device=h_MF.device)
+    n_col = triton.cdiv(I, BC)
+    parts = torch.zeros(M, n_col, dtype=torch.float32, device=h_MF.device)
+    if M and I:
+        _dswiglu_kernel[(triton.cdiv(M, BR), n_col)](h_MF, w_M, d_act_MI, dh, parts, M, I, h_MF.stride(0),
+                                                     d_act_MI.stride(0), dh.stride(0), n_col, BR=BR, BC=BC,
+                                                     num_warps=4)  # fmt: skip
+    return dh, parts.sum(1)
