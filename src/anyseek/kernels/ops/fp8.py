@@ -127,7 +127,7 @@ def _expert_blocks(w_ENK: torch.Tensor):
 def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     """As `reference.fp8.experts_forward`, on the Triton kernels: -> (y [T, D], saved)."""
     T, K = topk_ids_TK.shape
-    E, F, D = gate_up_EFD.shape
+    E, D = gate_up_EFD.shape[0], gate_up_EFD.shape[2]
     plan = build_plan(topk_ids_TK, E, BLOCK_M)
     q_x, s_x = fp8_quant.quantize_rows(x_TD)
     q_gu, s_gu, q_gut, s_gut = _expert_blocks(gate_up_EFD)

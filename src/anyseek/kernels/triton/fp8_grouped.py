@@ -188,7 +188,7 @@ def plan_rows_t(x_RC: torch.Tensor, plan, block_m: int, gather: bool = False,
     if block_m != TILE:
         raise ValueError(f"plan_rows_t: the plan's row tiles must be {TILE} rows (the recipe's tile), got {block_m}")
     slot, tok, offs, tile_expert, tile_row = plan
-    M, (R, C) = slot.numel(), x_RC.shape
+    M, C = slot.numel(), x_RC.shape[1]
     qt = torch.empty(C, M, dtype=torch.float8_e4m3fn, device=x_RC.device)
     st = torch.empty(C, tile_expert.numel(), dtype=torch.float32, device=x_RC.device)
     if M and C:
