@@ -96,7 +96,7 @@ def compile_targets(out: Path | None) -> bool:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from anyseek.kernels.triton import fp8_gemm, fp8_quant
+    from anyseek.kernels.triton import fp8_gemm, fp8_grouped, fp8_quant
 
     i32 = "i32"
     kernels = {
@@ -118,6 +118,29 @@ def compile_targets(out: Path | None) -> bool:
         "quantize blocks": (fp8_quant._blocks_kernel, {
             "W": "*fp32", "Q": "*fp8e4nv", "QT": "*fp8e4nv", "S": "*fp32", "N": i32, "K": i32, "stride_w": i32,
             "stride_q": i32, "stride_qt": i32, "stride_s": i32}, {"TILE": 128}, {"num_warps": 8}),
+        "quantize both (dy)": (fp8_quant._both_kernel, {
+            "X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "QT": "*fp8e4nv", "ST": "*fp32", "M": i32, "K": i32,
+            "stride_x": i32, "stride_q": i32, "stride_s": i32, "stride_qt": i32, "stride_st": i32}, {"TILE": 128},
+            {"num_warps": 8}),
+        "grouped gemm (gather, scatter)": (fp8_grouped._grouped_kernel, {
+            "A": "*fp8e4nv", "SA": "*fp32", "TOK": "*i32", "SLOT": "*i32", "B": "*fp8e4nv", "SB": "*fp32",
+            "C": "*bf16", "OFFS": "*i32", "TILE_E": "*i32", "TILE_ROW": "*i32", "n_tiles_m": i32, "N": i32, "K": i32,
+            "stride_a": i32, "stride_sa": i32, "stride_be": i32, "stride_bn": i32, "stride_sbe": i32,
+            "stride_sbn": i32, "stride_c": i32},
+            {"GATHER": True, "SCATTER": True, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8},
+            {"num_warps": 8, "num_stages": 4}),
+        "grouped wgrad": (fp8_grouped._wgrad_kernel, {
+            "AT": "*fp8e4nv", "SAT": "*fp32", "BT": "*fp8e4nv", "SBT": "*fp32", "C": "*fp32", "U_FIRST": "*i32",
+            "TILE_ROW": "*i32", "OFFS": "*i32", "N1": i32, "N2": i32, "stride_a": i32, "stride_sa": i32,
+            "stride_b": i32, "stride_sb": i32, "stride_ce": i32, "stride_c": i32},
+            {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8}, {"num_warps": 8, "num_stages": 4}),
+        "plan rows_t (gather, dequant)": (fp8_grouped._plan_rows_t_kernel, {
+            "X": "*fp8e4nv", "SX": "*fp32", "TOK": "*i32", "QT": "*fp8e4nv", "ST": "*fp32", "OFFS": "*i32",
+            "TILE_E": "*i32", "TILE_ROW": "*i32", "C": i32, "stride_x": i32, "stride_sx": i32, "stride_qt": i32,
+            "stride_st": i32}, {"GATHER": True, "DEQUANT": True, "BC": 32, "TILE": 128}, {"num_warps": 4}),
+        "swiglu + quantize": (fp8_grouped._swiglu_quant_kernel, {
+            "H": "*bf16", "W": "*fp32", "Q": "*fp8e4nv", "S": "*fp32", "M": i32, "I": i32, "stride_h": i32,
+            "stride_q": i32, "stride_s": i32}, {"BR": 16, "TILE": 128}, {"num_warps": 4}),
     }
     rows, ok_all = [], True
     for cap in (89, 90, 120):
