@@ -173,6 +173,7 @@ class _FP8ExpertsTriton(torch.autograd.Function):
         return fp8_autograd.experts_bwd(ctx, experts_backward, dy_TD)
 
 
+@torch.compiler.disable  # (launches its kernels itself, no custom ops yet: under torch.compile a graph break)
 def fp8_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD=None):
     """The triton backend of `kernels.fp8_routed_experts`."""
     return fp8_autograd.run_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, add_TD,
