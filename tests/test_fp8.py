@@ -281,6 +281,8 @@ def _worker() -> None:
             table = _gemm_table(fp8_gemm.gemm, a, b, out_dtype, blocks)
             results[f"gemm_{str(out_dtype)[6:]}_{'blocks' if blocks else 'rows'}"] = {
                 "pass": interpreter.passes(table, atol=1e-6), "table": table}
+    table = _gemm_table(lambda *args: fp8_gemm.gemm(*args, scaled=True), a, b, torch.float32, True)  # (sm_120's)
+    results["gemm_dot_scaled"] = {"pass": interpreter.passes(table, atol=1e-6), "table": table}
     x, w, dy = _spread(3, 50, 300, seed=11), _spread(200, 300, seed=12), _spread(3, 50, 200, seed=13)
     outs = []
     results.update(_grouped_cases())
@@ -306,7 +308,7 @@ def _worker() -> None:
 INTERP_CASES = ([f"{n}{s}" for s in [(130, 300), (5, 40), "ties"]
                  for n in ("rows", "rows_t", "requantize_t", "both", "blocks")]
                 + [f"gemm_{d}_{b}" for d in ("float32", "bfloat16") for b in ("rows", "blocks")]
-                + ["linear_vs_reference", "compile", "grouped_gathered", "grouped_scattered_bf16", "grouped_plan_rows",
+                + ["gemm_dot_scaled", "linear_vs_reference", "compile", "grouped_gathered", "grouped_scattered_bf16", "grouped_plan_rows",
                    "experts_vs_reference"])
 
 
@@ -344,7 +346,8 @@ def test_cuda_gemm_and_linear(M, N, K):
 
 def test_gemm_compiles_for_sm89_and_sm120():
     """The promoted GEMM compiled (not run) for Ada and consumer Blackwell, which no test machine has: FP8 MMAs in
-    the PTX (`benchmarks/fp8.py --only compile` does every kernel for sm_89, sm_90 and sm_120)."""
+    the PTX, on sm_120 the block-scaled one (`benchmarks/fp8.py --only compile` does every kernel for sm_89, sm_90
+    and sm_120)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -353,11 +356,11 @@ def test_gemm_compiles_for_sm89_and_sm120():
 
     sig = {"A": "*fp8e4nv", "SA": "*fp32", "B": "*fp8e4nv", "SB": "*fp32", "C": "*bf16", "M": "i32", "N": "i32",
            "K": "i32", "stride_a": "i32", "stride_b": "i32", "stride_c": "i32", "stride_sa": "i32", "stride_sb": "i32"}
-    const = {"B_BLOCKS": True, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8}
-    for cap in (89, 120):
+    for cap, mma in ((89, "e4m3.e4m3.f32"), (120, "kind::mxf8f6f4")):  # sm_120: the block-scaled MMA (`block_dot`)
+        const = {"B_BLOCKS": True, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "SCALED": cap == 120}
         k = triton.compile(ASTSource(fp8_gemm._gemm_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const),
                            target=GPUTarget("cuda", cap, 32), options={"num_warps": 8, "num_stages": 4})
-        assert "mma.sync" in k.asm["ptx"] and "e4m3" in k.asm["ptx"] and k.asm["cubin"], cap
+        assert "mma.sync" in k.asm["ptx"] and mma in k.asm["ptx"] and k.asm["cubin"], cap
 
 
 # --------------------------------------------------------------------------------------------------- the transform

@@ -29,9 +29,27 @@ INTERPRET_CONFIG = {"BM": 32, "BN": 32, "GROUP_M": 2, "num_warps": 4, "num_stage
 
 
 @triton.jit
+def block_dot(a, b, SCALED: tl.constexpr):
+    """a [BM, BK] @ b [BN, BK]^T, E4M3 in, fp32 out (one K-block: the caller promotes). SCALED: through
+    tl.dot_scaled with unit E8M0 scales (127 = 2^0), which on sm_120 is the block-scaled MMA at full rate where a
+    plain FP8 mma runs at half (triton-lang/triton#11320); the PTX shows `kind::mxf8f6f4` (benchmarks/fp8.py
+    --only compile)."""
+    if SCALED:
+        one_a = tl.full((a.shape[0], a.shape[1] // 32), 127, tl.uint8)
+        one_b = tl.full((b.shape[0], b.shape[1] // 32), 127, tl.uint8)
+        return tl.dot_scaled(a, one_a, "e4m3", tl.trans(b), one_b, "e4m3")
+    return tl.dot(a, tl.trans(b))
+
+
+def scaled_dot(device: torch.device) -> bool:
+    """Whether the GEMMs use `block_dot`'s SCALED form: on sm_12x (consumer Blackwell) only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 12
+
+
+@triton.jit
 def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_sa, stride_sb,
                  B_BLOCKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr):  # fmt: skip
+                 GROUP_M: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     group = pid // (GROUP_M * grid_n)  # GROUP_M row tiles side by side share b's columns in L2
@@ -50,7 +68,7 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_
         k_ok = rk < K - kb * BK
         a = tl.load(a_ptr, mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr, mask=(rn < N)[:, None] & k_ok[None, :], other=0.0)
-        block = tl.dot(a, tl.trans(b))  # this K-block's products, summed by the tensor cores
+        block = block_dot(a, b, SCALED)  # this K-block's products, summed by the tensor cores
         sa = tl.load(SA + rm * stride_sa + kb, mask=rm < M, other=0.0)
         sb = tl.load(SB + sb_row * stride_sb + kb, mask=rn < N, other=0.0)
         acc += block * sa[:, None] * sb[None, :]  # the promotion: scaled, summed in fp32
@@ -61,9 +79,11 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_
 
 
 def gemm(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.Tensor,
-         out_dtype: torch.dtype = torch.float32, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+         out_dtype: torch.dtype = torch.float32, config: dict | None = None,
+         scaled: bool | None = None) -> torch.Tensor:  # fmt: skip
     """a @ b^T -> [M, N] in out_dtype (bf16, fp16 or fp32), from E4M3 a [M, K] and b [N, K] (each K-contiguous),
-    a's 1x128 scales sa [M, KB] and b's scales sb: [N, KB] (1x128 tiles) or [NB, KB] (128x128 blocks)."""
+    a's 1x128 scales sa [M, KB] and b's scales sb: [N, KB] (1x128 tiles) or [NB, KB] (128x128 blocks). scaled:
+    `block_dot`'s tl.dot_scaled form (None: where `scaled_dot` says)."""
     M, K = a_MK.shape
     N = b_NK.shape[0]
     KB = triton.cdiv(K, TILE)
@@ -76,8 +96,8 @@ def gemm(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.
     if sa_MB.shape != (M, KB) or not (blocks or sb.shape == (N, KB)):
         raise ValueError(f"fp8 gemm: scales sa {tuple(sa_MB.shape)} (want ({M}, {KB})) and sb {tuple(sb.shape)} "
                          f"(want ({N}, {KB}) or ({triton.cdiv(N, TILE)}, {KB})) do not fit")
-    if a_MK.device.type == "cpu" and out_dtype != torch.float32:  # Triton's interpreter rounds fp32 to bf16 toward
-        return gemm(a_MK, sa_MB, b_NK, sb, torch.float32, config).to(out_dtype)  # zero (3.9): PyTorch rounds here
+    if a_MK.device.type == "cpu" and out_dtype != torch.float32:  # (the interpreter rounds fp32 to bf16 toward zero,
+        return gemm(a_MK, sa_MB, b_NK, sb, torch.float32, config, scaled).to(out_dtype)  # triton 3.9: PyTorch does)
     sa_MB, sb = sa_MB.contiguous(), sb.contiguous()  # (the kernel steps through a row's scales one by one)
     c = torch.empty(M, N, dtype=out_dtype, device=a_MK.device)
     if M == 0 or N == 0:
@@ -89,7 +109,8 @@ def gemm(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     # (`launch` lowers num_stages where shared memory is short: 4 stages of 128x128 + 128x128 bytes want 128 KB,
     # consumer GPUs (sm_89, sm_120) have ~100)
+    scaled = scaled_dot(a_MK.device) if scaled is None else scaled
     launch(_gemm_kernel, grid, cfg)(a_MK, sa_MB, b_NK, sb, c, M, N, K, a_MK.stride(0), b_NK.stride(0), c.stride(0),
                                     sa_MB.stride(0), sb.stride(0), B_BLOCKS=blocks, BM=BM, BN=BN, BK=TILE,
-                                    GROUP_M=group_m)  # fmt: skip
+                                    GROUP_M=group_m, SCALED=scaled)  # fmt: skip
     return c

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from anyseek.kernels.triton.fp8_gemm import block_dot, scaled_dot
 from anyseek.kernels.triton.fp8_quant import _round_e4m3, _scale_of
 from anyseek.kernels.triton.launch import launch
 
@@ -36,7 +37,7 @@ INTERPRET_CONFIG = {"BN": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 def _grouped_kernel(A, SA, TOK, SLOT, B, SB, C, OFFS, TILE_E, TILE_ROW, n_tiles_m, N, K,
                     stride_a, stride_sa, stride_be, stride_bn, stride_sbe, stride_sbn, stride_c,
                     GATHER: tl.constexpr, SCATTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+                    BK: tl.constexpr, GROUP_M: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BN)
     width = GROUP_M * n_tiles_n  # GROUP_M row tiles side by side share each weight tile in L2
@@ -68,7 +69,7 @@ def _grouped_kernel(A, SA, TOK, SLOT, B, SB, C, OFFS, TILE_E, TILE_ROW, n_tiles_
         k_ok = rk < K - kb * BK
         a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
         b = tl.load(b_ptr, mask=k_ok[None, :], other=0.0)
-        block = tl.dot(a, tl.trans(b))  # this K-block's products, summed by the tensor cores
+        block = block_dot(a, b, SCALED)  # this K-block's products, summed by the tensor cores
         acc += block * tl.load(sa_ptr + kb)[:, None] * tl.load(sb_ptr + kb)[None, :]  # promoted in fp32
         a_ptr += BK
         b_ptr += BK
@@ -113,7 +114,8 @@ def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, s
     launch(_grouped_kernel, (n_m * triton.cdiv(N, BN),), cfg)(
         a_RK, sa_RB, tok, slot, b_ENK, sb_E, c, offs, tile_expert, tile_row, n_m, N, K, a_RK.stride(0),
         sa_RB.stride(0), b_ENK.stride(0), b_ENK.stride(1), sb_E.stride(0), sb_E.stride(1), c.stride(0),
-        GATHER=gather, SCATTER=scatter, BM=block_m, BN=BN, BK=TILE, GROUP_M=group_m)  # fmt: skip
+        GATHER=gather, SCATTER=scatter, BM=block_m, BN=BN, BK=TILE, GROUP_M=group_m,
+        SCALED=scaled_dot(a_RK.device))  # fmt: skip
     return c
 
 
@@ -153,7 +155,7 @@ def _plan_rows_t_kernel(X, SX, TOK, QT, ST, OFFS, TILE_E, TILE_ROW, C, stride_x,
 @triton.jit
 def _wgrad_kernel(AT, SAT, BT, SBT, C, U_FIRST, TILE_ROW, OFFS, N1, N2, stride_a, stride_sa, stride_b, stride_sb,
                   stride_ce, stride_c, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr):  # fmt: skip
+                  GROUP_M: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
     """C[e] = A_e^T B_e in fp32, A^T [N1, M] and B^T [N2, M] in E4M3 with scales per (column, plan tile): the
     reduction runs over expert e's plan tiles, each a 128-wide K-block promoted into fp32 with its scales."""
     pid = tl.program_id(0)
@@ -174,7 +176,7 @@ def _wgrad_kernel(AT, SAT, BT, SBT, C, U_FIRST, TILE_ROW, OFFS, N1, N2, stride_a
         k_ok = (rk < end)[None, :]
         a = tl.load(AT + i_c[:, None] * stride_a + rk[None, :], mask=k_ok, other=0.0)
         b = tl.load(BT + j_c[:, None] * stride_b + rk[None, :], mask=k_ok, other=0.0)
-        block = tl.dot(a, tl.trans(b))
+        block = block_dot(a, b, SCALED)
         acc += block * tl.load(SAT + i_c * stride_sa + u)[:, None] * tl.load(SBT + j_c * stride_sb + u)[None, :]
     c_ptr = C + e.to(tl.int64) * stride_ce + i.to(tl.int64)[:, None] * stride_c + j[None, :]
     tl.store(c_ptr, acc, mask=(i < N1)[:, None] & (j < N2)[None, :])
@@ -222,7 +224,7 @@ def grouped_wgrad(at_N1M: torch.Tensor, sat: torch.Tensor, bt_N2M: torch.Tensor,
     launch(_wgrad_kernel, grid, cfg)(
         at_N1M, sat, bt_N2M, sbt, c, tile_starts(plan, n_experts, block_m), plan[4], plan[2], N1, N2,
         at_N1M.stride(0), sat.stride(0), bt_N2M.stride(0), sbt.stride(0), c.stride(0), c.stride(1),
-        BM=BM, BN=BN, BK=TILE, GROUP_M=group_m)  # fmt: skip
+        BM=BM, BN=BN, BK=TILE, GROUP_M=group_m, SCALED=scaled_dot(at_N1M.device))  # fmt: skip
     return c
 
 
