@@ -1,4 +1,4 @@
-"""`kernels.fp8_linear`'s autograd Function, one for both backends: y = x W^T with DeepSeek-V3's FP8 recipe
+"""`kernels.fp8_linear`'s and `kernels.fp8_routed_experts`' autograd Functions, one body for both backends: y = x W^T with DeepSeek-V3's FP8 recipe
 (`kernels/reference/fp8.py` describes it). A backend is a pair of functions, `linear_forward(x, w, out_dtype) ->
 (y, saved)` and `linear_backward(dy, saved, dx_dtype, want_dx, want_dw) -> (dx, dW in fp32)`, `saved` a tuple of
 tensors only the backend reads: the PyTorch twin's (`reference/fp8.py`, any device) or the Triton kernels' as

@@ -2,23 +2,24 @@
 
     model = FP8().apply(model)     # train.precision = "fp8"
     ...train...
-    model = FP8().revert(model)    # plain nn.Linear layers again, the same weights (export as usual)
+    model = FP8().revert(model)    # plain nn.Linear / Experts again, the same weights (export as usual)
 
 The attention projections (q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj), the dense MLPs and
 the shared experts (gate_proj, up_proj, down_proj) become `FP8Linear`: an nn.Linear holding the same weight
 Parameter under the same name, whose matmul is the seam `kernels.fp8_linear` (E4M3 in 1x128 activation tiles and
 128x128 weight blocks, scales from the current tensors, fp32 promotion every 128 products; Fprop, Dgrad and Wgrad
-in FP8). The routed experts become `FP8Experts` (the same stacked Parameters) through `kernels.fp8_routed_experts`
-(grouped FP8 GEMMs with the routing's gather and scatter; the weighted SwiGLU between them in fp32). Where the model joins two layers into one matmul (q_a|kv_a, gate|up: `model.concat.fused_linear`), the
+in FP8). Where the model joins two layers into one matmul (q_a|kv_a, gate|up: `model.concat.fused_linear`), the
 joined weight goes through `kernels.fp8_linear` as one (its 128x128 blocks cross the boundary between the two
-layers only where a layer's rows are not a multiple of 128).
+layers only where a layer's rows are not a multiple of 128). The routed experts become `FP8Experts` (the same
+stacked Parameters) through `kernels.fp8_routed_experts` (grouped FP8 GEMMs with the routing's gather and
+scatter, the weighted SwiGLU between them in fp32).
 
 What stays in train.dtype (bf16 on a GPU): the embedding, the output head, the router, the norms and attention
 itself; under expert parallelism the routed experts too (its module replaces them and calls
 `kernels.routed_experts`: FP8 dispatch is not built). The weights stay fp32 masters (or the trainer's bf16
 working copy of them), quantized afresh at every forward: checkpoints and export do not change.
 
-FP8 needs E4M3 tensor cores (compute capability 8.9+). Elsewhere an explicit request raises, unless the fp8_linear
+FP8 needs E4M3 tensor cores (compute capability 8.9+). Elsewhere an explicit request raises, unless the FP8 ops'
 backend asked for is the PyTorch emulation (`ANYSEEK_FP8=reference`, `kernels.set_backend("fp8", "reference")`):
 the same quantization, slowly, on any device (for tests).
 """
