@@ -11,7 +11,9 @@
 (f) LoRA, applied from outside the model (transforms/lora.py): `low_rank_linear` (a linear layer with a low-rank term
     beside its frozen weight; `model.concat.fused_linear` calls it for joined layers too) and `lora_routed_experts`
     (the routed experts with per-expert adapters beside the frozen stacks). Both take the frozen weights in 4 bits
-    too (`quantize4` / `dequantize4`, the format in reference/quant4.py; ops quant4_linear, quant4_routed_experts).
+    too (`quantize4` / `dequantize4`, the format in reference/quant4.py; ops quant4_linear, quant4_routed_experts);
+(g) FP8 training, applied from outside the model (transforms/fp8.py): `fp8_linear` (a linear layer in DeepSeek-V3's
+    FP8 recipe; `model.concat.fused_linear` calls it for joined layers too) and `fp8_routed_experts`.
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -344,12 +346,45 @@ def lora_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, A_gu, B_gu, A_dn, B_dn, scale, add_TD)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T (no bias) with DeepSeek-V3's FP8 recipe -> [..., out] in autocast's dtype where autocast is on, else in
+    x's: x [..., in] quantized to E4M3 in 1x128 tiles, W [out, in] (the fp32 master or its bf16 working copy) in
+    128x128 blocks, scales from the current tensors, fp32 promotion every 128 products; backward in FP8 too (Dgrad,
+    and Wgrad in fp32, returned in W's dtype). Used by `transforms.fp8` (`train.precision = "fp8"`); the reference
+    backend emulates the same quantization in PyTorch (`kernels/reference/fp8.py`)."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x [..., in] and weight [out, in] expected, got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    return registry.get("fp8_linear", x)(x, weight)
+
+
+def fp8_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                       gate_up_proj_EFD: torch.Tensor, down_proj_EDI: torch.Tensor,
+                       add_TD: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`routed_experts` (same arguments, same maths, slot id E: no expert) with DeepSeek-V3's FP8 recipe: x per 1x128
+    tile, each expert's weights per 128x128 block, the weighted SwiGLU output per 1x128 tile, grouped GEMMs promoted
+    every 128 products; backward in FP8 too (the weight gradients over each expert's rows in 1x128 tiles along them,
+    fp32, returned in the weights' dtype). Used by `transforms.fp8` (`train.precision = "fp8"`)."""
+    if topk_ids_TK.dim() != 2 or topk_ids_TK.shape != topk_weights_TK.shape or topk_ids_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(f"fp8_routed_experts: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights "
+                         f"{tuple(topk_weights_TK.shape)} must both be [T, K] with T = {x_TD.shape[0]}")
+    E, F, D = gate_up_proj_EFD.shape
+    if D != x_TD.shape[1] or F % 2 or down_proj_EDI.shape != (E, D, F // 2):
+        raise ValueError(f"fp8_routed_experts: gate_up_proj {tuple(gate_up_proj_EFD.shape)} must be [E, 2I, D] and "
+                         f"down_proj {tuple(down_proj_EDI.shape)} [E, D, I] with D = {x_TD.shape[1]}")
+    if add_TD is not None and add_TD.shape != x_TD.shape:
+        raise ValueError(f"fp8_routed_experts: add_TD {tuple(add_TD.shape)} must have x's shape {tuple(x_TD.shape)}")
+    fn = registry.get("fp8_routed_experts", x_TD)
+    return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, add_TD)
+
+
 def sq_norm(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) of a 1-D tensor, accumulated and returned in fp32 (0-dim)."""
     return registry.get("sq_norm", x)(x)
 
 
 __all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "dequantize4", "describe",
-           "grad_destination", "in_features4", "lora_routed_experts", "low_rank_linear", "low_rank_merge",
-           "mla_attention", "mla_decode", "quantize4", "registry", "rms_norm", "rope_rotate", "route_topk",
-           "routed_experts", "set_backend", "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]
+           "fp8_linear", "fp8_routed_experts", "grad_destination", "in_features4", "lora_routed_experts",
+           "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode", "quantize4", "registry", "rms_norm",
+           "rope_rotate", "route_topk", "routed_experts", "set_backend", "set_grad_destination", "sq_norm", "swiglu",
+           "varlen_attention"]

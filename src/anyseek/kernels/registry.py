@@ -12,7 +12,7 @@ an availability check `available(example) -> (ok, reason)` and the device types 
   cross_entropy_rows, `ANYSEEK_ADAMW=name` for the optimizer steps (adamw_flat, sq_norm, adamw_tensors),
   `ANYSEEK_ROUTER=name` for route_topk, `ANYSEEK_LOWRANK=name` for low_rank_merge, `ANYSEEK_LOWRANK_LINEAR=name`
   for low_rank_linear, `ANYSEEK_QUANT4=name` for quant4_linear and quant4_routed_experts (the two seams above given
-  4-bit frozen weights).
+  4-bit frozen weights), `ANYSEEK_FP8=name` for fp8_linear and fp8_routed_experts.
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises
   ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
@@ -55,13 +55,16 @@ ENV_VARS = {
     "low_rank_linear": "ANYSEEK_LOWRANK_LINEAR",  # (its backends are not low_rank_merge's: a variable of its own)
     "quant4_linear": "ANYSEEK_QUANT4",
     "quant4_routed_experts": "ANYSEEK_QUANT4",
+    "fp8_linear": "ANYSEEK_FP8",
+    "fp8_routed_experts": "ANYSEEK_FP8",
 }
 # short names accepted by set_backend for groups of ops
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts", "lora_routed_experts"),
              "norm": ("rms_norm", "add_rms_norm"), "rope": ("rope_rotate",), "swiglu": ("swiglu",),
              "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
              "adamw": ("adamw_flat", "sq_norm", "adamw_tensors"), "router": ("route_topk",),
-             "lowrank": ("low_rank_merge",), "quant4": ("quant4_linear", "quant4_routed_experts")}
+             "lowrank": ("low_rank_merge",), "quant4": ("quant4_linear", "quant4_routed_experts"),
+             "fp8": ("fp8_linear", "fp8_routed_experts")}
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
              "adamw_flat": (1024,), "sq_norm": (1024,), "adamw_tensors": (1024,),
              "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "low_rank_merge": (1536, 7168),
              "lora_routed_experts": (1, 1024), "low_rank_linear": (1, 7168), "quant4_linear": (1, 2048),
-             "quant4_routed_experts": (1, 2048)}
+             "quant4_routed_experts": (1, 2048), "fp8_linear": (1, 7168), "fp8_routed_experts": (1, 1024)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
 
@@ -297,6 +300,17 @@ def _register_defaults() -> None:
     register("quant4_routed_experts", Backend(
         "reference", _lazy("anyseek.kernels.reference.quant4.lora_routed_experts"),
         _always("pure PyTorch (the stacks dequantized, then the reference LoRA experts)")))
+    # FP8 training's linear layers and routed experts (transforms/fp8.py): Triton quantize and promoted-GEMM kernels
+    # on GPUs with FP8 tensor cores (kernels/ops/fp8.py), the PyTorch emulation of the same recipe elsewhere
+    # (kernels/fp8.py)
+    register("fp8_linear", Backend("triton", _lazy("anyseek.kernels.ops.fp8.fp8_linear"),
+                                   _lazy_check("anyseek.kernels.triton.check.fp8_available"), ("cuda",)))
+    register("fp8_linear", Backend("reference", _lazy("anyseek.kernels.fp8.fp8_linear_reference"),
+                                   _always("pure PyTorch emulation (E4M3 casts, a matmul per 128-wide K-block)")))
+    register("fp8_routed_experts", Backend("triton", _lazy("anyseek.kernels.ops.fp8.fp8_routed_experts"),
+                                           _lazy_check("anyseek.kernels.triton.check.fp8_available"), ("cuda",)))
+    register("fp8_routed_experts", Backend("reference", _lazy("anyseek.kernels.fp8.fp8_routed_experts_reference"),
+                                           _always("pure PyTorch emulation (a loop over experts)")))
     register("mla_decode", Backend("triton", _lazy("anyseek.kernels.triton.mla_decode.mla_decode"),
                                    _lazy_check("anyseek.kernels.triton.mla_decode.available"), ("cuda",)))
     register("mla_decode", Backend("reference", _lazy("anyseek.kernels.reference.decode.mla_decode"),

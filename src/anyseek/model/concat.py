@@ -73,12 +73,17 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
     `fused_weight` (the weight to join) and `fused_low_rank` (None, or (A [r, in], B [out, r], dropout or None,
     scale)); a plain nn.Linear has neither. The low-rank terms join too: A's stacked (one narrow matmul reads x),
     each B added into its layer's own output columns, in one `kernels.low_rank_linear` (the layers share one dropout
-    mask on their common input)."""
+    mask on their common input). A layer may also bring the matmul itself, `fused_matmul(x, w)` (FP8 training's
+    `kernels.fp8_linear`, applied from outside): the joined layers then must all bring the same one."""
     ws = [m.fused_weight if hasattr(m, "fused_weight") else m.weight for m in layers]  # (LoRA's .weight merges)
     lows = [getattr(m, "fused_low_rank", None) for m in layers]
     w = cat_rows(ws)
     if all(lo is None for lo in lows):
-        return F.linear(x, w)
+        matmul = getattr(layers[0], "fused_matmul", None)  # FP8 training's layers bring their own (transforms/fp8.py)
+        if any(getattr(m, "fused_matmul", None) is not matmul for m in layers[1:]):
+            raise ValueError(f"fused_linear: layers {[type(m).__name__ for m in layers]} multiply differently "
+                             "(a transform must convert all the layers that the model joins, or none)")
+        return F.linear(x, w) if matmul is None else matmul(x, w)
     starts = [0]
     for wi in ws[:-1]:
         starts.append(starts[-1] + wi.shape[0])

@@ -123,6 +123,11 @@ class TrainConfig:
     # 16: the frozen base as lora_base_dtype says; 4: every weight LoRA targets (routed experts included) held in 4
     # bits, NF4 with per-64 bf16 scales (kernels/reference/quant4.py), the embedding and the output head in bf16
     base_bits: int = 16
+    # "fp8": DeepSeek-V3's FP8 training recipe for the attention projections, dense MLPs, shared and routed experts
+    # (anyseek.transforms.fp8; embedding, head, router, norms and attention stay in train.dtype); "bf16": none (every
+    # matmul in train.dtype). fp8 needs a GPU of compute capability 8.9+ (or ANYSEEK_FP8=reference: the PyTorch
+    # emulation, for tests)
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         _positive(self, "max_steps", "grad_accum", "log_every", "eval_every", "save_every", "keep_last",
@@ -163,6 +168,11 @@ class TrainConfig:
         for name in ("mtp_loss_weight_schedule", "bias_update_speed_schedule"):
             _check_schedule(f"train.{name}", getattr(self, name))
         _check_lora(self)
+        if self.precision not in ("bf16", "fp8"):
+            raise ConfigError(f"train.precision must be bf16 or fp8, got {self.precision!r}")
+        if self.precision == "fp8" and self.lora_rank:
+            raise ConfigError("train.precision=fp8 trains full weights; with LoRA (train.lora_rank > 0) the base is "
+                              "frozen: use train.precision=bf16")
 
 
 @dataclass

@@ -14,8 +14,8 @@ trains (LoRA: its adapters over the recorded base, `anyseek.checkpoint.adapters`
 
     lora.py   LoRA: the base frozen (bf16 on a GPU, or its targets in 4 bits: `train.base_bits = 4`), low-rank
               adapters trained (`train.lora_*`)
-
-Planned here, by the same protocol: FP8 training (DeepSeek-V3's recipe, `train.precision = "fp8"`).
+    fp8.py    FP8 training, DeepSeek-V3's recipe, for the attention projections, dense MLPs, shared and routed
+              experts (`train.precision = "fp8"`)
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from anyseek.transforms.fp8 import FP8
 from anyseek.transforms.lora import LoRA, LoRASpec
 
-__all__ = ["LoRA", "LoRASpec", "Transform", "for_run"]
+__all__ = ["FP8", "LoRA", "LoRASpec", "Transform", "for_run"]
 
 
 class Transform(Protocol):
@@ -48,6 +49,8 @@ def for_run(train, autocast_dtype: torch.dtype | None) -> list[Transform]:
     out: list[Transform] = []
     if train.lora_rank:
         out.append(LoRA(LoRASpec.from_train(train), lora_base_dtype(train.lora_base_dtype, autocast_dtype)))
+    if train.precision == "fp8":
+        out.append(FP8())
     return out
 
 

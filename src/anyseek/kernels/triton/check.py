@@ -45,3 +45,14 @@ def moe_available(example: torch.Tensor) -> tuple[bool, str]:
     from anyseek.kernels.triton.moe_family import why
 
     return True, f"{reason}: {why(torch.cuda.get_device_capability(example.device))}"
+
+
+def fp8_available(example: torch.Tensor) -> tuple[bool, str]:
+    """(ok, reason) for the Triton FP8 kernels (`kernels.fp8_linear`): E4M3 tensor cores, compute capability 8.9+."""
+    ok, reason = available(example.reshape(-1)[:1])
+    if not ok or example.device.type != "cuda":
+        return ok, reason
+    major, minor = torch.cuda.get_device_capability(example.device)
+    if (major, minor) < (8, 9):
+        return False, f"compute capability {major}.{minor} has no FP8 tensor cores (needs 8.9+: Ada, Hopper, Blackwell)"
+    return True, f"{reason} (E4M3 tensor cores)"
