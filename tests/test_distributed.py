@@ -103,10 +103,11 @@ def test_expert_parallel_run_equals_data_parallel(runs, data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factor, overflows", [(0, 0), (0.5, N)])
+@pytest.mark.parametrize("factor, overflows", [(0, [0]), (0.5, [1, 2, 3])])
 def test_fixed_shape_expert_dispatch_equals_data_parallel(runs, data_dir, factor, overflows):
-    """parallel.ep_dispatch=fixed: the worst-case capacity never overflows; half the fair share overflows at every
-    step, which then runs again on the exact dispatch: the steps applied are the same either way."""
+    """parallel.ep_dispatch=fixed: the worst-case capacity never overflows; half the fair share overflows at the
+    first step, which then runs again on the exact dispatch, and C grows past what the fullest pair needed, so few
+    later steps overflow (without the growth all 20 would): the steps applied are the same either way."""
     out = runs / f"ep-fixed-{factor}"
     overrides = [*STEPS, "--parallel.ep=2", "--parallel.ep_dispatch=fixed", f"--parallel.ep_capacity_factor={factor}"]
     assert spawn(train_ranks, str(data_dir), str(out), overrides, False) == [0, 0]
@@ -114,7 +115,7 @@ def test_fixed_shape_expert_dispatch_equals_data_parallel(runs, data_dir, factor
     assert list(ep) == list(dp)
     for step in dp:
         assert ep[step] == pytest.approx(dp[step], rel=1e-5), step
-    assert json.loads((out / "graphs.json").read_text())["overflows"] == overflows
+    assert json.loads((out / "graphs.json").read_text())["overflows"] in overflows
 
 
 @pytest.mark.slow

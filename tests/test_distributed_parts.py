@@ -69,13 +69,14 @@ def _expert_parallel_equals_local() -> None:
             torch.testing.assert_close(s_ep.grad, s_ref.grad, rtol=1e-5, atol=1e-6)
             for full_grad, mine in ((gu_ref.grad, gu_ep.grad), (d_ref.grad, d_ep.grad)):
                 torch.testing.assert_close(mine, full_grad[rank * 3:(rank + 1) * 3], rtol=1e-5, atol=1e-6)
-        # one row short of the largest pair: every rank sees the overflow after the step's all-reduce
-        overflow = torch.zeros((), dtype=torch.bool)
+        # one row short of the largest pair: every rank sees the overflow after the step's all-reduce, and the rows
+        # the fullest pair needed (what C must be)
+        overflow, peak = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
         dispatch_combine_fixed(x, ids, w, gate_up[rank * 3:(rank + 1) * 3], down[rank * 3:(rank + 1) * 3],
-                               dist.group.WORLD, tight - 1, overflow)
-        flag = overflow.float().reshape(1)
+                               dist.group.WORLD, tight - 1, overflow, peak=peak)
+        flag = torch.stack([overflow.float(), peak.float()])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        assert flag.item() == 1.0
+        assert flag.tolist() == [1.0, float(tight)]
 
 
 def _collectives(result: str) -> None:

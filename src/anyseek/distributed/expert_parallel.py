@@ -134,11 +134,13 @@ def dispatch_combine_fixed(
     overflow: torch.Tensor,
     add_TD=None,
     overlap: bool = True,
+    peak: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`dispatch_combine` in fixed shapes, without a host sync: `capacity` (C) rows for each (source, destination)
     pair; `overflow` (a device scalar) is raised where a pair needs more (the rows past C are not computed).
     add_TD (a [T, D] tensor, or a function computing it: the shared experts) is added to the output; with `overlap`
-    it is computed while the rows travel, and its backward runs while their gradients travel back."""
+    it is computed while the rows travel, and its backward runs while their gradients travel back. peak (an int64
+    device scalar): raised to the most rows this rank sends any other (what C would have to be)."""
     T, K = topk_ids_TK.shape
     ep, E_loc, C, D = dist.get_world_size(group), gate_up_local.shape[0], capacity, x_TD.shape[1]
     dev = x_TD.device
@@ -153,6 +155,8 @@ def dispatch_combine_fixed(
     pos_M = torch.arange(M, device=dev) - (to_rank_R.cumsum(0) - to_rank_R).index_select(0, dest_M)
     keep_M = pos_M < C
     overflow.logical_or_(~keep_M.all())
+    if peak is not None:
+        torch.maximum(peak, to_rank_R.max(), out=peak)
     at_M = torch.where(keep_M, dest_M * C + pos_M, ep * C)  # a slot past its pair's C rows: the spare row ep*C
     # each slot's row in the [ep*C] exchange buffers, in slot order (t*K + k), and each buffer row's token
     at_slot_M = torch.empty_like(at_M).index_copy_(0, order_M, at_M).clamp_(max=ep * C - 1)
@@ -206,15 +210,19 @@ class Dispatch:
     micro-batches, which C was sized for) `capacity` C rows per (source, destination) pair (`dispatch_combine_fixed`:
     no host sync); elsewhere (evaluation, sampling, a step run again after an overflow), or with capacity None,
     exact splits read on the host (`dispatch_combine`). `overflow`: raised on the device by a fixed-shape dispatch
-    that needed more than C rows, until `reset`."""
+    that needed more than C rows, until `reset`; `peak`: the most rows any pair needed meanwhile (an overflow's
+    caller may raise C to it: `capacity` is read at each call, the shapes of graphs captured before do not change)."""
 
     def __init__(self, device: torch.device, capacity: int | None = None, overlap: bool = True):
         self.capacity, self.overlap = capacity, overlap
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
+        self.peak = torch.zeros((), dtype=torch.int64, device=device)  # the most rows a pair needed since `reset`
+        self.worst: int | None = None  # the C that never overflows (set by the trainer's `parallelize`)
         self._on = False
 
     def reset(self) -> None:
         self.overflow.zero_()
+        self.peak.zero_()
 
     @contextlib.contextmanager
     def fixed_shapes(self):
@@ -293,7 +301,7 @@ class ExpertParallelExperts(nn.Module):
         group, d = self.mesh.get_group("ep"), self.dispatch
         if d is not None and d.fixed:
             return dispatch_combine_fixed(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group, d.capacity,
-                                          d.overflow, add_TD, d.overlap)
+                                          d.overflow, add_TD, d.overlap, d.peak)
         y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group)
         add_TD = addend(add_TD)
         return y_TD if add_TD is None else y_TD + add_TD

@@ -190,6 +190,9 @@ class ParallelConfig:
     # fixed: the shared experts compute while the dispatch's rows travel (forward), and their backward while the rows'
     # gradients travel back; false: each exchange waited for where it is issued (the same numbers either way)
     ep_overlap: bool = True
+    # fixed: after an overflow C grows to 1.25x the rows the fullest pair needed (at most the worst case), and the
+    # CUDA graphs are captured again; false: C stays, and every step that overflows runs again on the exact dispatch
+    ep_capacity_growth: bool = True
     backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
     param_dtype: str = "auto"  # FSDP2 compute copy of the weights: auto (bf16 when autocast is bf16), bf16, fp32
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 or bf16

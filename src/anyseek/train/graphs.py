@@ -168,6 +168,14 @@ class StepGraphs:
         self._drop_graphs()
         self.enabled = False
 
+    def forget(self) -> None:
+        """Delete every graph (what they captured has changed shape: expert parallelism's C grew); the next batches
+        are captured again, the memory check measured anew."""
+        if self.enabled:
+            self._drop_graphs()
+            self.pool = torch.cuda.graph_pool_handle()
+            self.cost = None
+
     def _drop_graphs(self) -> None:
         """Delete every graph and give their memory back to the device."""
         torch.cuda.synchronize(self.device)

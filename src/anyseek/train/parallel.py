@@ -99,6 +99,8 @@ class Parallel:
                 capacity = capacity_rows(tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep,
                                          self.cfg.ep_capacity_factor)
             self.dispatch = Dispatch(self.device, capacity, overlap=self.cfg.ep_overlap)
+            if capacity is not None:
+                self.dispatch.worst = capacity_rows(tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep, 0)
             self.expert_params = apply_ep(model, self.ep_mesh, self.dispatch)
         compute = compute_dtype(self.cfg.param_dtype, autocast_dtype)
         shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)
@@ -116,15 +118,26 @@ class Parallel:
         return self.cfg.ep > 1 and (mode == "fixed" or (mode == "auto" and self.device.type == "cuda"))
 
     def ep_overflow(self) -> torch.Tensor | None:
-        """Whether any rank's fixed-shape dispatch overflowed in this step (a device scalar, 1.0 if so; one
-        all-reduce, no host sync); None without a fixed-shape dispatch. Zeroed again by `ep_reset`."""
+        """[whether any rank's fixed-shape dispatch overflowed in this step (1.0 if so), the most rows any pair of
+        ranks needed] on the device (one all-reduce, no host sync); None without a fixed-shape dispatch. Zeroed
+        again by `ep_reset`."""
         if self.dispatch is None or self.dispatch.capacity is None:
             return None
         import torch.distributed as dist
 
-        flag = self.dispatch.overflow.float().reshape(1)
+        flag = torch.stack([self.dispatch.overflow.float(), self.dispatch.peak.float()])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.reshape(())
+        return flag
+
+    def ep_grow(self, needed: float) -> int | None:
+        """After an overflow (`parallel.ep_capacity_growth`): C raised to 1.25x the most rows a pair needed (the same
+        on every rank: `needed` is the all-reduced peak), rounded up to 16, at most the worst case; the new C, or
+        None where it does not grow."""
+        d = self.dispatch
+        if not self.cfg.ep_capacity_growth or d is None or d.capacity is None or d.capacity >= d.worst:
+            return None
+        d.capacity = min(d.worst, -(-math.ceil(1.25 * needed) // 16) * 16)
+        return d.capacity
 
     def ep_reset(self) -> None:
         if self.dispatch is not None and self.dispatch.capacity is not None:

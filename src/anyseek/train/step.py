@@ -71,6 +71,7 @@ class StepStats:
 
 _TOKENS, _STOP = "tokens (all ranks)", "stop requests (all ranks)"  # read back with a step's verdict
 _OVERFLOW = "expert dispatch overflow (any rank)"  # read back with the verdict where the dispatch has fixed shapes
+_PEAK = "expert dispatch peak rows (any pair)"  # with it: the most rows a pair of ranks needed
 
 
 @dataclass
@@ -200,7 +201,7 @@ class StepEngine:
         if gated:
             bad = ~torch.isfinite(loss + grad_norm)  # grad_norm >= 0: the sum is finite iff both are
             if overflow is not None:
-                bad = bad | (overflow > 0)
+                bad = bad | (overflow[0] > 0)
             self._halt.masked_fill_(bad, 1.0)
             set_lr(self.optimizer, lr)
             self.optimizer.step()  # reads `_halt` (FlatAdamW.skip, found_inf): nothing changes once halted
@@ -214,8 +215,8 @@ class StepEngine:
             names += [_TOKENS, _STOP]
             values = torch.cat([values.double(), stats.global_counts.double()])
         if overflow is not None:
-            names.append(_OVERFLOW)
-            values = torch.cat([values, overflow.to(values.dtype).reshape(1)])
+            names += [_OVERFLOW, _PEAK]
+            values = torch.cat([values, overflow.to(values.dtype)])
         event = None
         if values.is_cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -244,8 +245,9 @@ class StepEngine:
             stats.tokens, stats.stop_requested = int(v.pop(_TOKENS)), v.pop(_STOP) > 0
             stats.global_counts = None
         self.stop_agreed = stats.stop_requested  # (summed over the ranks; one process: this process's own)
+        needed = v.pop(_PEAK, 0.0)
         if v.pop(_OVERFLOW, 0.0) > 0:
-            return self._run_exact(item)
+            return self._run_exact(item, needed)
         if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
             if item.gated:
                 self._uncount()
@@ -276,22 +278,31 @@ class StepEngine:
                        item.launched_at)
 
 
-    def _run_exact(self, item: _InFlight) -> Outcome:
-        """A step whose fixed-shape expert dispatch overflowed (some pair of ranks needed more than its C rows; every
-        rank read the same flag): nothing of it was applied (gated: the device halted it and the steps queued
-        behind it). Run it again from its batches on the exact dispatch, eagerly, as the step it is."""
+    def _run_exact(self, item: _InFlight, needed: float) -> Outcome:
+        """A step whose fixed-shape expert dispatch overflowed (a pair of ranks needed `needed` rows, more than its
+        C; every rank read the same numbers): nothing of it was applied (gated: the device halted it and the steps
+        queued behind it). Run it again from its batches on the exact dispatch, eagerly, as the step it is; then,
+        with parallel.ep_capacity_growth, C grows past `needed` (the graphs, captured with the old C, are captured
+        again), so that a routing still finding its balance does not run every step twice."""
         if item.gated:
             self._uncount()
             self._halt.zero_()
         self._zero_grads()
         self.overflows += 1
+        old = self.par.dispatch.capacity
         self.log(f"note: step {self.step + 1}: expert parallelism's fixed-shape dispatch overflowed (a pair of ranks "
-                 f"needed more than {self.par.dispatch.capacity} rows); the step runs again on the exact dispatch "
-                 f"({self.overflows} so far; raise parallel.ep_capacity_factor if this is frequent)")
+                 f"needed {needed:.0f} rows, more than {old}); the step runs again on the exact dispatch "
+                 f"({self.overflows} so far)")
         again = self._launch(self._accumulate(iter(item.stats.batches), self.tokens_seen, exact=True),
                              lr_at(self.step, self.cfg.train), self.tokens_seen, gated=item.gated)
         done = self._settle(again)
         done.halted = done.halted or item.gated
+        grown = self.par.ep_grow(needed)
+        if grown is not None:
+            if self.graphs is not None:
+                self.graphs.forget()
+            self.log(f"note: parallel.ep_capacity_growth: C {old} -> {grown} rows per pair of ranks from step "
+                     f"{self.step + 1} (CUDA graphs captured again)")
         return done
 
     def _apply(self, stats: StepStats) -> tuple[bool, float, float]:
