@@ -25,6 +25,7 @@ import json
 import time
 
 import torch
+from finetune_memory import batch  # (beside this script: its folder is sys.path[0])
 
 from anyseek.kernels.reference import quant4 as ref4
 from anyseek.model.config import ModelConfig
@@ -38,13 +39,14 @@ from anyseek.transforms import lora as lora_lib
 GiB = 1 << 30
 
 
-def batch(vocab: int, tokens: int, seqlen: int, device):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (tokens,), generator=g)
-    targets = torch.roll(ids, -1)
-    cu = torch.arange(0, tokens + 1, seqlen, dtype=torch.int32)
-    targets[cu[1:] - 1] = -100
-    return ids.to(device), targets.to(device), cu.to(device)
+def timed(step, steps: int) -> tuple[float, float]:
+    """(ms per step over `steps` steps, the last step's loss)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        last = step()
+    last = float(last.detach())
+    return (time.perf_counter() - t0) / steps * 1e3, last
 
 
 # ---------------------------------------------------------------- correctness first
@@ -167,12 +169,7 @@ def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int,
 
     first = float(step().detach())
     step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        last = step()
-    last = float(last.detach())
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    ms, last = timed(step, steps)
     est = estimate(mc, run_cfg, spec, torch.bfloat16, autocast=True, triton_experts=True)
     row = {"mode": f"anyseek LoRA r16, {'4-bit NF4' if base_bits == 4 else 'bf16'} base", "resident_GiB":
            resident / GiB, "build_peak_reserved_GiB": build_peak / GiB,
@@ -227,12 +224,7 @@ def peer_row(mc: ModelConfig, dev: torch.device, tokens: int, seqlen: int, steps
         return loss
 
     first = float(step().detach())
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        last = step()
-    last = float(last.detach())
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    ms, last = timed(step, steps)
     row = {"mode": "transformers + PEFT + bitsandbytes 4-bit", "resident_GiB": resident / GiB,
            "peak_alloc_GiB": torch.cuda.max_memory_allocated() / GiB,
            "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "ms_per_step": ms,

@@ -40,17 +40,15 @@ class HostBuffers:
         """`tree` (dicts, lists and tuples of tensors and plain values) with every tensor copied (`copy`), named by
         its path; a DTensor becomes a DTensor of the same mesh and placements over the host copy of its local shard
         (what torch.distributed.checkpoint writes: this rank's shard and where it sits)."""
-        if isinstance(tree, dict):
-            return {k: self.copy_tree(v, f"{name}/{k}") for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self.copy_tree(v, f"{name}/{i}") for i, v in enumerate(tree))
-        if not isinstance(tree, torch.Tensor):
-            return tree
-        if type(tree) is not torch.Tensor and _is_dtensor(tree):
-            from torch.distributed.tensor import DTensor
 
-            return DTensor(self.copy(name, tree.to_local()), tree._spec, requires_grad=False)
-        return self.copy(name, tree)
+        def leaf(path: str, t: torch.Tensor):
+            if type(t) is not torch.Tensor and _is_dtensor(t):
+                from torch.distributed.tensor import DTensor
+
+                return DTensor(self.copy(path, t.to_local()), t._spec, requires_grad=False)
+            return self.copy(path, t)
+
+        return _map_tensors(tree, name, leaf)
 
     def _buffer(self, name: str, shape: torch.Size, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -65,14 +63,14 @@ class HostBuffers:
     def specs(self, tree: Any, name: str = "") -> list[tuple[str, torch.Size, torch.dtype, bool]]:
         """(name, shape, dtype, on a GPU) of every buffer `copy_tree(tree, name)` would use (a DTensor: its local
         shard), for `reserve`."""
-        if isinstance(tree, dict):
-            return [s for k, v in tree.items() for s in self.specs(v, f"{name}/{k}")]
-        if isinstance(tree, (list, tuple)):
-            return [s for i, v in enumerate(tree) for s in self.specs(v, f"{name}/{i}")]
-        if not isinstance(tree, torch.Tensor):
-            return []
-        t = tree.to_local() if type(tree) is not torch.Tensor and _is_dtensor(tree) else tree
-        return [(name, t.shape, t.dtype, t.is_cuda)]
+        out = []
+
+        def leaf(path: str, t: torch.Tensor) -> None:
+            t = t.to_local() if type(t) is not torch.Tensor and _is_dtensor(t) else t
+            out.append((path, t.shape, t.dtype, t.is_cuda))
+
+        _map_tensors(tree, name, leaf)
+        return out
 
     def reserve(self, specs: list[tuple[str, torch.Size, torch.dtype, bool]]) -> None:
         """Make (and page-lock) the buffers of `specs` ahead of the first copy: a 16B model's 43 GiB a rank took
@@ -89,6 +87,16 @@ class HostBuffers:
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
+
+
+def _map_tensors(tree: Any, name: str, leaf) -> Any:
+    """`tree` with every tensor t at path p replaced by leaf(p, t); dicts, lists and tuples rebuilt, other values
+    kept. Paths are "/"-joined keys and indices after `name`."""
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, f"{name}/{k}", leaf) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(v, f"{name}/{i}", leaf) for i, v in enumerate(tree))
+    return leaf(name, tree) if isinstance(tree, torch.Tensor) else tree
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -123,6 +123,18 @@ class _Wait(torch.autograd.Function):
         return (None, *f.grads)  # not yet arrived: `_Start.backward`, their only reader, waits first
 
 
+def _count_slots(topk_ids_TK: torch.Tensor, E: int, group):
+    """Both dispatches' start: the T*K slots (ids_M), their order by expert (hence by owning rank), this rank's
+    count per expert [E], and what every source sends each of my experts ([ep sources x E_loc], one all-to-all of
+    equal splits: no host sync)."""
+    ids_M = topk_ids_TK.reshape(-1)
+    order_M = torch.argsort(ids_M, stable=True)
+    counts_E = torch.zeros(E, dtype=torch.int64, device=ids_M.device).index_add_(0, ids_M, torch.ones_like(ids_M))
+    recv_counts_E = torch.empty_like(counts_E)
+    dist.all_to_all_single(recv_counts_E, counts_E, group=group)
+    return ids_M, order_M, counts_E, recv_counts_E
+
+
 def dispatch_combine_fixed(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -142,14 +154,10 @@ def dispatch_combine_fixed(
     it is computed while the rows travel, and its backward runs while their gradients travel back. peak (an int64
     device scalar): raised to the most rows this rank sends any other (what C would have to be)."""
     T, K = topk_ids_TK.shape
-    ep, E_loc, C, D = dist.get_world_size(group), gate_up_local.shape[0], capacity, x_TD.shape[1]
+    ep, E_loc, C = dist.get_world_size(group), gate_up_local.shape[0], capacity
     dev = x_TD.device
-    ids_M = topk_ids_TK.reshape(-1)
+    ids_M, order_M, counts_E, recv_counts_E = _count_slots(topk_ids_TK, ep * E_loc, group)
     M = ids_M.numel()
-    order_M = torch.argsort(ids_M, stable=True)  # slots grouped by expert, hence by owning rank
-    counts_E = torch.zeros(ep * E_loc, dtype=torch.int64, device=dev).index_add_(0, ids_M, torch.ones_like(ids_M))
-    recv_counts_E = torch.empty_like(counts_E)  # [ep sources x E_loc of my experts]
-    dist.all_to_all_single(recv_counts_E, counts_E, group=group)  # equal splits: no host sync
     to_rank_R = counts_E.view(ep, E_loc).sum(1)
     dest_M = ids_M.index_select(0, order_M) // E_loc  # the owning rank of each sorted slot
     pos_M = torch.arange(M, device=dev) - (to_rank_R.cumsum(0) - to_rank_R).index_select(0, dest_M)
@@ -213,11 +221,12 @@ class Dispatch:
     that needed more than C rows, until `reset`; `peak`: the most rows any pair needed meanwhile (an overflow's
     caller may raise C to it: `capacity` is read at each call, the shapes of graphs captured before do not change)."""
 
-    def __init__(self, device: torch.device, capacity: int | None = None, overlap: bool = True):
-        self.capacity, self.overlap = capacity, overlap
+    def __init__(self, device: torch.device, capacity: int | None = None, overlap: bool = True,
+                 worst: int | None = None):
+        """worst: the C that never overflows (what C may grow to)."""
+        self.capacity, self.overlap, self.worst = capacity, overlap, worst
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
         self.peak = torch.zeros((), dtype=torch.int64, device=device)  # the most rows a pair needed since `reset`
-        self.worst: int | None = None  # the C that never overflows (set by the trainer's `parallelize`)
         self._on = False
 
     def reset(self) -> None:
@@ -260,12 +269,7 @@ def dispatch_combine(
     x's dtype. Every rank of `group` must call it (with its own tokens, possibly none)."""
     T, K = topk_ids_TK.shape
     ep, E_loc = dist.get_world_size(group), gate_up_local.shape[0]
-    ids_M = topk_ids_TK.reshape(-1)
-    order_M = torch.argsort(ids_M, stable=True)  # slots grouped by expert, hence by owning rank
-    counts_E = torch.zeros(ep * E_loc, dtype=torch.int64, device=x_TD.device)
-    counts_E.index_add_(0, ids_M, torch.ones_like(ids_M))
-    recv_counts_E = torch.empty_like(counts_E)  # [ep sources x E_loc of my experts]
-    dist.all_to_all_single(recv_counts_E, counts_E, group=group)
+    _, order_M, counts_E, recv_counts_E = _count_slots(topk_ids_TK, ep * E_loc, group)
     splits = torch.stack([counts_E.view(ep, E_loc).sum(1), recv_counts_E.view(ep, E_loc).sum(1)]).tolist()
     in_splits, out_splits = splits  # the host sync: Python ints for the row exchange
     rows_MD = x_TD.index_select(0, order_M // K)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from anyseek.kernels.torch_lowrank import apply_flat
+
 MM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -61,14 +63,7 @@ def quant4_low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B,
                            scale: float, mm_wt: MM, mm_w: MM) -> torch.Tensor:  # fmt: skip
     """x [..., in] -> [..., out] through `Quant4LowRank` in autocast's dtype where it is on, else x's; W packed
     [out, 17 in / 32] (the seam checked the shapes)."""
-    kind = x.device.type
-    dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    blocks = [(0, B)] if torch.is_tensor(B) else list(B)
-    flat = [None if t is None else t.reshape(-1, t.shape[-1]).to(dt) for t in (x, xd)]
-    with torch.autocast(kind, enabled=False):
-        y = Quant4LowRank.apply(flat[0], W.detach(), A.to(dt), flat[1], float(scale), tuple(at for at, _ in blocks),
-                                mm_wt, mm_w, *(b.to(dt) for _, b in blocks))  # fmt: skip
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], W.shape[0])
+    return apply_flat(Quant4LowRank, x, lambda dt: W.detach(), A, B, xd, scale, (mm_wt, mm_w))
 
 
 __all__ = ["Quant4LowRank", "quant4_low_rank_linear"]

@@ -122,13 +122,22 @@ def low_rank_linear(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B, xd: to
     """The `torch` backend of `kernels.low_rank_linear` (shapes, blocks and dtypes there; the seam checked them):
     x W^T + scale (xd A^T) B^T through `_LowRankLinear`, the term added to the output or through a merged weight
     formed for each matmul."""
+    return apply_flat(_LowRankLinear, x, lambda dt: W.to(dt), A, B, xd, scale)
+
+
+def apply_flat(function, x: torch.Tensor, weight, A: torch.Tensor, B, xd: torch.Tensor | None, scale: float,
+               extra: tuple = ()) -> torch.Tensor:  # fmt: skip
+    """A low-rank linear Function applied as the backends share it: in autocast's dtype where it is on (else x's),
+    x and xd flattened to 2-D, B's blocks as (start, B) pairs; function.apply(x, weight(dt), A, xd, scale, starts,
+    *extra, *Bs) -> y, viewed back to x's leading dims."""
     kind = x.device.type
     dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     blocks = [(0, B)] if torch.is_tensor(B) else list(B)
     flat = [None if t is None else t.reshape(-1, t.shape[-1]).to(dt) for t in (x, xd)]
     with torch.autocast(kind, enabled=False):
-        y = _LowRankLinear.apply(flat[0], W.to(dt), A.to(dt), flat[1], float(scale), tuple(at for at, _ in blocks),
-                                 *(b.to(dt) for _, b in blocks))  # fmt: skip
+        W = weight(dt)
+        y = function.apply(flat[0], W, A.to(dt), flat[1], float(scale), tuple(at for at, _ in blocks), *extra,
+                           *(b.to(dt) for _, b in blocks))  # fmt: skip
     # 2-D x: y itself, not a view of it. An in-place op on a view of a Function's output (rope_tail_ on q_b's output)
     # makes autograd copy the whole gradient back through CopySlices (~1.4 ms a step on `small` at 8k tokens)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], W.shape[0])

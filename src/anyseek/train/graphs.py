@@ -173,11 +173,11 @@ class StepGraphs:
         are captured again, the memory check measured anew."""
         if self.enabled:
             self._drop_graphs()
-            self.pool = torch.cuda.graph_pool_handle()
             self.cost = None
 
     def _drop_graphs(self) -> None:
-        """Delete every graph and give their memory back to the device."""
+        """Delete every graph and give their memory back to the device; later captures go to a new pool (capturing
+        into the emptied one failed an allocator assert, torch 2.11)."""
         torch.cuda.synchronize(self.device)
         for g in self.graphs.values():
             if g.graph is not None:
@@ -187,6 +187,7 @@ class StepGraphs:
         self.stand_ins.clear()
         gc.collect()  # (an exception's frames may still hold a failed capture's tensors)
         torch.cuda.empty_cache()
+        self.pool = torch.cuda.graph_pool_handle()
 
     def _room(self) -> bool:
         """Whether the GPU has memory for one more graph: its warm-up and its pool (`cost`, as the first one took)
@@ -210,8 +211,7 @@ class StepGraphs:
         self.log(f"CUDA graphs: one graph for every batch shape from now on: another would need "
                  f"{self.cost / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free")
         self._drop_graphs()
-        self.pool = torch.cuda.graph_pool_handle()  # (the old pool is gone with its graphs: capturing into it again
-        self.one_shape = True                         # failed an allocator assert, torch 2.11)
+        self.one_shape = True
 
     def _capture(self, g: _Graph) -> None:
         """Record (not run) the micro-batch on g's buffers. The step's gradients so far stay as they are."""

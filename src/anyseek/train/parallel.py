@@ -93,14 +93,12 @@ class Parallel:
         if self.ep_mesh is not None:
             from anyseek.distributed.expert_parallel import Dispatch, apply_ep, capacity_rows
 
-            capacity = None
+            capacity = worst = None
             if self.ep_fixed and tokens:
                 moe = model.moe_layers()[0]
-                capacity = capacity_rows(tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep,
-                                         self.cfg.ep_capacity_factor)
-            self.dispatch = Dispatch(self.device, capacity, overlap=self.cfg.ep_overlap)
-            if capacity is not None:
-                self.dispatch.worst = capacity_rows(tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep, 0)
+                rows = (tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep)
+                capacity, worst = capacity_rows(*rows, self.cfg.ep_capacity_factor), capacity_rows(*rows, 0)
+            self.dispatch = Dispatch(self.device, capacity, overlap=self.cfg.ep_overlap, worst=worst)
             self.expert_params = apply_ep(model, self.ep_mesh, self.dispatch)
         compute = compute_dtype(self.cfg.param_dtype, autocast_dtype)
         shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)

@@ -76,6 +76,7 @@ class Saves:
         on = background(cfg.train.async_save, device)
         self.saver = checkpoint.BackgroundSaver(par.env) if on else None
         self.in_flight: _InFlight | None = None
+        self.prepared = False  # `prepare` was asked
         self.note = _note(cfg.train.async_save, on, device)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
@@ -97,8 +98,11 @@ class Saves:
         return None
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, masters=None) -> None:
-        """Once the optimizer's state exists: the background saves' host buffers made in a thread now, not at the
-        first save with the loop waiting (`BackgroundSaver.prepare`)."""
+        """After a step (the optimizer's state exists), once a run: the background saves' host buffers made in a
+        thread now, not at the first save with the loop waiting (`BackgroundSaver.prepare`)."""
+        if self.prepared:
+            return
+        self.prepared = True
         if self.saver is not None and self.cfg.train.save_every < self.cfg.train.max_steps:
             self.saver.prepare(model, optimizer, masters=masters)
 

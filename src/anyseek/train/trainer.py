@@ -207,8 +207,6 @@ class Trainer:
         profiler = (StepProfiler(prof_window, self.out_dir, self.par.env.rank, self.device, self.log) if prof_window
                     else None)
 
-        prepared: list[bool] = []  # the background saves' buffers asked for (after the first step)
-
         def record(o: Outcome) -> None:
             window["tokens"] += o.tokens
             window["flops"] += o.flops
@@ -227,9 +225,7 @@ class Trainer:
             if o.step % t.save_every == 0 and o.step < t.max_steps:
                 self._save(periodic=True)
             self.saves.poll()  # a checkpoint written in the background since: "saved ..." (or its failure)
-            if not prepared:  # the optimizer's state exists now: the background saves' buffers, in a thread
-                self.saves.prepare(self.model, self.optimizer, self.par.masters)
-                prepared.append(True)
+            self.saves.prepare(self.model, self.optimizer, self.par.masters)  # (once the optimizer's state exists)
 
         try:
             while True:

@@ -25,8 +25,10 @@ import triton
 import triton.language as tl
 
 from anyseek.kernels.triton.fp8_gemm import block_dot, scaled_dot
-from anyseek.kernels.triton.fp8_quant import _round_e4m3, _scale_of
+from anyseek.kernels.triton.fp8_quant import _quantize_cols, _quantize_rows
 from anyseek.kernels.triton.launch import launch
+from anyseek.kernels.triton.moe_gemm import _tile_of
+from anyseek.kernels.triton.swiglu import _tile as _swiglu_tile
 
 TILE = 128
 CONFIG = {"BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}  # BM: the plan's block_m (128 on a GPU)
@@ -38,13 +40,7 @@ def _grouped_kernel(A, SA, TOK, SLOT, B, SB, C, OFFS, TILE_E, TILE_ROW, n_tiles_
                     stride_a, stride_sa, stride_be, stride_bn, stride_sbe, stride_sbn, stride_c,
                     GATHER: tl.constexpr, SCATTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, GROUP_M: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(N, BN)
-    width = GROUP_M * n_tiles_n  # GROUP_M row tiles side by side share each weight tile in L2
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = _tile_of(tl.program_id(0), n_tiles_m, tl.cdiv(N, BN), GROUP_M)  # neighbours share B tiles
     e = tl.load(TILE_E + pid_m)
     if e < 0:
         return
@@ -146,8 +142,7 @@ def _plan_rows_t_kernel(X, SX, TOK, QT, ST, OFFS, TILE_E, TILE_ROW, C, stride_x,
     x = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if DEQUANT:
         x = x * tl.load(SX + src * stride_sx + (tl.program_id(1) * BC) // TILE)[:, None]
-    s = _scale_of(tl.max(tl.abs(x), axis=0))
-    q = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[None, :], x.shape)))
+    q, s = _quantize_cols(x)
     tl.store(QT + cols[None, :].to(tl.int64) * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=mask)
     tl.store(ST + cols * stride_st + u, s, mask=cols < C)
 
@@ -158,14 +153,8 @@ def _wgrad_kernel(AT, SAT, BT, SBT, C, U_FIRST, TILE_ROW, OFFS, N1, N2, stride_a
                   GROUP_M: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
     """C[e] = A_e^T B_e in fp32, A^T [N1, M] and B^T [N2, M] in E4M3 with scales per (column, plan tile): the
     reduction runs over expert e's plan tiles, each a 128-wide K-block promoted into fp32 with its scales."""
-    pid = tl.program_id(0)
     e = tl.program_id(1)
-    n_tiles_n = tl.cdiv(N2, BN)
-    width = GROUP_M * n_tiles_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(tl.cdiv(N1, BM) - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(N1, BM), tl.cdiv(N2, BN), GROUP_M)
     i = pid_m * BM + tl.arange(0, BM)
     j = pid_n * BN + tl.arange(0, BN)
     i_c, j_c = (i % N1).to(tl.int64), (j % N2).to(tl.int64)
@@ -235,31 +224,18 @@ def grouped_wgrad(at_N1M: torch.Tensor, sat: torch.Tensor, bt_N2M: torch.Tensor,
 def _swiglu_quant_kernel(H, W, Q, S, M, I, stride_h, stride_q, stride_s, BR: tl.constexpr, TILE: tl.constexpr):
     """act = silu(g) * u * w[r] for a [BR, 128] tile in fp32, quantized per 1x128 tile as it is made: the down
     GEMM's FP8 input without a bf16 copy of act or a pass of its own."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    ib = tl.program_id(1)
-    cols = ib * TILE + tl.arange(0, TILE)
-    mask = (rows < M)[:, None] & (cols < I)[None, :]
-    at = rows[:, None] * stride_h + cols[None, :]
-    g = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(H + at + I, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, g, u = _swiglu_tile(H, M, I, stride_h, BR, TILE)
     w = tl.load(W + rows, mask=rows < M, other=0.0).to(tl.float32)
-    act = g * tl.sigmoid(g) * u * w[:, None]
-    s = _scale_of(tl.max(tl.abs(act), axis=1))
-    q = _round_e4m3(tl.math.div_rn(act, tl.broadcast_to(s[:, None], act.shape)))
+    q, s = _quantize_rows(g * tl.sigmoid(g) * u * w[:, None])
     tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + rows * stride_s + ib, s, mask=rows < M)
+    tl.store(S + rows * stride_s + tl.program_id(1), s, mask=rows < M)
 
 
 @triton.jit
 def _dswiglu_kernel(H, W, DA, DH, DW, M, I, stride_h, stride_da, stride_dh, n_col, BR: tl.constexpr,
                     BC: tl.constexpr):  # fmt: skip
     """dh = d(silu(g) u w)/d[g, u] for d_act, and this column tile's part of dw[r] = sum_j silu(g) u d_act."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    mask = (rows < M)[:, None] & (cols < I)[None, :]
-    at = rows[:, None] * stride_h + cols[None, :]
-    g = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(H + at + I, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, g, u = _swiglu_tile(H, M, I, stride_h, BR, BC)
     d = tl.load(DA + rows[:, None] * stride_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + rows, mask=rows < M, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)

@@ -48,14 +48,27 @@ def _scale_of(amax):
 
 
 @triton.jit
+def _quantize_rows(x):
+    """A fp32 tile -> (its E4M3 values, one scale per row: amax / 448)."""
+    s = _scale_of(tl.max(tl.abs(x), axis=1))
+    return _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))), s
+
+
+@triton.jit
+def _quantize_cols(x):
+    """A fp32 tile -> (its E4M3 values, one scale per column)."""
+    s = _scale_of(tl.max(tl.abs(x), axis=0))
+    return _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[None, :], x.shape))), s
+
+
+@triton.jit
 def _rows_kernel(X, Q, S, M, K, stride_x, stride_q, stride_s, BR: tl.constexpr, TILE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     kb = tl.program_id(1)
     cols = kb * TILE + tl.arange(0, TILE)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = _scale_of(tl.max(tl.abs(x), axis=1))
-    q = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)))
+    q, s = _quantize_rows(x)
     tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rows * stride_s + kb, s, mask=rows < M)
 
@@ -73,8 +86,7 @@ def _cols_t_kernel(X, SX, QT, ST, M, K, stride_x, stride_sx, stride_qt, stride_s
     if DEQUANT:
         sx = tl.load(SX + rows * stride_sx + (tl.program_id(1) * BC) // TILE, mask=rows < M, other=0.0)
         x = x * sx[:, None]
-    s = _scale_of(tl.max(tl.abs(x), axis=0))
-    q = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[None, :], x.shape)))
+    q, s = _quantize_cols(x)
     tl.store(QT + cols[None, :].to(tl.int64) * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=mask)
     tl.store(ST + cols * stride_st + mb, s, mask=cols < K)
 
@@ -88,12 +100,10 @@ def _both_kernel(X, Q, S, QT, ST, M, K, stride_x, stride_q, stride_s, stride_qt,
     cols = kb * TILE + tl.arange(0, TILE)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = _scale_of(tl.max(tl.abs(x), axis=1))
-    q = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)))
+    q, s = _quantize_rows(x)
     tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rows * stride_s + kb, s, mask=rows < M)
-    st = _scale_of(tl.max(tl.abs(x), axis=0))
-    qt = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(st[None, :], x.shape)))
+    qt, st = _quantize_cols(x)
     tl.store(QT + cols[None, :].to(tl.int64) * stride_qt + rows[:, None], qt.to(QT.dtype.element_ty), mask=mask)
     tl.store(ST + cols * stride_st + mb, st, mask=cols < K)
 
