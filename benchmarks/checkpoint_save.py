@@ -11,8 +11,11 @@ their bf16 working copy) and trains `--steps` steps on the built-in sample, so t
 into `--out` (one step-N folder at a time there, deleted after each row: a 16B save is ~186 GB):
 
   synchronous save          `checkpoint.save`, as with train.async_save=false: the loop waits for every file
-  background, first save    the loop is blocked while the state is copied to host buffers, allocated and pinned
-                            here; then the thread writes (serialize, fsync, sha256, checkpoint.json, rename)
+  host buffers              as the trainer does after its first step: made (and pinned) in a thread while the
+                            loop trains on; the time they took and the steps meanwhile (--unprepared: not made)
+  background, first save    the loop is blocked while the state is copied to the host buffers (made at this save
+                            with --unprepared); then the thread writes (serialize, fsync, sha256, checkpoint.json,
+                            rename)
   background, next save     the same with the buffers kept from the first (every save of a run after its first)
   training step             ms per step alone, and while the thread writes (the loop trains on until every rank's
                             write is done: the writer's share of the host, the GIL included); the loop time lost
@@ -111,8 +114,24 @@ def clear(trainer: Trainer, out: Path) -> int:
 def measure(trainer: Trainer, args) -> dict:
     out, env = Path(args.out) / "ckpt", trainer.par.env
     batches = iter(trainer.train_loader)
-    train(trainer, batches, args.steps)  # every moment exists; warm-up
+    saver = checkpoint.BackgroundSaver(env)
+    train(trainer, batches, 1)  # every moment exists
+    if not args.unprepared:  # as the trainer does after its first step: the host buffers made in a thread
+        t0 = time.perf_counter()
+        saver.prepare(trainer.model, trainer.optimizer, masters=trainer.par.masters)
+        during = []
+        while slowest(trainer, float(saver.reserving())) > 0:
+            during.append(slowest(trainer, train(trainer, batches, 1)))
+        saver.reserved()
+        row_prep = {"prepare_s": slowest(trainer, time.perf_counter() - t0), "prepare_steps": len(during),
+                    "prepare_step_ms": 1e3 * sum(during) / max(len(during), 1)}
+    train(trainer, batches, args.steps)  # warm-up
     row = {"step_alone_ms": 1e3 * slowest(trainer, train(trainer, batches, args.steps))}
+    if not args.unprepared:
+        row.update(row_prep)
+        if env.is_main:
+            print(f"host buffers made in a thread in {row['prepare_s']:.1f} s, {len(during)} steps meanwhile at "
+                  f"{row['prepare_step_ms']:.1f} ms mean (alone {row['step_alone_ms']:.1f} ms)", flush=True)
 
     rows = args.rows.split(",")
     if "sync" in rows:
@@ -123,7 +142,6 @@ def measure(trainer: Trainer, args) -> dict:
         row["sync_s"] = slowest(trainer, time.perf_counter() - t0)
         row["bytes"] = clear(trainer, out)
 
-    saver = checkpoint.BackgroundSaver(env)
     for name in [r for r in ("first", "next") if r in rows]:
         barrier(trainer)
         staged = saver.start(*save_args(trainer, out), masters=trainer.par.masters, adapters=trainer.start.adapters)
@@ -169,7 +187,13 @@ def report(trainer: Trainer, args, row: dict) -> None:
     if "sync_s" in row:
         print(f"| synchronous save (train.async_save=false) | {row['sync_s']:.2f} | {row['sync_s']:.2f} | - | "
               f"{row['sync_s']:.2f} |")
-    for name, what in (("first", "background save, first of the run (host buffers allocated; pinned on GPUs)"),
+    if "prepare_s" in row:
+        lost = row["prepare_steps"] * max(row["prepare_step_ms"] - row["step_alone_ms"], 0) / 1e3
+        print(f"| host buffers made in a thread (the trainer: after its first step) | 0.00 | {row['prepare_s']:.2f} | "
+              f"{row['prepare_steps']}, {row['prepare_step_ms']:.1f} / - | {lost:.2f} |")
+    first = "background save, first of the run (" + ("host buffers made here)" if args.unprepared else
+                                                     "host buffers made beforehand in a thread)")
+    for name, what in (("first", first),
                        ("next", "background save, later ones (buffers reused)")):
         if f"{name}_blocked_s" not in row:
             continue
@@ -189,6 +213,8 @@ def main() -> None:
     p.add_argument("--max-steps-during", type=int, default=1000, help="at most this many steps during a write")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "anyseek-ckpt-bench"),
                    help="where the checkpoints are written, the same path on every rank (default: %(default)s)")
+    p.add_argument("--unprepared", action="store_true",
+                   help="no host buffers made beforehand (the trainer makes them in a thread after its first step)")
     p.add_argument("--rows", default="sync,first,next",
                    help="which saves to time, comma-separated: sync, first, next (a 16B save writes ~186 GB each)")
     p.add_argument("--abandon", action="store_true",

@@ -248,19 +248,22 @@ def test_two_gpus_bf16_shards_train_and_resume(data_dir, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")
 def test_two_gpus_expert_parallel_graphed_and_overflow_reruns(data_dir, tmp_path):
     """EP=2 on 2 GPUs (NCCL, fp32): the fixed-shape dispatch replays in CUDA graphs with the overlap on and gives the
-    exact dispatch's eager losses; with C at half the fair share every step overflows, is halted on the device and
-    runs again exactly (the step queued behind it too), and the losses are the same."""
+    exact dispatch's eager losses; with C at half the fair share and no growth every step overflows, is halted on the
+    device and runs again exactly (the step queued behind it too); with growth (the default) C grows after the first
+    overflow, the graphs are given back before the re-run and captured again at the new C; the losses are the same."""
     over = [*STEPS, "--train.device=cuda", "--train.dtype=fp32", "--parallel.param_dtype=fp32", "--parallel.ep=2"]
+    half = ["--parallel.ep_dispatch=fixed", "--parallel.ep_capacity_factor=0.5"]
     runs = {"fixed": ["--parallel.ep_dispatch=fixed"], "exact": ["--parallel.ep_dispatch=exact"],
-            "overflow": ["--parallel.ep_dispatch=fixed", "--parallel.ep_capacity_factor=0.5"]}
+            "overflow": [*half, "--parallel.ep_capacity_growth=false"], "grown": half}
     for name, extra in runs.items():
         codes = spawn(train_ranks, str(data_dir), str(tmp_path / name), [*over, *extra], False, world=2, timeout=300)
         assert codes == [0, 0], (name, codes)
     used = {name: json.loads((tmp_path / name / "graphs.json").read_text()) for name in runs}
     assert used["fixed"]["replays"] > 0 and used["fixed"]["overlap"] and used["fixed"]["overflows"] == 0, used
     assert used["exact"]["replays"] == 0 and used["overflow"]["overflows"] == N, used
+    assert 1 <= used["grown"]["overflows"] < N and used["grown"]["replays"] > 0, used
     exact = train_losses(tmp_path / "exact")
-    for name in ("fixed", "overflow"):
+    for name in ("fixed", "overflow", "grown"):
         got = train_losses(tmp_path / name)
         assert list(got) == list(exact) == list(range(1, N + 1)), name
         for step in got:

@@ -158,7 +158,7 @@ def test_no_memory_for_a_second_graph_gives_one_graph_for_every_shape(data_dir, 
     """Where another graph would not fit (as 16B with EP4 on 4 H200s), the graphs are given back and one graph of
     the largest buckets takes every batch: the same losses as eager."""
     eager, _ = _losses(data_dir, tmp_path, "false", 10, 1)
-    monkeypatch.setattr(graphs.StepGraphs, "_room", lambda self: False)
+    monkeypatch.setattr(graphs.StepGraphs, "room", lambda self: False)
     monkeypatch.setattr(graphs.StepGraphs, "_covering", lambda self, key: None)  # no graph holds the new shape
     real_key, calls = graphs.StepGraphs.key, []
 

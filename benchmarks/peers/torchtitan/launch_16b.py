@@ -40,7 +40,27 @@ def peer_dir() -> str:
     )
 
 
+def check_torch() -> None:
+    """torchtitan 0.3.0 shards routed experts with expert parallelism through FSDP2's per-parameter meshes
+    (`ShardPlacementResult`), which torch 2.11 (the GPU machine's) does not have: say so before torchtitan fails at an
+    import deep in its parallelize step. EP 1 (FSDP2 over every rank, experts sharded with the rest) runs there."""
+    args = sys.argv[1:]
+    ep = 1
+    for i, a in enumerate(args):
+        if a.startswith("--parallelism.expert_parallel_degree"):
+            ep = int(a.split("=", 1)[1] if "=" in a else args[i + 1])
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    if ep > 1 and not hasattr(_fsdp_common, "ShardPlacementResult"):
+        import torch
+
+        raise SystemExit(f"torchtitan 0.3.0's expert parallelism needs FSDP2 per-parameter meshes "
+                         f"(ShardPlacementResult), which torch {torch.__version__} lacks; run EP 1 (FSDP2 over all "
+                         f"ranks) on this torch")
+
+
 def main() -> None:
+    check_torch()
     peer = peer_dir()
     for folder in (HERE, peer):
         if folder not in sys.path:

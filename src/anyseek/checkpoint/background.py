@@ -67,9 +67,7 @@ class BackgroundSaver:
         if self.step is not None:
             raise RuntimeError(f"the background save of step {self.step} was not waited for")
         t0 = time.perf_counter()
-        if self._reserving is not None:  # the buffers `prepare` makes: the rest of the time they take
-            self._reserving.join()
-            self._reserving = None
+        self.reserved()  # the buffers `prepare` makes: the rest of the time they take
         if self.env.active:
             from anyseek.checkpoint import sharded  # (torch.distributed.checkpoint: only where sharded)
 
@@ -100,6 +98,18 @@ class BackgroundSaver:
         self._reserving = threading.Thread(target=self.host.reserve, args=(specs,), name="anyseek-save-buffers",
                                            daemon=True)
         self._reserving.start()
+
+    def reserved(self) -> float:
+        """Wait for `prepare`'s buffers (none in the making: at once); the seconds waited."""
+        t0 = time.perf_counter()
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        return time.perf_counter() - t0
+
+    def reserving(self) -> bool:
+        """Whether `prepare`'s thread is still making the buffers."""
+        return self._reserving is not None and self._reserving.is_alive()
 
     def _write(self, write) -> None:
         t0 = time.perf_counter()

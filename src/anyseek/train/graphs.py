@@ -114,7 +114,7 @@ class StepGraphs:
             g = self._covering(key)
             if g is None:
                 return None
-        if g is None and self.graphs and not self._room():
+        if g is None and self.graphs and not self.room():
             g = self.stand_ins[key] = self._covering(key)
             if g is None:  # no room for another graph and none holds this batch: one graph for every shape
                 del self.stand_ins[key]
@@ -189,7 +189,7 @@ class StepGraphs:
         torch.cuda.empty_cache()
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _room(self) -> bool:
+    def room(self) -> bool:
         """Whether the GPU has memory for one more graph: its warm-up and its pool (`cost`, as the first one took)
         in what is free once the allocator's unused cache is given back."""
         torch.cuda.empty_cache()

@@ -293,14 +293,14 @@ class StepEngine:
         self.log(f"note: step {self.step + 1}: expert parallelism's fixed-shape dispatch overflowed (a pair of ranks "
                  f"needed {needed:.0f} rows, more than {old}); the step runs again on the exact dispatch "
                  f"({self.overflows} so far)")
+        grown = self.par.ep_grow(needed)
+        if self.graphs is not None and (grown is not None or not self.graphs.room()):
+            self.graphs.forget()  # before the eager re-run: beside a 16B graph's pool it ran out of memory (4 H200s)
         again = self._launch(self._accumulate(iter(item.stats.batches), self.tokens_seen, exact=True),
                              lr_at(self.step, self.cfg.train), self.tokens_seen, gated=item.gated)
         done = self._settle(again)
         done.halted = done.halted or item.gated
-        grown = self.par.ep_grow(needed)
         if grown is not None:
-            if self.graphs is not None:
-                self.graphs.forget()
             self.log(f"note: parallel.ep_capacity_growth: C {old} -> {grown} rows per pair of ranks from step "
                      f"{self.step + 1} (CUDA graphs captured again)")
         return done
