@@ -146,7 +146,8 @@ def train_ranks(data: str, out: str, overrides: list[str], resume: bool) -> None
         (Path(out) / "graphs.json").write_text(json.dumps({"note": trainer.engine.graphs_note, "replays": replays,
                                                            "overlap": trainer.overlap,
                                                            "weights": trainer.working_note,
-                                                           "overflows": trainer.engine.overflows}))
+                                                           "overflows": trainer.engine.overflows,
+                                                           "fixed_from": trainer.engine.fixed_from}))
     trainer.close()  # as `anyseek train` does: the graphs before the process group (`_entry` destroys it)
 
 

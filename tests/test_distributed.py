@@ -103,19 +103,24 @@ def test_expert_parallel_run_equals_data_parallel(runs, data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factor, overflows", [(0, [0]), (0.5, [1, 2, 3])])
-def test_fixed_shape_expert_dispatch_equals_data_parallel(runs, data_dir, factor, overflows):
-    """parallel.ep_dispatch=fixed: the worst-case capacity never overflows; half the fair share overflows at the
-    first step, which then runs again on the exact dispatch, and C grows past what the fullest pair needed, so few
-    later steps overflow (without the growth all 20 would): the steps applied are the same either way."""
-    out = runs / f"ep-fixed-{factor}"
-    overrides = [*STEPS, "--parallel.ep=2", "--parallel.ep_dispatch=fixed", f"--parallel.ep_capacity_factor={factor}"]
+@pytest.mark.parametrize("factor, settle, overflows, fixed_from", [(0, 3, [0], [1]), (0.5, 0, [1, 2, 3], [1, 2]),
+                                                                   (0.5, 2, [0], [None])])
+def test_fixed_shape_expert_dispatch_equals_data_parallel(runs, data_dir, factor, settle, overflows, fixed_from):
+    """parallel.ep_dispatch=fixed. The worst-case C: nothing to settle (it cannot overflow), the fixed shapes from
+    the first step.
+    Half the fair share, no settling, growth: the first step overflows, runs again on the exact dispatch, and C grows
+    past what the fullest pair needed, so few later steps overflow (without the growth all 20 would). Half the fair
+    share, settling: the routing never fits C / 1.25, every step runs the exact dispatch. The same steps either way."""
+    out = runs / f"ep-fixed-{factor}-{settle}"
+    overrides = [*STEPS, "--parallel.ep=2", "--parallel.ep_dispatch=fixed", f"--parallel.ep_capacity_factor={factor}",
+                 f"--parallel.ep_settle_steps={settle}", "--parallel.ep_capacity_growth=true"]
     assert spawn(train_ranks, str(data_dir), str(out), overrides, False) == [0, 0]
     dp, ep = train_losses(runs / "dp"), train_losses(out)
     assert list(ep) == list(dp)
     for step in dp:
         assert ep[step] == pytest.approx(dp[step], rel=1e-5), step
-    assert json.loads((out / "graphs.json").read_text())["overflows"] in overflows
+    used = json.loads((out / "graphs.json").read_text())
+    assert used["overflows"] in overflows and used["fixed_from"] in fixed_from, used
 
 
 @pytest.mark.slow

@@ -353,3 +353,33 @@ def test_plan_and_the_pre_run_report_count_activations_alike():
         want = estimate(config, cfg, autocast=True, working_copy=True, triton_experts=True).activations
         assert getattr(plan(config, 1, 1, 8192), field) * GB == pytest.approx(want, rel=1e-12), mode
     assert report.activations > 3 * plan(config, 1, 1, 8192).activations_ckpt_gb * GB  # recomputation saves
+
+
+def test_expert_dispatch_settles_before_fixed_shapes_and_again_after_an_overflow():
+    """parallel.ep_settle_steps: the exact dispatch until N steps in a row fit C / 1.25 (a miss starts the count
+    again); then the fixed shapes; an overflow goes back to settling. C at the worst case, or N = 0: never settles."""
+    import types
+
+    from anyseek.distributed.expert_parallel import Dispatch
+    from anyseek.train.parallel import Parallel
+
+    class Fake(Parallel):
+        def __init__(self, capacity: int, worst: int, steps: int):
+            self.dispatch = Dispatch(torch.device("cpu"), capacity, worst=worst)
+            self.dispatch.settling = True
+            self.cfg = types.SimpleNamespace(ep_settle_steps=steps)
+            self._settled = 0
+
+    def fixed(p):
+        with p.dispatch.fixed_shapes():
+            return p.dispatch.fixed
+
+    p = Fake(100, 400, 3)
+    assert not fixed(p)
+    assert [p.ep_settle(n) for n in (80, 81, 50, 50)] == [False] * 4  # 81 * 1.25 > 100: the count starts again
+    assert p.ep_settle(80) and not p.ep_settling and fixed(p)
+    assert not p.ep_settle(10)  # not settling: nothing to count
+    assert p.ep_unsettle() and p.ep_settling and not fixed(p)
+    assert [p.ep_settle(n) for n in (10, 10, 10)] == [False, False, True]
+    assert not Fake(400, 400, 3).ep_unsettle() and not Fake(100, 400, 0).ep_unsettle()
+    assert Fake(400, 400, 1).ep_settle(400)  # at the worst case everything fits

@@ -248,13 +248,13 @@ def test_two_gpus_bf16_shards_train_and_resume(data_dir, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")
 def test_two_gpus_expert_parallel_graphed_and_overflow_reruns(data_dir, tmp_path):
     """EP=2 on 2 GPUs (NCCL, fp32): the fixed-shape dispatch replays in CUDA graphs with the overlap on and gives the
-    exact dispatch's eager losses; with C at half the fair share and no growth every step overflows, is halted on the
-    device and runs again exactly (the step queued behind it too); with growth (the default) C grows after the first
+    exact dispatch's eager losses; with C at half the fair share, no settling and no growth every step overflows, is
+    halted on the device and runs again exactly (the step queued behind it too); with growth C grows after the first
     overflow, the graphs are given back before the re-run and captured again at the new C; the losses are the same."""
     over = [*STEPS, "--train.device=cuda", "--train.dtype=fp32", "--parallel.param_dtype=fp32", "--parallel.ep=2"]
-    half = ["--parallel.ep_dispatch=fixed", "--parallel.ep_capacity_factor=0.5"]
+    half = ["--parallel.ep_dispatch=fixed", "--parallel.ep_capacity_factor=0.5", "--parallel.ep_settle_steps=0"]
     runs = {"fixed": ["--parallel.ep_dispatch=fixed"], "exact": ["--parallel.ep_dispatch=exact"],
-            "overflow": [*half, "--parallel.ep_capacity_growth=false"], "grown": half}
+            "overflow": half, "grown": [*half, "--parallel.ep_capacity_growth=true"]}
     for name, extra in runs.items():
         codes = spawn(train_ranks, str(data_dir), str(tmp_path / name), [*over, *extra], False, world=2, timeout=300)
         assert codes == [0, 0], (name, codes)

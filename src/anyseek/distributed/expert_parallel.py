@@ -218,8 +218,10 @@ class Dispatch:
     micro-batches, which C was sized for) `capacity` C rows per (source, destination) pair (`dispatch_combine_fixed`:
     no host sync); elsewhere (evaluation, sampling, a step run again after an overflow), or with capacity None,
     exact splits read on the host (`dispatch_combine`). `overflow`: raised on the device by a fixed-shape dispatch
-    that needed more than C rows, until `reset`; `peak`: the most rows any pair needed meanwhile (an overflow's
-    caller may raise C to it: `capacity` is read at each call, the shapes of graphs captured before do not change)."""
+    that needed more than C rows, until `reset`; `peak`: the most rows any pair needed meanwhile, by the fixed or the
+    exact dispatch (an overflow's caller may raise C to it: `capacity` is read at each call, the shapes of graphs
+    captured before do not change). `settling`: the exact dispatch inside `fixed_shapes()` too, its peaks still
+    recorded (the caller turns the fixed shapes on once the routing fits C)."""
 
     def __init__(self, device: torch.device, capacity: int | None = None, overlap: bool = True,
                  worst: int | None = None):
@@ -227,6 +229,7 @@ class Dispatch:
         self.capacity, self.overlap, self.worst = capacity, overlap, worst
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
         self.peak = torch.zeros((), dtype=torch.int64, device=device)  # the most rows a pair needed since `reset`
+        self.settling = False  # the exact dispatch inside `fixed_shapes()` too (the caller waits for the routing)
         self._on = False
 
     def reset(self) -> None:
@@ -235,7 +238,7 @@ class Dispatch:
 
     @contextlib.contextmanager
     def fixed_shapes(self):
-        before, self._on = self._on, self.capacity is not None
+        before, self._on = self._on, self.capacity is not None and not self.settling
         try:
             yield
         finally:
@@ -263,15 +266,19 @@ def dispatch_combine(
     gate_up_local: torch.Tensor,
     down_local: torch.Tensor,
     group,
+    peak: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts of a whole expert group, this rank holding experts [E_loc*r, E_loc*(r+1)) (gate_up_local
     [E_loc, 2I, D], down_local [E_loc, D, I]). Same maths as `kernels.routed_experts` on all E experts; y [T, D] in
-    x's dtype. Every rank of `group` must call it (with its own tokens, possibly none)."""
+    x's dtype. Every rank of `group` must call it (with its own tokens, possibly none). peak: raised (on the device)
+    to the most rows this rank sent to or received from one rank."""
     T, K = topk_ids_TK.shape
     ep, E_loc = dist.get_world_size(group), gate_up_local.shape[0]
     _, order_M, counts_E, recv_counts_E = _count_slots(topk_ids_TK, ep * E_loc, group)
     splits = torch.stack([counts_E.view(ep, E_loc).sum(1), recv_counts_E.view(ep, E_loc).sum(1)]).tolist()
     in_splits, out_splits = splits  # the host sync: Python ints for the row exchange
+    if peak is not None:
+        peak.clamp_(min=max(in_splits + out_splits))
     rows_MD = x_TD.index_select(0, order_M // K)
     w_M = topk_weights_TK.reshape(-1).index_select(0, order_M)
     rows_ND, w_N = _AllToAll.apply(out_splits, in_splits, group, rows_MD, w_M)
@@ -306,7 +313,8 @@ class ExpertParallelExperts(nn.Module):
         if d is not None and d.fixed:
             return dispatch_combine_fixed(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group, d.capacity,
                                           d.overflow, add_TD, d.overlap, d.peak)
-        y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group)
+        y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group,
+                                None if d is None or d.capacity is None else d.peak)
         add_TD = addend(add_TD)
         return y_TD if add_TD is None else y_TD + add_TD
 

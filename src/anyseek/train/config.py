@@ -190,9 +190,16 @@ class ParallelConfig:
     # fixed: the shared experts compute while the dispatch's rows travel (forward), and their backward while the rows'
     # gradients travel back; false: each exchange waited for where it is issued (the same numbers either way)
     ep_overlap: bool = True
-    # fixed: after an overflow C grows to 1.25x the rows the fullest pair needed (at most the worst case), and the
-    # CUDA graphs are captured again; false: C stays, and every step that overflows runs again on the exact dispatch
-    ep_capacity_growth: bool = True
+    # fixed: the exact dispatch (eager) until the routing has settled: this many steps in a row in which no pair of
+    # ranks needed more than C / 1.25 rows; then the fixed shapes and CUDA graphs, and after an overflow the exact
+    # dispatch again until it settles anew (early routing is far from balanced: on real text a 16B model's fullest
+    # pair needed 3x its fair share at step 4, and graphs sized for that did not fit 4 H200s). 0: fixed from the first
+    # step; an overflow only runs that step again (and C grows with ep_capacity_growth)
+    ep_settle_steps: int = 10
+    # fixed, ep_settle_steps=0: after an overflow C grows to 1.25x the rows the fullest pair needed (at most the worst
+    # case), and the CUDA graphs are captured again; false: C stays, and every step that overflows runs again on the
+    # exact dispatch
+    ep_capacity_growth: bool = False
     backend: str = "auto"  # torch.distributed backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
     param_dtype: str = "auto"  # FSDP2 compute copy of the weights: auto (bf16 when autocast is bf16), bf16, fp32
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 or bf16
@@ -208,6 +215,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
         if self.ep_capacity_factor < 0:
             raise ConfigError(f"parallel.ep_capacity_factor must be >= 0, got {self.ep_capacity_factor}")
+        if self.ep_settle_steps < 0:
+            raise ConfigError(f"parallel.ep_settle_steps must be >= 0, got {self.ep_settle_steps}")
         for name, allowed in (("backend", ("auto", "nccl", "gloo")), ("ep_dispatch", ("auto", "fixed", "exact")),
                               ("param_dtype", ("auto", "bf16", "fp32")),
                               ("reduce_dtype", ("bf16", "fp32")), ("shard_dtype", ("auto", "bf16", "fp32")),

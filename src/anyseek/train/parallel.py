@@ -99,6 +99,9 @@ class Parallel:
                 rows = (tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep)
                 capacity, worst = capacity_rows(*rows, self.cfg.ep_capacity_factor), capacity_rows(*rows, 0)
             self.dispatch = Dispatch(self.device, capacity, overlap=self.cfg.ep_overlap, worst=worst)
+            # (C at the worst case never overflows: nothing to wait for)
+            self.dispatch.settling = capacity is not None and capacity < worst and self.cfg.ep_settle_steps > 0
+            self._settled = 0  # steps in a row whose fullest pair fitted C / 1.25, while settling
             self.expert_params = apply_ep(model, self.ep_mesh, self.dispatch)
         compute = compute_dtype(self.cfg.param_dtype, autocast_dtype)
         shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)
@@ -136,6 +139,33 @@ class Parallel:
             return None
         d.capacity = min(d.worst, -(-math.ceil(1.25 * needed) // 16) * 16)
         return d.capacity
+
+    @property
+    def ep_settling(self) -> bool:
+        """Whether the training step runs the exact dispatch until the routing fits C (parallel.ep_settle_steps)."""
+        return self.dispatch is not None and self.dispatch.settling
+
+    def ep_settle(self, needed: float) -> bool:
+        """After a settled step while settling: `needed` the most rows a pair needed (all-reduced: every rank the
+        same). True when this was the `ep_settle_steps`-th step in a row within C / 1.25: the fixed shapes (and CUDA
+        graphs) from the next step on."""
+        if not self.ep_settling:
+            return False
+        d = self.dispatch
+        self._settled = self._settled + 1 if min(1.25 * needed, d.worst) <= d.capacity else 0
+        if self._settled < self.cfg.ep_settle_steps:
+            return False
+        d.settling, self._settled = False, 0
+        return True
+
+    def ep_unsettle(self) -> bool:
+        """After an overflow: the exact dispatch again until the routing settles (True), unless parallel.ep_settle_steps
+        is 0 (False)."""
+        d = self.dispatch
+        if d is None or self.cfg.ep_settle_steps == 0 or d.capacity >= d.worst:
+            return False
+        d.settling, self._settled = True, 0
+        return True
 
     def ep_reset(self) -> None:
         if self.dispatch is not None and self.dispatch.capacity is not None:

@@ -48,7 +48,7 @@ FREE_KEYS = frozenset({
     "parallel.ep", "parallel.backend", "parallel.reshard_after_forward", "parallel.activation_checkpointing",
     "parallel.timeout_s",
     # how expert parallelism's rows travel: the same numbers either way (tests/test_distributed.py)
-    "parallel.ep_dispatch", "parallel.ep_capacity_factor", "parallel.ep_overlap", "parallel.ep_capacity_growth",
+    "parallel.ep_dispatch", "parallel.ep_capacity_factor", "parallel.ep_overlap", "parallel.ep_capacity_growth", "parallel.ep_settle_steps",
 })  # fmt: skip
 
 WORLD_SIZE = "parallel.world_size"  # the number of ranks: not a config key, compared through the global batch

@@ -67,6 +67,7 @@ class StepStats:
     global_counts: torch.Tensor | None = None
     batches: list = field(default_factory=list)  # the host micro-batches (a step run again reads them)
     mtp_weight: float = 0.0  # the MTP loss weight the step used
+    fixed: bool = False  # it ran expert parallelism's fixed-shape dispatch
 
 
 _TOKENS, _STOP = "tokens (all ranks)", "stop requests (all ranks)"  # read back with a step's verdict
@@ -140,6 +141,7 @@ class StepEngine:
         self.tokens_seen = 0
         self.bad_in_a_row = 0
         self.overflows = 0  # steps run again after the fixed-shape expert dispatch overflowed
+        self.fixed_from: int | None = None  # the first step applied on expert parallelism's fixed-shape dispatch
         self.overlap, self.overlap_note = self._overlap()
         self._pending: _InFlight | None = None
         self._halt = torch.zeros((), dtype=torch.float32, device=device)  # set on the device by a bad step
@@ -248,6 +250,11 @@ class StepEngine:
         needed = v.pop(_PEAK, 0.0)
         if v.pop(_OVERFLOW, 0.0) > 0:
             return self._run_exact(item, needed)
+        if _PEAK in item.names and self.par.ep_settle(needed):
+            self.log(f"note: step {self.step + 1}: expert parallelism's routing settled "
+                     f"({self.cfg.parallel.ep_settle_steps} steps in a row with every pair of ranks within C / 1.25 = "
+                     f"{self.par.dispatch.capacity / 1.25:.0f} rows): the fixed-shape dispatch (and CUDA graphs) from "
+                     f"the next step queued")
         if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
             if item.gated:
                 self._uncount()
@@ -266,6 +273,8 @@ class StepEngine:
             return Outcome(False, self.step, v, item.lr, stats.tokens, stats.flops, self.tokens_seen,
                            stats.mtp_weight, item.launched_at, self.bad_in_a_row, halted=item.gated)
         self.bad_in_a_row = 0
+        if stats.fixed and self.fixed_from is None:
+            self.fixed_from = self.step + 1
         if not item.gated:
             set_lr(self.optimizer, item.lr)
             self.optimizer.step()
@@ -293,13 +302,17 @@ class StepEngine:
         self.log(f"note: step {self.step + 1}: expert parallelism's fixed-shape dispatch overflowed (a pair of ranks "
                  f"needed {needed:.0f} rows, more than {old}); the step runs again on the exact dispatch "
                  f"({self.overflows} so far)")
-        grown = self.par.ep_grow(needed)
-        if self.graphs is not None and (grown is not None or not self.graphs.room()):
+        unsettled = self.par.ep_unsettle()
+        grown = None if unsettled else self.par.ep_grow(needed)
+        if self.graphs is not None and (unsettled or grown is not None or not self.graphs.room()):
             self.graphs.forget()  # before the eager re-run: beside a 16B graph's pool it ran out of memory (4 H200s)
         again = self._launch(self._accumulate(iter(item.stats.batches), self.tokens_seen, exact=True),
                              lr_at(self.step, self.cfg.train), self.tokens_seen, gated=item.gated)
         done = self._settle(again)
         done.halted = done.halted or item.gated
+        if unsettled:
+            self.log(f"note: the exact dispatch from step {self.step + 1} until the routing settles again "
+                     f"(parallel.ep_settle_steps)")
         if grown is not None:
             self.log(f"note: parallel.ep_capacity_growth: C {old} -> {grown} rows per pair of ranks from step "
                      f"{self.step + 1} (CUDA graphs captured again)")
@@ -334,6 +347,8 @@ class StepEngine:
         counts = self.par.sum_(counts)  # the global batch's: every rank divides by the same counts (one all-reduce)
         num_targets, num_segments = counts[:depths + 1], counts[depths + 1:]
         self.par.ep_reset()
+        exact = exact or self.par.ep_settling  # (the exact dispatch syncs with the host: no graphs)
+        stats.fixed = not exact and self.par.dispatch is not None and self.par.dispatch.capacity is not None
         graphs = self.graphs if not exact else None
         with contextlib.nullcontext() if exact else self.par.ep_fixed_shapes():
             for batch in micro:
