@@ -39,8 +39,9 @@ def env_line(device: str) -> str:
             f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
 
 
-def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path | None) -> dict:
-    """One training run: its exit, and its metrics summarized."""
+def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path | None, steps: int = 0) -> dict:
+    """One training run: its exit, and its metrics summarized. A run stopped at the timeout after logging all its
+    `steps` was in its end-of-run save (16B's takes minutes): its numbers stand."""
     env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1")
     log = out.with_suffix(".log")
     with open(log, "w") as f:
@@ -66,11 +67,14 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path 
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r.get("kind") == "train"]
     later = [r for r in train if r["step"] > max(r["step"] for r in train) // 3] if train else []
+    if code == "hung" and train and steps and max(r["step"] for r in train) >= steps:
+        code = "0 (stopped in the final save)"
     return {"name": name, "exit": code, "steps": len(train),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later) if later else float("nan"),
             "loss": train[-1]["loss"] if train else float("nan"),
             "loss_tail": statistics.mean(r["loss"] for r in train[-max(1, len(train) // 10):]) if train else float("nan"),
             "mfu": statistics.median(r.get("mfu", float("nan")) for r in later) if later else float("nan"),
+            "ep_peak": [(r["step"], r["ep_peak_rows"], r["ep_capacity"]) for r in train if "ep_peak_rows" in r],
             "profiles": {p.stem: p.read_text() for p in sorted((out / "profile").glob("rank*.md"))}}
 
 
@@ -108,7 +112,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, n, variant, cmd) in enumerate(runs):
-            r = run_one(f"run{i}", cmd, Path(tmp) / f"run{i}", args.timeout, log_dir)
+            r = run_one(f"run{i}", cmd, Path(tmp) / f"run{i}", args.timeout, log_dir, args.steps)
             r.update(label=name, ranks=n)
             results.append(r)
             print(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, exit {r['exit']}", file=sys.stderr, flush=True)
@@ -121,7 +125,14 @@ def main() -> None:
     for r in results:
         per = r["tokens_per_s"] / max(r["ranks"], 1)
         lines.append(f"| {r['label']} | {r['ranks'] or '-'} | {r['tokens_per_s']:,.0f} | {per:,.0f} | "
-                     f"{r['mfu']:.1%} | {r['tokens_per_s'] / base:.2f}x | {r['loss']:.4f} | {r['exit']} |")
+                     f"{r['mfu']:.1%} | {r['tokens_per_s'] / base:.2f}x | {r['loss']:.4f} | {r['loss_tail']:.4f} | "
+                     f"{r['exit']} |")
+    for r in results:
+        if r["ep_peak"]:  # the fixed-shape dispatch's C against what the fullest pair of ranks needed, step by step
+            peaks = [n for _, n, _ in r["ep_peak"]]
+            lines.append(f"\n{r['label']}: expert dispatch, most rows a pair of ranks needed: median "
+                         f"{statistics.median(peaks):,.0f}, max {max(peaks):,.0f}, at the last step {peaks[-1]:,.0f} "
+                         f"(C {r['ep_peak'][-1][2]:,.0f}; settling needs <= C / 1.25)")
     table = "\n".join(lines)
     profiles = "\n\n".join(f"### {r['label']}, {rank}\n\n{text}" for r in results
                            for rank, text in r["profiles"].items())  # fmt: skip

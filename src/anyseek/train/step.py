@@ -250,6 +250,8 @@ class StepEngine:
         needed = v.pop(_PEAK, 0.0)
         if v.pop(_OVERFLOW, 0.0) > 0:
             return self._run_exact(item, needed)
+        if _PEAK in item.names:  # (metrics.jsonl: how far the routing is from fitting C)
+            v["ep_peak_rows"], v["ep_capacity"] = needed, float(self.par.dispatch.capacity)
         if _PEAK in item.names and self.par.ep_settle(needed):
             self.log(f"note: step {self.step + 1}: expert parallelism's routing settled "
                      f"({self.cfg.parallel.ep_settle_steps} steps in a row with every pair of ranks within C / 1.25 = "
