@@ -119,7 +119,12 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
+    forward_prefetch: bool = False,
 ) -> nn.Module:
+    """FSDP2 units: each decoder layer and MTP module, then the root. forward_prefetch: each layer's forward starts the
+    next one's all-gather (explicitly: FSDP2 otherwise issues it when the host reaches the next layer, and expert
+    parallelism's exact dispatch holds the host at a sync in every MoE layer, so each gather would wait in the
+    stream)."""
     _expose_output_tensors()
     kw = dict(mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params or None)
     # One rank holds every weight anyway: per-layer units there would only add hooks and launches (and, resharding, a
@@ -127,8 +132,12 @@ def apply_fsdp(
     if mesh.size() > 1:
         for module in model.mtp:
             fully_shard(module.shared_head.norm, reshard_after_forward=reshard_after_forward, **kw)
-        for layer in [*model.model.layers, *model.mtp]:
+        units = [*model.model.layers, *model.mtp]
+        for layer in units:
             fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+        if forward_prefetch:
+            for layer, after in zip(units, units[1:]):
+                layer.set_modules_to_forward_prefetch([after])
     fully_shard(model, reshard_after_forward=False, **kw)  # the root's weights are needed again at once in backward
     for m in model.modules():
         if isinstance(m, FSDPModule):

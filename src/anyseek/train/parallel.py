@@ -107,7 +107,8 @@ class Parallel:
         shard_dtype = pick_shard_dtype(self.cfg.shard_dtype, compute, grad_accum, self.cfg.ep)
         mp = mixed_precision(self.cfg.param_dtype, self.cfg.reduce_dtype, autocast_dtype, self.env.world_size,
                              shard_dtype)
-        model = apply_fsdp(model, self.mesh, mp, self.cfg.reshard_after_forward, set(self.expert_params))
+        model = apply_fsdp(model, self.mesh, mp, self.cfg.reshard_after_forward, set(self.expert_params),
+                           forward_prefetch=self.cfg.ep > 1)
         if shard_dtype != torch.float32:
             self.masters = ShardMasters(model, shard_dtype)
         return model
