@@ -10,6 +10,7 @@ import torch
 import anyseek
 from anyseek.hf import config_to_hf
 from anyseek.infer import engine as engine_module
+from anyseek.infer import layers
 from anyseek.infer.engine import Engine
 from anyseek.infer.generate import GenerationError, Generator, Request
 from anyseek.infer.sampling import Sampler, SamplingParams
@@ -49,10 +50,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_cached_decode_equals_uncached_forward(case):
+@pytest.mark.parametrize("case, experts", [*((c, "auto") for c in sorted(CASES)), ("no_qlora_halfsplit", "kernel")])
+def test_cached_decode_equals_uncached_forward(case, experts, monkeypatch):
     """Prefill (training kernels) then absorbed decode steps over pages of 16 tokens: every step's logits equal a
-    full forward over the whole sequence; so do multi-token extensions (speculative verification)."""
+    full forward over the whole sequence; so do multi-token extensions (speculative verification). The routed
+    experts as decoding picks them by batch size, and always through the kernel seam (ANYSEEK_DECODE_EXPERTS)."""
+    monkeypatch.setattr(layers, "DECODE_EXPERTS", experts)
     model = make_model(case)
     eng = Engine(model, max_batch=3, max_len=120, page=16)
     logits, _, _ = eng.prefill([0, 1, 2], PROMPTS)

@@ -12,6 +12,7 @@ Shape legend: T new tokens, D hidden, H heads, N nope dim, R rope dim, V v dim, 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,11 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
 
 
 DENSE_MOE_TOKENS = 64  # decode batches up to this size run every expert on every token (below)
+# How decoding runs the routed experts (a diagnostic: `benchmarks/decode_experts.py` and `benchmarks/serve.py` compare
+# them): "auto" by batch size (below), "kernel" always the routed-experts kernel seam (reads only the chosen experts)
+DECODE_EXPERTS = os.environ.get("ANYSEEK_DECODE_EXPERTS", "auto")
+if DECODE_EXPERTS not in ("auto", "kernel"):
+    raise ValueError(f"ANYSEEK_DECODE_EXPERTS must be auto or kernel, got {DECODE_EXPERTS!r}")
 
 
 def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
@@ -87,7 +93,7 @@ def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
         return mlp(x_TD)
     _, ids_TK, w_TK = mlp.gate(x_TD)
     T, K = ids_TK.shape
-    if T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS:
+    if DECODE_EXPERTS == "kernel" or (T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS):
         y_TD = mlp.experts(x_TD, ids_TK, w_TK)
     elif T * K * 2 > mlp.n_experts:
         y_TD = _dense_experts(mlp, x_TD, ids_TK, w_TK)
