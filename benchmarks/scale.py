@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -39,6 +40,30 @@ def env_line(device: str) -> str:
             f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
 
 
+def _logged(out: Path, steps: int) -> float:
+    """When the run's metrics.jsonl last changed, if its last training step is logged there; else 0."""
+    metrics = out / "metrics.jsonl"
+    if not metrics.exists() or f'"step": {steps},' not in metrics.read_text():
+        return 0.0
+    return time.monotonic() - (time.time() - metrics.stat().st_mtime)
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> None:
+    """Signal every process of the run (torchrun and its ranks: one session), then wait until none is left, so
+    that the next run finds the GPUs' memory free (16B's ranks outlived torchrun at stop 46 and held 98.9 GiB)."""
+    os.killpg(proc.pid, sig)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        if time.monotonic() > deadline - 30:
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(1)
+    proc.wait()
+
+
 def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path | None, steps: int = 0) -> dict:
     """One training run: its exit, and its metrics summarized. A run stopped at the timeout after logging all its
     `steps` was in its end-of-run save (16B's takes minutes): its numbers stand."""
@@ -47,16 +72,17 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path 
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd + ["--out", str(out)], stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)  # every process of the run: torchrun and its ranks
+        code, t0 = None, time.monotonic()
+        while code is None:
             try:
-                proc.wait(30)
+                code = proc.wait(5)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            code = "hung"
+                if time.monotonic() - t0 > timeout:
+                    _stop(proc, signal.SIGABRT)  # (its stacks in the log)
+                    code = "hung"
+                elif steps and _logged(out, steps) and time.monotonic() - _logged(out, steps) > 30:
+                    _stop(proc, signal.SIGKILL)  # every step logged: the end-of-run save is not timed
+                    code = "0 (stopped in the final save)"
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         lines = log.read_text(errors="replace").splitlines()
@@ -67,8 +93,6 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path 
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r.get("kind") == "train"]
     later = [r for r in train if r["step"] > max(r["step"] for r in train) // 3] if train else []
-    if code == "hung" and train and steps and max(r["step"] for r in train) >= steps:
-        code = "0 (stopped in the final save)"
     return {"name": name, "exit": code, "steps": len(train),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later) if later else float("nan"),
             "loss": train[-1]["loss"] if train else float("nan"),
