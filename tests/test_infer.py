@@ -54,7 +54,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_cached_decode_equals_uncached_forward(case, experts, monkeypatch):
     """Prefill (training kernels) then absorbed decode steps over pages of 16 tokens: every step's logits equal a
     full forward over the whole sequence; so do multi-token extensions (speculative verification). The routed
-    experts as decoding picks them by batch size, and always through the kernel seam (ANYSEEK_DECODE_EXPERTS)."""
+    experts as decoding picks them on a CPU (by batch size), and always through the kernel seam (as with the Triton
+    backend on a GPU; ANYSEEK_DECODE_EXPERTS)."""
     monkeypatch.setattr(layers, "DECODE_EXPERTS", experts)
     model = make_model(case)
     eng = Engine(model, max_batch=3, max_len=120, page=16)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from anyseek import kernels
+from anyseek.kernels import registry
 from anyseek.infer.cache import PagedLatentCache
 from anyseek.model.mla import MLA
 from anyseek.model.moe import MoE
@@ -75,25 +76,28 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
 
 
 DENSE_MOE_TOKENS = 64  # decode batches up to this size run every expert on every token (below)
-# How decoding runs the routed experts (a diagnostic: `benchmarks/decode_experts.py` and `benchmarks/serve.py` compare
-# them): "auto" by batch size (below), "kernel" always the routed-experts kernel seam (reads only the chosen experts)
+# How decoding runs the routed experts (`benchmarks/decode_experts.py` compares them): "kernel" the routed-experts
+# kernel seam at every batch size (reads only the chosen experts; graph-safe with the Triton backend), "sizes" the
+# PyTorch paths by batch size (below), "auto" the kernel where its Triton backend runs, else by size. 16B on an H200
+# (stop 46, CUDA graphs): kernel 6.15 / 6.30 / 6.45 ms a step at batch 1 / 8 / 64, sizes 9.90 / 11.14 / 14.24.
 DECODE_EXPERTS = os.environ.get("ANYSEEK_DECODE_EXPERTS", "auto")
-if DECODE_EXPERTS not in ("auto", "kernel"):
-    raise ValueError(f"ANYSEEK_DECODE_EXPERTS must be auto or kernel, got {DECODE_EXPERTS!r}")
+if DECODE_EXPERTS not in ("auto", "kernel", "sizes"):
+    raise ValueError(f"ANYSEEK_DECODE_EXPERTS must be auto, kernel or sizes, got {DECODE_EXPERTS!r}")
 
 
 def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
     """The layer's MLP or MoE, for decoding: no host sync, so the step can be graph-captured.
 
-    Routed experts by batch size: T*K <= E/2 (small batches) reads only the chosen experts' weights (gathered);
-    T <= DENSE_MOE_TOKENS runs all E experts on all T tokens with zero weight for the unchosen ones (each weight read
-    once; the wasted FLOPs are cheap at decode sizes); larger T (prefill) goes through the routed_experts kernel seam.
+    Routed experts: through the routed_experts kernel seam where its Triton backend runs (DECODE_EXPERTS), else by
+    batch size: T*K <= E/2 (small batches) reads only the chosen experts' weights (gathered); T <= DENSE_MOE_TOKENS
+    runs all E experts on all T tokens with zero weight for the unchosen ones (each weight read once; the wasted FLOPs
+    are cheap at decode sizes); larger T (prefill) goes through the kernel seam.
     """
     if not isinstance(mlp, MoE):
         return mlp(x_TD)
     _, ids_TK, w_TK = mlp.gate(x_TD)
     T, K = ids_TK.shape
-    if DECODE_EXPERTS == "kernel" or (T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS):
+    if _kernel_experts(x_TD) or (T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS):
         y_TD = mlp.experts(x_TD, ids_TK, w_TK)
     elif T * K * 2 > mlp.n_experts:
         y_TD = _dense_experts(mlp, x_TD, ids_TK, w_TK)
@@ -110,6 +114,13 @@ def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
     if hasattr(mlp, "shared_experts"):
         y_TD = y_TD + mlp.shared_experts(x_TD)
     return y_TD
+
+
+def _kernel_experts(x_TD: torch.Tensor) -> bool:
+    """Whether decoding runs the routed experts through the kernel seam at this batch size (DECODE_EXPERTS)."""
+    if DECODE_EXPERTS != "auto":
+        return DECODE_EXPERTS == "kernel"
+    return registry.choose("routed_experts", x_TD)[1] == "triton"
 
 
 def _dense_experts(mlp: MoE, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
