@@ -320,11 +320,35 @@ def run_levels(target, name: str, args, levels: list[int], prompts: list[str], e
     run_clients(target, _client_proc, min(max(levels), 8), args.client_procs, 1, 120, prompts, 16, extra)  # warm-up
     rows = []
     for c in levels:
+        before = _counters(target)
         recs = run_clients(target, _client_proc, c, args.client_procs, args.rounds, args.level_seconds, prompts,
                            args.max_tokens, extra)  # fmt: skip
         rows.append(summarize(name, c, recs))
+        rows[-1].update(_server_side(before, _counters(target)))
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _counters(target) -> dict | None:
+    """anyseek serve's cumulative decode-thread counters (its /health), or None (another server)."""
+    try:
+        h = target.get("/health")
+    except Exception:  # noqa: BLE001 - a peer without them
+        return None
+    return h if "round_seconds" in h else None
+
+
+def _server_side(a: dict | None, b: dict | None) -> dict:
+    """Over a level, from two reads of the counters: the decode thread's ms per round (a decode step, the prefills
+    admitted with it, the hand-over of its tokens), ms per decode step (the host's wait for the tokens included),
+    the mean decode batch, prefill seconds, and the share of the level's rounds' time in decode steps."""
+    if a is None or b is None or b["rounds"] == a["rounds"]:
+        return {}
+    rounds, steps = b["rounds"] - a["rounds"], max(b["steps"] - a["steps"], 1)
+    round_s, decode_s = b["round_seconds"] - a["round_seconds"], b["decode_seconds"] - a["decode_seconds"]
+    return {"server_round_ms": 1e3 * round_s / rounds, "server_decode_ms": 1e3 * decode_s / steps,
+            "server_batch": (b["decode_rows"] - a["decode_rows"]) / steps,
+            "server_prefill_s": b["prefill_seconds"] - a["prefill_seconds"], "server_rounds_s": round_s}
 
 
 async def _soak(url, model, n, seconds, prompts, start, seed) -> dict:
@@ -434,6 +458,13 @@ def table(rows: list[dict]) -> str:
                      f"{r['ttft_p50']:.0f} / "
                      f"{r['ttft_p99']:.0f} | {r['itl_p50']:.1f} / {r['itl_p99']:.1f} | {r['tpot_p50']:.1f} | "
                      f"{r['tokens_per_request']:.0f} | {r['errors']} |")  # fmt: skip
+    inside = [r for r in rows if "server_round_ms" in r]
+    if inside:  # anyseek serve's own account of the level (its /health counters)
+        lines += ["", "| server | clients | decode thread: ms a round | ms a decode step | mean batch | prefill s "
+                  "| rounds s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['server']} | {r['clients']} | {r['server_round_ms']:.2f} | {r['server_decode_ms']:.2f} | "
+                  f"{r['server_batch']:.1f} | {r['server_prefill_s']:.2f} | {r['server_rounds_s']:.1f} |"
+                  for r in inside]
     ours = {r["clients"]: r for r in rows if r["server"] == "anyseek serve" and "tok_s" in r}
     peer = {r["clients"]: r for r in rows if r["server"] != "anyseek serve" and "tok_s" in r}
     if peer:

@@ -176,6 +176,13 @@ def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == [NAME]
     h = server.health()
     assert h["status"] == "ok" and h["pages_in_use"] == 0 and h["max_batch"] == 3 and h["pages_total"] > 0
+    # the decode thread's counters (benchmarks/serve.py reads them per level): 6 tokens of one sequence take the
+    # prefill's round (its first token) and 5 decode steps of batch 1
+    server.client.completions.create(model=NAME, prompt="x", max_tokens=6, extra_body={"ignore_eos": True})
+    after = server.wait_idle()
+    assert after["steps"] - h["steps"] == 5 and after["decode_rows"] - h["decode_rows"] == 5, (h, after)
+    assert after["rounds"] - h["rounds"] >= 5 and after["round_seconds"] > h["round_seconds"]
+    assert after["decode_seconds"] > h["decode_seconds"] and after["prefill_seconds"] > h["prefill_seconds"]
 
 
 def test_the_openai_snippet_in_docs_inference_runs(server, capsys):

@@ -59,6 +59,8 @@ class Stats:
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     steps: int = 0  # decode steps (a speculative step may yield two tokens per sequence)
+    decode_seconds: float = 0.0  # in the decode steps, the host's wait for their tokens included
+    decode_rows: int = 0  # sequences summed over the decode steps (their mean batch: decode_rows / steps)
     drafted: int = 0
     accepted: int = 0
 
@@ -184,10 +186,13 @@ class Generator:
             return admit
         self.stats.steps += 1
         stepped = list(self.running)
+        t0 = time.perf_counter()
         if self.speculative:
             self._spec_step(stepped)
         else:
             self._step(stepped)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_rows += len(stepped)
         self._retire()
         return stepped if not admit else list({id(r): r for r in admit + stepped}.values())
 

@@ -18,6 +18,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ class Worker:
         self._owner: dict[int, tuple[Job, int]] = {}  # request id -> (job, choice); decode thread only
         self.draining, self.error = False, None
         self.tokens, self.finished = 0, 0
+        self.rounds, self.round_seconds = 0, 0.0  # the decode thread's rounds (step + hand-over) and their time
         self.thread = threading.Thread(target=self._run, name="anyseek-decode", daemon=True)
 
     # ---- the event loop's side --------------------------------------------------------------------------------
@@ -85,7 +87,10 @@ class Worker:
                 "max_batch": gen.max_batch, "max_queue": self.max_queue, "pages_total": gen.engine.num_pages,
                 "pages_in_use": gen.engine.num_pages - cache.num_free_pages, "page_tokens": cache.page,
                 "tokens_generated": self.tokens, "sequences_finished": self.finished, "steps": gen.stats.steps,
-                "error": self.error}  # fmt: skip
+                # where the decode thread's time goes (cumulative; a client takes differences between two reads)
+                "decode_seconds": gen.stats.decode_seconds, "decode_rows": gen.stats.decode_rows,
+                "prefill_seconds": gen.stats.prefill_seconds, "rounds": self.rounds,
+                "round_seconds": self.round_seconds, "error": self.error}  # fmt: skip
 
     # ---- the decode thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -137,12 +142,15 @@ class Worker:
             self.live -= n
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._emit(self.gen.step(on_prefill=self._emit))
         except Exception as e:  # noqa: BLE001 - the server stays up: every live request gets the error
             traceback.print_exc(file=sys.stderr)
             self.error = f"{type(e).__name__}: {e}"
             self._drop_all(e)
+        self.rounds += 1
+        self.round_seconds += time.perf_counter() - t0
 
     def _emit(self, touched: list[Request]) -> None:
         """Hand the new tokens and finishes of `touched` to their jobs: one call into the event loop."""
