@@ -137,4 +137,33 @@ def dq_rows(q_ptr, s_ptr, lut_ptr, rows, rmask, c0, n_in, row_bytes, scale_at,
     return tl.reshape(tl.reshape(w, (R, G, C // G)) * scale[:, :, None], (R, C))
 
 
-__all__ = ["MODES", "dq_mode", "dq_rows", "dq_tile", "nf4_lut"]
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, lut_ptr, out_ptr, n_rows, n_in, row_bytes, scale_at,
+                       GROUP: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c0 = tl.program_id(1) * BLOCK_C
+    rmask = rows < n_rows
+    w = dq_rows(q_ptr, s_ptr, lut_ptr, rows, rmask, c0, n_in, row_bytes, scale_at, BLOCK_C, GROUP, MODE, True)
+    cols = c0 + tl.arange(0, BLOCK_C)
+    out = out_ptr + rows.to(tl.int64)[:, None] * n_in + cols[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < n_in)[None, :])
+
+
+def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16, mode: int | None = None) -> torch.Tensor:
+    """`reference/quant4.py: dequantize4` in one Triton pass: packed uint8 [..., N, 17K/32] -> [..., N, K] in dtype
+    (the same values: level * scale in fp32, rounded once). The dequantize-then-GEMM alternative of
+    benchmarks/quant4_gemm.py."""
+    from anyseek.kernels.reference.quant4 import GROUP, in_features
+
+    K = in_features(packed)
+    rows = packed.reshape(-1, packed.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], K, dtype=dtype, device=packed.device)
+    br, bc = (32, 128) if packed.is_cuda else (16, 64)
+    grid = (triton.cdiv(rows.shape[0], br), triton.cdiv(K, bc))
+    _dequantize_kernel[grid](rows, rows.view(torch.int16), nf4_lut(packed.device), out, rows.shape[0], K,
+                             rows.shape[1], K // 4, GROUP=GROUP, MODE=dq_mode() if mode is None else mode,
+                             BLOCK_R=br, BLOCK_C=bc, num_warps=4)  # fmt: skip
+    return out.reshape(*packed.shape[:-1], K)
+
+
+__all__ = ["MODES", "dequantize", "dq_mode", "dq_rows", "dq_tile", "nf4_lut"]
