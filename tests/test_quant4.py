@@ -296,8 +296,8 @@ def interp_results():
 
 @pytest.mark.parametrize("name", ["linear_float32", "linear_float16", "experts_sparse_float32",
                                   "experts_sparse_float16", "matmuls", "dq_legacy", "dq_global", "dq_pair", "dq_select",
-                                  "dq_gather", "dq_env", "experts_legacy", "experts_pair", "experts_select",
-                                  "experts_gather"])  # fmt: skip
+                                  "dq_gather", "dq_env", "experts_legacy", "experts_global", "experts_pair",
+                                  "experts_select"])  # fmt: skip
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err kernel, err torch)")
 

@@ -14,9 +14,17 @@ benchmarks/quant4_gemm.py):
   global  the 16 levels from global memory (64 bytes: one L1 line, so a warp's 32 lookups are one wavefront);
   pair    one lookup per byte in the 256-pair table (half the loads, but a warp's lookups touch ~14 lines of it);
   select  a branch-free select tree on the code's 4 bits (no memory; 15 selects and 4 bit tests per element);
-  gather  `tl.gather` from the 16 levels held in registers (shuffles or shared memory, as Triton lowers it).
+  gather  `tl.gather` from the 16 levels held in registers (Triton puts them in shared memory: one ld.shared each).
 `legacy` is the first kernel's element-wise form (three gathered loads per element: the byte, the scale, the level),
 kept for the benchmark's before/after (`dq_tile`).
+
+Why `gather` is the default (not yet measured on a GPU; PTX for sm_90 compiled on the CPU with Triton 3.9, the
+dense forward at 128x128x64, 8 warps, 3 stages, per loop iteration = 32 weights a thread): legacy 791 instructions,
+global 333, pair 252, select 969 (480 selects), gather 367. But global and pair look up with 4- and 8-byte loads,
+which Triton's pipeliner turns into cp.async copies through shared memory, a [BN, BK] fp32 buffer per stage: the
+routed experts' SwiGLU GEMM needs 160 KB of shared memory with them (the down GEMM 240 KB at 4 stages: more than an
+H100 has, so fewer stages) against 32 and 64 KB with gather or select, and each weight passes global -> shared ->
+registers. gather reads each level from a 64-byte table in shared memory (conflict-free: 16 words, 16 banks).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import triton.language as tl
 from anyseek.kernels.reference.quant4 import nf4_levels
 
 MODES = {"legacy": 0, "global": 1, "pair": 2, "select": 3, "gather": 4}
-DEFAULT_MODE = "global"  # (not measured yet: the form with the fewest loads per element that one L1 line serves)
+DEFAULT_MODE = "gather"  # (see above: to be confirmed by benchmarks/quant4_gemm.py on an H100)
 _PAIRS_AT = 16  # the pair table's first fp32 in the table
 
 
