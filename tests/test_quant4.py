@@ -243,6 +243,13 @@ def _dq_mode_results(results: dict) -> None:
         exact = [bool(torch.equal(quant4_dq.dequantize(quantize, torch.float32, mode), quant4.dequantize4(quantize)))
                  for quantize in (quant4.quantize4(torch.randn(3, 37, 192)),)] if mode else [True]  # fmt: skip
         results[f"dq_{name}"] = {"pass": all(e < 1e-4 for e in err) and all(exact), "table": [err, exact]}  # (NaN: fails)
+    os.environ["ANYSEEK_QUANT4_DENSE"] = "prepass"  # the dequantize-then-matmul route of the dense GEMMs
+    W, ref = _by_hand(50, 192)
+    x, gy = torch.randn(7, 192), torch.randn(7, 50)
+    err = [float((quant4_linear.matmul_wt(x, W).double() - x.double() @ ref.t()).abs().max()),
+           float((quant4_linear.matmul_w(gy, W).double() - gy.double() @ ref).abs().max())]
+    results["dense_prepass"] = {"pass": all(e < 1e-3 for e in err), "table": err}
+    del os.environ["ANYSEEK_QUANT4_DENSE"]
     os.environ["ANYSEEK_QUANT4_DQ"] = "bogus"
     try:
         quant4_dq.dq_mode()
@@ -296,7 +303,7 @@ def interp_results():
 
 @pytest.mark.parametrize("name", ["linear_float32", "linear_float16", "experts_sparse_float32",
                                   "experts_sparse_float16", "matmuls", "dq_legacy", "dq_global", "dq_pair", "dq_select",
-                                  "dq_gather", "dq_env", "experts_legacy", "experts_global", "experts_pair",
+                                  "dq_gather", "dq_env", "dense_prepass", "experts_legacy", "experts_global", "experts_pair",
                                   "experts_select"])  # fmt: skip
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err kernel, err torch)")
@@ -313,6 +320,26 @@ def test_gpu_kernels(dtype):
     ex = _experts_case(T=200, D=256, I=128, E=8, K=3, kind="skewed", rank=16)
     ex = [t.cuda() if torch.is_tensor(t) else [a.cuda() for a in t] for t in ex]
     assert interpreter.passes(_experts_table(quant4_moe.lora_routed_experts, ex, dtype), 1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("form", ["legacy", "global", "pair", "select", "gather"])
+def test_gpu_every_lookup_form(form, monkeypatch):
+    """Each lookup form compiled for the GPU (the interpreter lowers none of them): the dense GEMMs on weights built by
+    hand, exact in fp32 for x = I, and the routed experts in bf16 within the 2x rule."""
+    from anyseek.kernels.triton import quant4_dq, quant4_linear, quant4_moe
+
+    monkeypatch.setenv("ANYSEEK_QUANT4_DQ", form)
+    W, ref = _by_hand(300, 320)
+    W, ref = W.cuda(), ref.cuda()
+    got = quant4_linear.matmul_wt(torch.eye(320, device="cuda"), W, dq=quant4_dq.MODES[form])
+    assert float((got.double() - ref.t()).abs().max()) == 0.0
+    g = torch.randn(70, 300, device="cuda")
+    assert float((quant4_linear.matmul_w(g, W).double() - g.double() @ ref).abs().max()) < 1e-3
+    ex = _experts_case(T=200, D=256, I=128, E=8, K=3, kind="skewed", rank=16)
+    ex = [t.cuda() if torch.is_tensor(t) else [a.cuda() for a in t] for t in ex]
+    assert interpreter.passes(_experts_table(quant4_moe.lora_routed_experts, ex, torch.bfloat16), 1e-3)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Triton GEMMs over a 4-bit frozen weight, dequantized tile by tile in the loop over K (`quant4_dq.py`): the
 forward y = x dq(W)^T and the input gradient dx = g dq(W) of a linear layer (no weight gradient: the base is
 frozen), and the triton backend of `kernels.low_rank_linear` for packed weights (`quant4_lowrank.py` adds LoRA's
-rank-r term and the autograd around them). Nothing the size of W in bf16 is formed.
+rank-r term and the autograd around them). Nothing the size of W in bf16 is formed (unless
+ANYSEEK_QUANT4_DENSE=prepass asks for the dequantize-then-matmul route, `_prepass`).
 
 Shape legend: M rows, K reduction length, N output columns; W [out, in] packed as [out, 17 in / 32] bytes.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -15,7 +18,7 @@ import triton.language as tl
 from anyseek.kernels.quant4_lowrank import quant4_low_rank_linear
 from anyseek.kernels.reference.quant4 import GROUP, in_features
 from anyseek.kernels.triton.launch import launch
-from anyseek.kernels.triton.quant4_dq import dq_mode, dq_rows, dq_tile, nf4_lut
+from anyseek.kernels.triton.quant4_dq import dequantize, dq_mode, dq_rows, dq_tile, nf4_lut
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): on a GPU not tuned yet (the MoE's "swiglu" tile shape with
 # BLOCK_K = one scale group); in the interpreter the smallest tiles tl.dot takes
@@ -77,14 +80,29 @@ def _launch(a: torch.Tensor, W: torch.Tensor, forward: bool, dq: int | None = No
     return c
 
 
+def _prepass() -> bool:
+    """ANYSEEK_QUANT4_DENSE=prepass: the dense GEMMs dequantize W to the activations' dtype in one Triton pass
+    (`quant4_dq.dequantize`, a transient the size of W in bf16: 88 MiB for the 16B's largest, the dense MLP's
+    gate|up) and call torch's matmul; default `fused`. For measuring both routes in the training step
+    (benchmarks/quant4_gemm.py measures them GEMM by GEMM); anything else is an error naming the choices."""
+    route = os.environ.get("ANYSEEK_QUANT4_DENSE", "fused")
+    if route not in ("fused", "prepass"):
+        raise ValueError(f"ANYSEEK_QUANT4_DENSE={route!r}: choose fused or prepass")
+    return route == "prepass"
+
+
 def matmul_wt(x: torch.Tensor, W: torch.Tensor, dq: int | None = None, tile: tuple | None = None) -> torch.Tensor:
     """x [M, in] @ dq(W)^T -> [M, out] in x's dtype (fp32 sums). dq: the lookup form (`quant4_dq.MODES`, default
     `dq_mode()`); tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of the default (benchmarks)."""
+    if dq is None and tile is None and _prepass():
+        return x @ dequantize(W, x.dtype).t()
     return _launch(x, W, True, dq, tile)
 
 
 def matmul_w(g: torch.Tensor, W: torch.Tensor, dq: int | None = None, tile: tuple | None = None) -> torch.Tensor:
     """g [M, out] @ dq(W) -> [M, in] in g's dtype (fp32 sums); dq, tile as for `matmul_wt`."""
+    if dq is None and tile is None and _prepass():
+        return g @ dequantize(W, g.dtype)
     return _launch(g, W, False, dq, tile)
 
 
