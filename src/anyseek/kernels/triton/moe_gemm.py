@@ -134,10 +134,10 @@ def _grouped_gemm_kernel(
                     b = dq_tile(q_e, s_e, lut_ptr, kk[:, None], cols_c[None, :], qmask, q_row, q_scale_at, Q_GROUP)
             elif Q_K_IN:  # W's rows cols_c (wrapped: all real), inputs k * BLOCK_K..: [BN, BK], transposed
                 b = tl.trans(dq_rows(q_e, s_e, lut_ptr, cols_c, cols_c >= 0, k * BLOCK_K, K_red, q_row, q_scale_at,
-                                     BLOCK_K, Q_GROUP, Q_DQ, not EVEN_K))  # fmt: skip
+                                     BLOCK_K, Q_GROUP, Q_DQ, not EVEN_K, a_ptr.dtype.element_ty))  # fmt: skip
             else:  # W's rows kk (its outputs), inputs from this tile's first column (past N: zeros, not wrapped)
                 b = dq_rows(q_e, s_e, lut_ptr, kk, kk < K_red, pid_n * BLOCK_N, N, q_row, q_scale_at, BLOCK_N,
-                            Q_GROUP, Q_DQ, not EVEN_N)  # fmt: skip
+                            Q_GROUP, Q_DQ, not EVEN_N, a_ptr.dtype.element_ty)  # fmt: skip
             b = b.to(a_ptr.dtype.element_ty)
         elif EVEN_K:
             b = tl.load(b_ptrs)
@@ -157,7 +157,7 @@ def _grouped_gemm_kernel(
                              Q_GROUP)  # fmt: skip
             else:
                 bu = tl.trans(dq_rows(q_e, s_e, lut_ptr, up_cols + cols_c, cols_c >= 0, k * BLOCK_K, K_red, q_row,
-                                      q_scale_at, BLOCK_K, Q_GROUP, Q_DQ, not EVEN_K))  # fmt: skip
+                                      q_scale_at, BLOCK_K, Q_GROUP, Q_DQ, not EVEN_K, a_ptr.dtype.element_ty))  # fmt: skip
             acc_u = tl.dot(a, bu.to(a_ptr.dtype.element_ty), acc_u, input_precision=PREC)
         elif EPI == 1:
             if EVEN_K:

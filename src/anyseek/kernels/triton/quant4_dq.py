@@ -99,8 +99,8 @@ def _select_level(c):
 
 @triton.jit
 def _levels(lut_ptr, byte, MODE: tl.constexpr):
-    """The levels of both nibbles of code bytes `byte` (int32 [R, C/2]) -> fp32 [R, C], element 2j the low nibble's
-    (input feature 2j lies in the low nibble of byte j)."""
+    """The levels of both nibbles of code bytes `byte` (int32 [R, C/2]) -> (low nibbles', high nibbles') fp32
+    [R, C/2] each (input feature 2j lies in the low nibble of byte j, 2j + 1 in its high one)."""
     if MODE == 2:  # one int64 per byte: the two levels' fp32 bits, low nibble's in the low word
         pair = tl.load((lut_ptr + 16).to(tl.pointer_type(tl.int64)) + byte)
         lo = (pair & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
@@ -116,17 +116,27 @@ def _levels(lut_ptr, byte, MODE: tl.constexpr):
     else:
         lo = tl.load(lut_ptr + (byte & 15))
         hi = tl.load(lut_ptr + (byte >> 4))
-    return tl.interleave(lo, hi)
+    return lo, hi
+
+
+@triton.jit
+def _scaled(v, scale, G: tl.constexpr):
+    """v [R, C/2] (one nibble's levels: features 2j or 2j + 1) times its group's scale (scale [R, G]: feature 2j of
+    the tile is in group 2j // (C / G), i.e. column j in group j // (C / 2G))."""
+    if G == 1:
+        return v * scale
+    R: tl.constexpr = v.shape[0]
+    H: tl.constexpr = v.shape[1]
+    return tl.reshape(tl.reshape(v, (R, G, H // G)) * scale[:, :, None], (R, H))
 
 
 @triton.jit
 def dq_rows(q_ptr, s_ptr, lut_ptr, rows, rmask, c0, n_in, row_bytes, scale_at,
-            C: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, MASK_C: tl.constexpr):  # fmt: skip
-    """W[rows, c0 : c0 + C] in fp32, [R, C], R = len(rows): rows (int32 [R]) of one weight (q_ptr / s_ptr: its first
+            C: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, MASK_C: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """W[rows, c0 : c0 + C] in DTYPE (level * scale in fp32, rounded once), [R, C], R = len(rows): rows (int32 [R]) of one weight (q_ptr / s_ptr: its first
     byte / int16; row_bytes: bytes per row; scale_at: the first scale's int16 index within a row, K / 4; n_in: K).
     c0 is a multiple of C, and C of GROUP or GROUP of C (powers of two). Rows outside rmask and, with MASK_C,
     columns past n_in are 0."""
-    R: tl.constexpr = rows.shape[0]
     HALF: tl.constexpr = C // 2
     G: tl.constexpr = C // GROUP if C > GROUP else 1  # scale groups in the tile
     half = tl.multiple_of(c0 // 2, HALF) + tl.arange(0, HALF)
@@ -139,10 +149,10 @@ def dq_rows(q_ptr, s_ptr, lut_ptr, rows, rmask, c0, n_in, row_bytes, scale_at,
     byte = tl.load(q_ptr + rows[:, None] * row_bytes + half[None, :], mask=bmask, other=0).to(tl.int32)
     bits = tl.load(s_ptr + (rows * (row_bytes // 2) + scale_at)[:, None] + groups[None, :], mask=smask, other=0)
     scale = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)  # [R, G]
-    w = _levels(lut_ptr, byte, MODE)
-    if G == 1:
-        return w * scale
-    return tl.reshape(tl.reshape(w, (R, G, C // G)) * scale[:, :, None], (R, C))
+    lo, hi = _levels(lut_ptr, byte, MODE)
+    # scaled and rounded to the GEMM's dtype before the halves are joined: the [R, C] tile is never held in fp32
+    # (register pressure: the routed experts' GEMMs run at the register limit)
+    return tl.interleave(_scaled(lo, scale, G).to(DTYPE), _scaled(hi, scale, G).to(DTYPE))
 
 
 @triton.jit
@@ -151,10 +161,11 @@ def _dequantize_kernel(q_ptr, s_ptr, lut_ptr, out_ptr, n_rows, n_in, row_bytes, 
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c0 = tl.program_id(1) * BLOCK_C
     rmask = rows < n_rows
-    w = dq_rows(q_ptr, s_ptr, lut_ptr, rows, rmask, c0, n_in, row_bytes, scale_at, BLOCK_C, GROUP, MODE, True)
+    w = dq_rows(q_ptr, s_ptr, lut_ptr, rows, rmask, c0, n_in, row_bytes, scale_at, BLOCK_C, GROUP, MODE, True,
+                out_ptr.dtype.element_ty)  # fmt: skip
     cols = c0 + tl.arange(0, BLOCK_C)
     out = out_ptr + rows.to(tl.int64)[:, None] * n_in + cols[None, :]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < n_in)[None, :])
+    tl.store(out, w, mask=rmask[:, None] & (cols < n_in)[None, :])
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16, mode: int | None = None) -> torch.Tensor:

@@ -50,10 +50,10 @@ def _q4_gemm_kernel(a_ptr, q_ptr, s_ptr, lut_ptr, c_ptr, M, N, K, stride_am, str
                 w = dq_tile(q_ptr, s_ptr, lut_ptr, ks[:, None], cols[None, :], wmask, row_bytes, scale_at, GROUP)
         elif Q_K_IN:  # W's rows `cols`, its inputs k0.. : [BLOCK_N, BLOCK_K], transposed for the dot
             w = tl.trans(dq_rows(q_ptr, s_ptr, lut_ptr, cols, cmask, k0, K, row_bytes, scale_at,
-                                 BLOCK_K, GROUP, DQ, not EVEN_K))  # fmt: skip
+                                 BLOCK_K, GROUP, DQ, not EVEN_K, a_ptr.dtype.element_ty))  # fmt: skip
         else:  # W's rows `ks` (its outputs), its inputs from program 1's first column: [BLOCK_K, BLOCK_N]
             w = dq_rows(q_ptr, s_ptr, lut_ptr, ks, kmask, tl.program_id(1) * BLOCK_N, N, row_bytes, scale_at,
-                        BLOCK_N, GROUP, DQ, not EVEN_N)  # fmt: skip
+                        BLOCK_N, GROUP, DQ, not EVEN_N, a_ptr.dtype.element_ty)  # fmt: skip
         acc = tl.dot(a, w.to(a_ptr.dtype.element_ty), acc, input_precision=PREC)
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
