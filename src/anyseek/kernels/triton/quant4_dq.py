@@ -18,13 +18,13 @@ benchmarks/quant4_gemm.py):
 `legacy` is the first kernel's element-wise form (three gathered loads per element: the byte, the scale, the level),
 kept for the benchmark's before/after (`dq_tile`).
 
-Why `gather` is the default (not yet measured on a GPU; PTX for sm_90 compiled on the CPU with Triton 3.9, the
-dense forward at 128x128x64, 8 warps, 3 stages, per loop iteration = 32 weights a thread): legacy 791 instructions,
-global 333, pair 252, select 969 (480 selects), gather 367. But global and pair look up with 4- and 8-byte loads,
-which Triton's pipeliner turns into cp.async copies through shared memory, a [BN, BK] fp32 buffer per stage: the
-routed experts' SwiGLU GEMM needs 160 KB of shared memory with them (the down GEMM 240 KB at 4 stages: more than an
-H100 has, so fewer stages) against 32 and 64 KB with gather or select, and each weight passes global -> shared ->
-registers. gather reads each level from a 64-byte table in shared memory (conflict-free: 16 words, 16 banks).
+Why `gather` is the default (not yet measured on a GPU): compiled for sm_90 on the CPU (Triton 3.9, its ptxas), the
+dense forward at 128x128x64 with 8 warps: SASS instructions / registers legacy 1,568 / 170, global 888 / 126, pair
+648 / 123, select 944 / 147, gather 640 / 127. global and pair look up with 4- and 8-byte loads, which Triton's
+pipeliner turns into cp.async copies through shared memory, a [BN, BK] fp32 buffer per stage: the routed experts'
+GEMMs then need 188-288 KB of shared memory (the dx GEMM more than an H100's 227: fewer stages) against 64-96 KB
+with gather, and each level passes global -> shared -> registers. gather reads it from a 64-byte table in shared
+memory (conflict-free: 16 words in 16 banks). docs/kernels.md has the routed experts' counts.
 """
 
 from __future__ import annotations
