@@ -2,12 +2,14 @@
 4-bit peer: peak GPU memory (allocated, and reserved: what the caching allocator holds) and tokens/s.
 
     python benchmarks/finetune_4bit.py [--layers 27] [--tokens 4096] [--seqlen 2048] [--steps 5] [--ckpt none|full]
+                                       [--step autocast|trainer] [--moments fp32|bf16] [--expandable]
                                        [--peer] [--peer-layers N] [--out results.json]
 
 Random weights (the 16B flavor: Moonlight / DeepSeek-V2-Lite widths, vocab 163840), one optimizer step as the
-trainer runs it (bf16 autocast, packed documents, AdamW on the adapters), LoRA rank 16 on every target (attention,
-dense MLP, shared and routed experts). The 4-bit base is made tensor by tensor (no bf16 model ever whole on the GPU).
-First a correctness check on one layer's shapes: the Triton 4-bit kernels (dense linear and the routed experts, with
+trainer runs it (bf16 autocast, packed documents, AdamW on the adapters; or with --step trainer, the trainer's
+default one-process step: a bf16 working copy of the adapters and FlatAdamW, --moments its moments), LoRA rank 16
+on every target (attention, dense MLP, shared and routed experts). The 4-bit base is made tensor by tensor (no bf16
+model ever whole on the GPU). First a correctness check on one layer's shapes: the Triton 4-bit kernels (dense linear and the routed experts, with
 adapters, forward and gradients) against an fp64 computation over the dequantized weights, next to PyTorch's own
 bf16 error (the 2x rule); the script stops if it fails. Then one row per mode and a markdown table.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 
 import torch
@@ -136,7 +139,11 @@ def random_model(mc: ModelConfig, dev: torch.device, spec: lora_lib.LoRASpec) ->
 
 
 def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int, seqlen: int, steps: int,
-                ckpt: str) -> dict:  # fmt: skip
+                ckpt: str, step_mode: str = "autocast", moments: str = "fp32") -> dict:  # fmt: skip
+    """One row. step_mode "autocast": fp32 adapters under bf16 autocast, torch's AdamW, clip_grad_norm_ (the
+    measurements of stop 45); "trainer": as `anyseek train` runs one process on a GPU by default (train.working_copy:
+    bf16 working copy of the adapters, bf16 activations and gradients, FlatAdamW with `moments` moments and the clip
+    folded into its step; train/precision.py), eager (no CUDA graphs)."""
     spec = lora_lib.LoRASpec(rank=16, alpha=32, base_bits=base_bits)
     torch.cuda.reset_peak_memory_stats()
     model = random_model(mc, dev, spec)
@@ -147,16 +154,39 @@ def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int,
         apply_activation_checkpointing(model, ckpt)
     model.train()
     run_cfg = load_run_config("small", [f"--data.tokens_per_batch={tokens}", f"--data.max_seqlen={seqlen}",
-                                        f"--parallel.activation_checkpointing={ckpt}"])  # fmt: skip
-    opt = build_optimizer(model, run_cfg.train, dev)
+                                        f"--parallel.activation_checkpointing={ckpt}",
+                                        f"--train.moments_dtype={moments}"])  # fmt: skip
     ids, targets, cu = batch(mc.vocab_size, tokens, seqlen, dev)
     n = torch.tensor(count_targets(targets.cpu(), cu.cpu(), len(model.mtp)), dtype=torch.float32, device=dev)
-    params = [p for p in model.parameters() if p.requires_grad]
+    step = (_trainer_step if step_mode == "trainer" else _autocast_step)(model, run_cfg, dev, (ids, targets, cu, n),
+                                                                         seqlen)  # fmt: skip
     gc.collect()
     torch.cuda.empty_cache()
     resident = torch.cuda.memory_allocated()
     build_peak = torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()
+    first = float(step().detach())
+    steady = torch.cuda.memory_allocated()  # + the optimizer's state and what a step leaves behind
+    step()
+    ms, last = timed(step, steps)
+    est = estimate(mc, run_cfg, spec, torch.bfloat16, autocast=step_mode == "autocast",
+                   working_copy=step_mode == "trainer", triton_experts=True)  # fmt: skip
+    stats = torch.cuda.memory_stats()
+    base = "4-bit NF4" if base_bits == 4 else "bf16"
+    extra = "" if step_mode == "autocast" else f", trainer step (working copy, {moments} moments)"
+    row = {"mode": f"anyseek LoRA r16, {base} base{extra}", "resident_GiB": resident / GiB,
+           "build_peak_reserved_GiB": build_peak / GiB, "after_step_GiB": steady / GiB,
+           "peak_alloc_GiB": torch.cuda.max_memory_allocated() / GiB,
+           "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "estimate_GiB": est.total / GiB,
+           "alloc_retries": stats.get("num_alloc_retries", 0), "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
+           "first_loss": first, "last_loss": last}  # fmt: skip
+    return row
+
+
+def _autocast_step(model, run_cfg, dev, data, seqlen):
+    ids, targets, cu, n = data
+    opt = build_optimizer(model, run_cfg.train, dev)
+    params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
         with torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -167,16 +197,28 @@ def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int,
         opt.zero_grad(set_to_none=True)
         return out.loss
 
-    first = float(step().detach())
-    step()
-    ms, last = timed(step, steps)
-    est = estimate(mc, run_cfg, spec, torch.bfloat16, autocast=True, triton_experts=True)
-    row = {"mode": f"anyseek LoRA r16, {'4-bit NF4' if base_bits == 4 else 'bf16'} base", "resident_GiB":
-           resident / GiB, "build_peak_reserved_GiB": build_peak / GiB,
-           "peak_alloc_GiB": torch.cuda.max_memory_allocated() / GiB,
-           "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "estimate_GiB": est.total / GiB,
-           "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3, "first_loss": first, "last_loss": last}
-    return row
+    return step
+
+
+def _trainer_step(model, run_cfg, dev, data, seqlen):
+    """The trainer's one-process step (train/step.py: `_micro_inner`, `_launch`) without its logging and overlap."""
+    from anyseek.train import precision
+
+    ids, targets, cu, n = data
+    working = precision.WorkingCopy(model, torch.bfloat16, accumulate=False)
+    opt = precision.build_flat_adamw(working, run_cfg.train)
+    max_norm = run_cfg.train.grad_clip
+
+    def step():
+        with working.active():
+            out = model(ids, cu_seqlens=cu, targets=targets, max_seqlen=seqlen, return_logits=False, num_targets=n)
+            out.loss.backward()
+            working.collect()
+        opt.grad_scale = ((working.grad_norm() + 1e-6) / max_norm).clamp(min=1.0)
+        opt.step()
+        return out.loss
+
+    return step
 
 
 # ---------------------------------------------------------------- the peer
@@ -243,11 +285,19 @@ def main() -> None:
     ap.add_argument("--ckpt", default="none", choices=("none", "selective", "full"),
                     help="parallel.activation_checkpointing for the anyseek rows")
     ap.add_argument("--skip-bf16", action="store_true", help="no bf16-base row (e.g. a GPU smaller than ~40 GB)")
+    ap.add_argument("--step", default="autocast", choices=("autocast", "trainer"),
+                    help="autocast: fp32 adapters under autocast, torch's AdamW; trainer: anyseek train's default "
+                         "one-process step (bf16 working copy, FlatAdamW)")
+    ap.add_argument("--moments", default="fp32", choices=("fp32", "bf16"), help="train.moments_dtype (--step trainer)")
+    ap.add_argument("--expandable", action="store_true",
+                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less held by the caching allocator)")
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--peer-layers", type=int, default=None, help="default: --layers")
     ap.add_argument("--peer-dir", default="/tmp/anyseek-16B-random")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.expandable:  # (read when CUDA first allocates: before anything does)
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     dev = torch.device("cuda")
     mc = ModelConfig.from_name("16B", num_hidden_layers=args.layers, num_nextn_predict_layers=0)
     table = check_kernels(mc, dev)
@@ -260,7 +310,8 @@ def main() -> None:
     rows = []
     for bits in ((4,) if args.skip_bf16 else (16, 4)):
         t0 = time.perf_counter()
-        rows.append(anyseek_row(mc, dev, bits, args.tokens, args.seqlen, args.steps, args.ckpt))
+        rows.append(anyseek_row(mc, dev, bits, args.tokens, args.seqlen, args.steps, args.ckpt, args.step,
+                                args.moments))  # fmt: skip
         gc.collect()  # the row's model and optimizer went with its frame
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -270,7 +321,8 @@ def main() -> None:
         rows.append(peer_row(pc, dev, args.tokens, args.seqlen, args.steps, f"{args.peer_dir}-{pc.num_hidden_layers}"))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | 16B shape, {args.layers} layers | "
-          f"{args.tokens} tokens/step | activation checkpointing {args.ckpt}")
+          f"{args.tokens} tokens/step | activation checkpointing {args.ckpt} | step {args.step}, {args.moments} moments"
+          f"{' | expandable segments' if args.expandable else ''}")
     print("| mode | resident GiB | peak allocated GiB | peak reserved GiB | estimate GiB | ms/step | tokens/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

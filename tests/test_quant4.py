@@ -4,6 +4,8 @@ over the dequantized weights (the 2x rule: error at most twice PyTorch's own at 
 
 from __future__ import annotations
 
+import os
+
 import interpreter
 import pytest
 import torch
@@ -199,10 +201,85 @@ def test_lora_routed_experts_seam_takes_packed_stacks_and_matches_fp64():
 # ---------------------------------------------------------------- the Triton kernels, in the interpreter
 
 
+def _by_hand(out_f: int, in_f: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed W, its fp64 values) built from the format's definition, not from `quantize4`: random codes, code j
+    of a row in byte j // 2, low nibble for even j; a power-of-two scale per (row, group) (exact products), the
+    scales as bf16 bits after the codes. Packed inside a larger buffer whose next rows are 0xFF bytes (NaN scales):
+    a kernel reading past a row's or the weight's end shows it as NaN."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_f, in_f), generator=g)
+    scales = 2.0 ** torch.randint(-3, 4, (out_f, in_f // 64), generator=g).double()
+    rows = torch.cat([(codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8),
+                      scales.to(torch.bfloat16).view(torch.uint8)], 1)  # fmt: skip
+    buf = torch.full((out_f + 2, rows.shape[1]), 0xFF, dtype=torch.uint8)
+    buf[:out_f] = rows
+    values = quant4.nf4_levels().double()[codes] * scales.repeat_interleave(64, 1)
+    return buf[:out_f], values
+
+
+# (out, in, tile): tails on purpose. Forward: rows past out (BLOCK_N 16 or 128 over 50 or 40), K past in (BLOCK_K
+# 128 over 192, two scale groups per tile). Input gradient: its K (out) past 50, its columns past in (BLOCK_N 128
+# over 192, two groups).
+_DQ_CASES = [(50, 128, None), (40, 192, (16, 128, 16, 1, 1)), (24, 192, (16, 16, 128, 1, 1))]
+
+
+def _dq_mode_results(results: dict) -> None:
+    """Every lookup form (and the legacy one) on weights built by hand: x = I gives dq(W) itself, so each element and
+    the nibble order are checked against the definition; then random x and the input gradient; then the dequantize
+    pre-pass, which must equal dequantize4 exactly."""
+    from anyseek.kernels.triton import quant4_dq, quant4_linear
+
+    for name, mode in quant4_dq.MODES.items():
+        err = []
+        for out_f, in_f, tile in _DQ_CASES:
+            W, ref = _by_hand(out_f, in_f)
+            eye = torch.eye(in_f)
+            err.append(float((quant4_linear.matmul_wt(eye, W, dq=mode, tile=tile).double() - ref.t()).abs().max()))
+            x, gy = torch.randn(7, in_f), torch.randn(7, out_f)
+            err.append(float((quant4_linear.matmul_wt(x, W, dq=mode, tile=tile).double() - x.double() @ ref.t())
+                             .abs().max() / 10))  # fmt: skip
+            err.append(float((quant4_linear.matmul_w(gy, W, dq=mode, tile=tile).double() - gy.double() @ ref)
+                             .abs().max() / 10))  # fmt: skip
+        exact = [bool(torch.equal(quant4_dq.dequantize(quantize, torch.float32, mode), quant4.dequantize4(quantize)))
+                 for quantize in (quant4.quantize4(torch.randn(3, 37, 192)),)] if mode else [True]  # fmt: skip
+        results[f"dq_{name}"] = {"pass": all(e < 1e-4 for e in err) and all(exact), "table": [err, exact]}  # (NaN: fails)
+    os.environ["ANYSEEK_QUANT4_DENSE"] = "prepass"  # the dequantize-then-matmul route of the dense GEMMs
+    W, ref = _by_hand(50, 192)
+    x, gy = torch.randn(7, 192), torch.randn(7, 50)
+    err = [float((quant4_linear.matmul_wt(x, W).double() - x.double() @ ref.t()).abs().max()),
+           float((quant4_linear.matmul_w(gy, W).double() - gy.double() @ ref).abs().max())]
+    results["dense_prepass"] = {"pass": all(e < 1e-3 for e in err), "table": err}
+    del os.environ["ANYSEEK_QUANT4_DENSE"]
+    os.environ["ANYSEEK_QUANT4_DQ"] = "bogus"
+    try:
+        quant4_dq.dq_mode()
+        results["dq_env"] = {"pass": False, "table": "no error"}
+    except ValueError as e:
+        results["dq_env"] = {"pass": "global, pair" in str(e), "table": str(e)}
+    del os.environ["ANYSEEK_QUANT4_DQ"]
+
+
+def _experts_mode_results(results: dict) -> None:
+    """The routed experts' four grouped GEMMs under each fused lookup form (the default runs in _worker): fp32,
+    odd row counts, an empty expert."""
+    from anyseek.kernels.triton import quant4_dq, quant4_moe
+
+    case = _experts_case(T=9, E=3, kind="sparse")
+    for name in quant4_dq.MODES:
+        if name == quant4_dq.DEFAULT_MODE:
+            continue
+        os.environ["ANYSEEK_QUANT4_DQ"] = name
+        table = _experts_table(quant4_moe.lora_routed_experts, case, torch.float32)
+        results[f"experts_{name}"] = {"pass": interpreter.passes(table, 1e-4), "table": table}
+    os.environ.pop("ANYSEEK_QUANT4_DQ", None)
+
+
 def _worker() -> None:
     from anyseek.kernels.triton import quant4_linear, quant4_moe
 
     results = {}
+    _dq_mode_results(results)
+    _experts_mode_results(results)
     for dtype in (torch.float32, torch.float16):
         tag = str(dtype).removeprefix("torch.")
         table = _linear_table(quant4_linear.low_rank_linear, _linear_case(), dtype)
@@ -225,7 +302,9 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", ["linear_float32", "linear_float16", "experts_sparse_float32",
-                                  "experts_sparse_float16", "matmuls"])  # fmt: skip
+                                  "experts_sparse_float16", "matmuls", "dq_legacy", "dq_global", "dq_pair", "dq_select",
+                                  "dq_gather", "dq_env", "dense_prepass", "experts_legacy", "experts_global", "experts_pair",
+                                  "experts_select"])  # fmt: skip
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err kernel, err torch)")
 
@@ -241,6 +320,26 @@ def test_gpu_kernels(dtype):
     ex = _experts_case(T=200, D=256, I=128, E=8, K=3, kind="skewed", rank=16)
     ex = [t.cuda() if torch.is_tensor(t) else [a.cuda() for a in t] for t in ex]
     assert interpreter.passes(_experts_table(quant4_moe.lora_routed_experts, ex, dtype), 1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("form", ["legacy", "global", "pair", "select", "gather"])
+def test_gpu_every_lookup_form(form, monkeypatch):
+    """Each lookup form compiled for the GPU (the interpreter lowers none of them): the dense GEMMs on weights built by
+    hand, exact in fp32 for x = I, and the routed experts in bf16 within the 2x rule."""
+    from anyseek.kernels.triton import quant4_dq, quant4_linear, quant4_moe
+
+    monkeypatch.setenv("ANYSEEK_QUANT4_DQ", form)
+    W, ref = _by_hand(300, 320)
+    W, ref = W.cuda(), ref.cuda()
+    got = quant4_linear.matmul_wt(torch.eye(320, device="cuda"), W, dq=quant4_dq.MODES[form])
+    assert float((got.double() - ref.t()).abs().max()) == 0.0
+    g = torch.randn(70, 300, device="cuda")
+    assert float((quant4_linear.matmul_w(g, W).double() - g.double() @ ref).abs().max()) < 1e-3
+    ex = _experts_case(T=200, D=256, I=128, E=8, K=3, kind="skewed", rank=16)
+    ex = [t.cuda() if torch.is_tensor(t) else [a.cuda() for a in t] for t in ex]
+    assert interpreter.passes(_experts_table(quant4_moe.lora_routed_experts, ex, torch.bfloat16), 1e-3)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from anyseek.kernels.triton.moe_gemm import (
     _grouped_gemm_kernel,
     _grouped_wgrad_kernel,
 )
-from anyseek.kernels.triton.quant4_dq import nf4_lut
+from anyseek.kernels.triton.quant4_dq import dq_mode, nf4_lut
 
 # Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
 # the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight
@@ -123,6 +123,7 @@ def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=Fa
         GATHER_A=gather, SCATTER_C=scatter, EPI=epi, SAVE_H=save_h, EVEN_K=K_red % cfg["BLOCK_K"] == 0,
         EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=low_rank is not None, L_MODE=l_mode,
         RANK=_rank_block(rank), PREC=_prec(a.dtype), QUANT=quant, Q_K_IN=quant and strides_b[1] == 1, Q_GROUP=GROUP,
+        Q_DQ=dq_mode() if quant else 1,
     )  # fmt: skip
 
 

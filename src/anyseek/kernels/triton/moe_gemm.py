@@ -29,7 +29,8 @@ bounds are read from offs on the device). Empty experts get zeros.
 
 With QUANT, B_e is a 4-bit packed weight (`kernels/reference/quant4.py`: uint8 rows of codes and bf16 scales, read
 through `s_ptr`, an int16 view of the same bytes, and the NF4 levels `lut_ptr`), dequantized tile by tile in the loop
-over K (`quant4_dq.py`); Q_K_IN: the loop runs over the weight's input dim (forward), else its output dim (backward).
+over K (`quant4_dq.py`: each code byte loaded once, one scale per row and group; Q_DQ the lookup form, 0 the legacy
+element-wise one); Q_K_IN: the loop runs over the weight's input dim (forward), else its output dim (backward).
 A LoRA expert's frozen stacks in 4 bits (`quant4_moe.py`); everything else as above.
 
 Shape legend: M routed rows, K_red the reduction length, N output columns, E experts, BM/BN/BK tile sizes.
@@ -40,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anyseek.kernels.triton.quant4_dq import dq_tile
+from anyseek.kernels.triton.quant4_dq import dq_rows, dq_tile
 
 EPI_PLAIN, EPI_SWIGLU, EPI_DSWIGLU = 0, 1, 2
 
@@ -73,7 +74,7 @@ def _grouped_gemm_kernel(
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, EPI: tl.constexpr, SAVE_H: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LORA: tl.constexpr, L_MODE: tl.constexpr, RANK: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    QUANT: tl.constexpr = False, Q_K_IN: tl.constexpr = False, Q_GROUP: tl.constexpr = 64,
+    QUANT: tl.constexpr = False, Q_K_IN: tl.constexpr = False, Q_GROUP: tl.constexpr = 64, Q_DQ: tl.constexpr = 1,
 ):  # fmt: skip
     pid_m, pid_n = _tile_of(tl.program_id(0), n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_m)
@@ -125,11 +126,18 @@ def _grouped_gemm_kernel(
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
         if QUANT:
             kk = k * BLOCK_K + ks
-            qmask = (kk < K_red)[:, None] & (cols_c >= 0)[None, :]
-            if Q_K_IN:  # k runs over W's input dim (the forward GEMMs)
-                b = dq_tile(q_e, s_e, lut_ptr, cols_c[None, :], kk[:, None], qmask, q_row, q_scale_at, Q_GROUP)
-            else:  # k runs over W's output dim (the backward's dh and dx GEMMs)
-                b = dq_tile(q_e, s_e, lut_ptr, kk[:, None], cols_c[None, :], qmask, q_row, q_scale_at, Q_GROUP)
+            if Q_DQ == 0:  # the legacy element-wise dequantization (benchmarks/quant4_gemm.py's before)
+                qmask = (kk < K_red)[:, None] & (cols_c >= 0)[None, :]
+                if Q_K_IN:  # k runs over W's input dim (the forward GEMMs)
+                    b = dq_tile(q_e, s_e, lut_ptr, cols_c[None, :], kk[:, None], qmask, q_row, q_scale_at, Q_GROUP)
+                else:  # k runs over W's output dim (the backward's dh and dx GEMMs)
+                    b = dq_tile(q_e, s_e, lut_ptr, kk[:, None], cols_c[None, :], qmask, q_row, q_scale_at, Q_GROUP)
+            elif Q_K_IN:  # W's rows cols_c (wrapped: all real), inputs k * BLOCK_K..: [BN, BK], transposed
+                b = tl.trans(dq_rows(q_e, s_e, lut_ptr, cols_c, cols_c >= 0, k * BLOCK_K, K_red, q_row, q_scale_at,
+                                     BLOCK_K, Q_GROUP, Q_DQ, not EVEN_K, a_ptr.dtype.element_ty))  # fmt: skip
+            else:  # W's rows kk (its outputs), inputs from this tile's first column (past N: zeros, not wrapped)
+                b = dq_rows(q_e, s_e, lut_ptr, kk, kk < K_red, pid_n * BLOCK_N, N, q_row, q_scale_at, BLOCK_N,
+                            Q_GROUP, Q_DQ, not EVEN_N, a_ptr.dtype.element_ty)  # fmt: skip
             b = b.to(a_ptr.dtype.element_ty)
         elif EVEN_K:
             b = tl.load(b_ptrs)
@@ -144,7 +152,12 @@ def _grouped_gemm_kernel(
             acc_l = tl.dot(a, pk, acc_l, input_precision=PREC)
             p_ptrs += BLOCK_K * stride_pk
         if EPI == 1 and QUANT:  # (the forward: Q_K_IN)
-            bu = dq_tile(q_e, s_e, lut_ptr, up_cols + cols_c[None, :], kk[:, None], qmask, q_row, q_scale_at, Q_GROUP)
+            if Q_DQ == 0:
+                bu = dq_tile(q_e, s_e, lut_ptr, up_cols + cols_c[None, :], kk[:, None], qmask, q_row, q_scale_at,
+                             Q_GROUP)  # fmt: skip
+            else:
+                bu = tl.trans(dq_rows(q_e, s_e, lut_ptr, up_cols + cols_c, cols_c >= 0, k * BLOCK_K, K_red, q_row,
+                                      q_scale_at, BLOCK_K, Q_GROUP, Q_DQ, not EVEN_K, a_ptr.dtype.element_ty))  # fmt: skip
             acc_u = tl.dot(a, bu.to(a_ptr.dtype.element_ty), acc_u, input_precision=PREC)
         elif EPI == 1:
             if EVEN_K:
