@@ -260,14 +260,14 @@ def _dq_mode_results(results: dict) -> None:
 
 
 def _experts_mode_results(results: dict) -> None:
-    """The routed experts' four grouped GEMMs under each fused lookup form (the default runs in _worker): fp32,
-    odd row counts, an empty expert."""
-    from anyseek.kernels.triton import quant4_dq, quant4_moe
+    """The routed experts' four grouped GEMMs under a fused lookup form other than the default (which runs in
+    _worker), picked through ANYSEEK_QUANT4_DQ: fp32, odd row counts, an empty expert. Each form's dequantization
+    itself is checked by the dq_* cases; one form here checks that the choice reaches the experts' kernels (the CI
+    suite's time: every form here cost ~25 s more in the interpreter)."""
+    from anyseek.kernels.triton import quant4_moe
 
     case = _experts_case(T=9, E=3, kind="sparse")
-    for name in quant4_dq.MODES:
-        if name == quant4_dq.DEFAULT_MODE:
-            continue
+    for name in ("global",):
         os.environ["ANYSEEK_QUANT4_DQ"] = name
         table = _experts_table(quant4_moe.lora_routed_experts, case, torch.float32)
         results[f"experts_{name}"] = {"pass": interpreter.passes(table, 1e-4), "table": table}
@@ -303,8 +303,7 @@ def interp_results():
 
 @pytest.mark.parametrize("name", ["linear_float32", "linear_float16", "experts_sparse_float32",
                                   "experts_sparse_float16", "matmuls", "dq_legacy", "dq_global", "dq_pair", "dq_select",
-                                  "dq_gather", "dq_env", "dense_prepass", "experts_legacy", "experts_global", "experts_pair",
-                                  "experts_select"])  # fmt: skip
+                                  "dq_gather", "dq_env", "dense_prepass", "experts_global"])  # fmt: skip
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err kernel, err torch)")
 
