@@ -109,6 +109,9 @@ def test_loss_chunks_on_gpus():
     assert chunk_rows(32000, "cuda", 1 << 20) == (1 << 27) // 32000  # the chunk's size stays bounded
     assert chunk_rows(163840, "cuda", 1) == (1 << 26) // 163840
     assert chunk_rows(4096, "cpu", 1 << 20) == 256  # CPU: unchanged (cache-sized chunks)
+    assert chunk_rows(163840, "cuda", 4096, head_trained=False) == 128  # a frozen head: no [V, D] sum to re-read
+    assert chunk_rows(32000, "cuda", 32768, head_trained=False) == (1 << 24) // 32000
+    assert chunk_rows(4096, "cpu", 1 << 20, head_trained=False) == 256
 
 
 def test_linear_cross_entropy_frozen_head_builds_no_weight_gradient(monkeypatch):

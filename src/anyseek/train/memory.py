@@ -128,8 +128,9 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
     mode = getattr(getattr(run_cfg, "parallel", None), "activation_checkpointing", "none")
     expert_act = not (lora_spec is not None and triton_experts)  # the LoRA Triton experts recompute it
     docs = min(doc_tokens or run_cfg.data.max_seqlen, run_cfg.data.max_seqlen) if cpu else None
-    acts = activation_bytes(model_cfg, t, mode, low=low, resid=resid, expert_act=expert_act, cpu_docs=docs)
-    full = activation_bytes(model_cfg, t, "full", low=low, resid=resid, expert_act=expert_act, cpu_docs=docs)
+    head = dict(head_trained=lora_spec is None)  # (LoRA freezes the head: smaller loss chunks)
+    acts = activation_bytes(model_cfg, t, mode, low=low, resid=resid, expert_act=expert_act, cpu_docs=docs, **head)
+    full = activation_bytes(model_cfg, t, "full", low=low, resid=resid, expert_act=expert_act, cpu_docs=docs, **head)
     est = Estimate(weights, grads, optimizer, copies, acts, lora_spec is not None, full)
     if lora_spec is not None and lora_spec.base_bits == 16:
         est.base4_saving = targeted * (size - 17 / 32)
@@ -140,21 +141,22 @@ def estimate(model_cfg, run_cfg, lora_spec=None, base_dtype: torch.dtype = torch
 
 
 def activation_bytes(c, tokens: int, checkpointing: str = "none", *, low: int = 2, resid: int = 4,
-                     expert_act: bool = True, cpu_docs: float | None = None) -> float:
+                     expert_act: bool = True, cpu_docs: float | None = None, head_trained: bool = True) -> float:
     """Bytes autograd keeps for one micro-batch of `tokens` tokens of model config `c`: every layer's saved tensors
     (`_activation_bytes_per_token`; `checkpointing` none / selective / full as parallel.activation_checkpointing) and
     the output head's chunk. The one activation model: the pre-run report (`estimate`) and `anyseek plan`
     (train/plan.py, per GPU) both count with it. low, resid: bytes of a computed activation and of the residual
     stream (bf16 compute: 2; an fp32 residual beside fp32 weights: 4); cpu_docs: a CPU run's mean document length."""
     per_token = _activation_bytes_per_token(c, low, checkpointing, resid, expert_act, cpu_docs)
-    return tokens * per_token + _head_chunk_bytes(c, tokens, low, "cuda" if cpu_docs is None else "cpu")
+    return tokens * per_token + _head_chunk_bytes(c, tokens, low, "cuda" if cpu_docs is None else "cpu",
+                                                  head_trained)
 
 
-def _head_chunk_bytes(c, tokens: int, low: int, device_type: str = "cuda") -> float:
+def _head_chunk_bytes(c, tokens: int, low: int, device_type: str = "cuda", head_trained: bool = True) -> float:
     """The output head's loss works on [C, V] logits, chunk by chunk (`model.loss.chunk_rows` rows: thousands on
-    GPUs, a few dozen on CPUs): one fp32 chunk and its low-precision gradient are alive at the end of the forward,
-    the activations' peak."""
-    rows = min(tokens, chunk_rows(c.vocab_size, device_type, tokens))
+    GPUs, a few dozen on CPUs, fewer for a frozen head): one fp32 chunk and its low-precision gradient are alive at
+    the end of the forward, the activations' peak."""
+    rows = min(tokens, chunk_rows(c.vocab_size, device_type, tokens, head_trained))
     return float(rows * c.vocab_size * (4 + low))
 
 
