@@ -80,7 +80,7 @@ def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path 
                 if time.monotonic() - t0 > timeout:
                     _stop(proc, signal.SIGABRT)  # (its stacks in the log)
                     code = "hung"
-                elif steps and _logged(out, steps) and time.monotonic() - _logged(out, steps) > 30:
+                elif steps and 0 < _logged(out, steps) < time.monotonic() - 30:
                     _stop(proc, signal.SIGKILL)  # every step logged: the end-of-run save is not timed
                     code = "0 (stopped in the final save)"
     if log_dir is not None:

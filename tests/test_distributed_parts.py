@@ -366,7 +366,7 @@ def test_expert_dispatch_settles_before_fixed_shapes_and_again_after_an_overflow
     class Fake(Parallel):
         def __init__(self, capacity: int, worst: int, steps: int):
             self.dispatch = Dispatch(torch.device("cpu"), capacity, worst=worst)
-            self.dispatch.settling = True
+            self.dispatch.settling = True  # (as if C were below the worst case: ep_settle's own check is tested)
             self.cfg = types.SimpleNamespace(ep_settle_steps=steps)
             self._settled = 0
 

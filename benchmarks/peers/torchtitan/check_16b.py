@@ -46,7 +46,8 @@ def torchtitan_side(args) -> dict:
         model = model_cfg.build()
     parts: dict[str, int] = {}
     for name, p in model.named_parameters():
-        parts[tt_part(name)] = parts.get(tt_part(name), 0) + p.numel()
+        part = tt_part(name)
+        parts[part] = parts.get(part, 0) + p.numel()
     moe = next(layer.moe for layer in model_cfg.layers if layer.moe is not None)
     active = sum(parts.values()) - parts.get("routed experts", 0) * (1 - moe.router.top_k / moe.num_experts)
     nparams, flops = model_cfg.get_nparams_and_flops(model, args.seqlen)
@@ -58,26 +59,27 @@ def torchtitan_side(args) -> dict:
                        "activation_checkpoint": type(config.activation_checkpoint).__qualname__}}  # fmt: skip
 
 
-def tt_part(name: str) -> str:
-    """torchtitan parameter name -> the part it belongs to."""
-    rules = [("tok_embeddings", "embedding"), ("lm_head", "lm_head"), ("moe.routed_experts", "routed experts"),
-             ("moe.shared_experts", "shared experts"), ("moe.router", "router"), ("feed_forward", "dense MLP"),
-             ("norm", "norms"), ("attention", "attention")]  # fmt: skip
+def _part(name: str, rules: list[tuple[str, str]], who: str) -> str:
+    """The part of the first rule whose key `name` contains."""
     for key, part in rules:
         if key in name:
             return part
-    raise ValueError(f"torchtitan parameter {name!r} matches no part")
+    raise ValueError(f"{who} parameter {name!r} matches no part")
+
+
+def tt_part(name: str) -> str:
+    """torchtitan parameter name -> the part it belongs to."""
+    return _part(name, [("tok_embeddings", "embedding"), ("lm_head", "lm_head"),
+                        ("moe.routed_experts", "routed experts"), ("moe.shared_experts", "shared experts"),
+                        ("moe.router", "router"), ("feed_forward", "dense MLP"), ("norm", "norms"),
+                        ("attention", "attention")], "torchtitan")  # fmt: skip
 
 
 def anyseek_part(name: str) -> str:
     """anyseek parameter name (Hugging Face style) -> the part it belongs to."""
-    rules = [("embed_tokens", "embedding"), ("lm_head", "lm_head"), ("mlp.experts", "routed experts"),
-             ("mlp.shared_experts", "shared experts"), ("mlp.gate.", "router"), ("norm", "norms"),
-             ("self_attn", "attention"), ("mlp.", "dense MLP")]  # fmt: skip
-    for key, part in rules:
-        if key in name:
-            return part
-    raise ValueError(f"anyseek parameter {name!r} matches no part")
+    return _part(name, [("embed_tokens", "embedding"), ("lm_head", "lm_head"), ("mlp.experts", "routed experts"),
+                        ("mlp.shared_experts", "shared experts"), ("mlp.gate.", "router"), ("norm", "norms"),
+                        ("self_attn", "attention"), ("mlp.", "dense MLP")], "anyseek")  # fmt: skip
 
 
 def anyseek_side(args) -> dict:
@@ -90,7 +92,8 @@ def anyseek_side(args) -> dict:
     parts: dict[str, int] = {}
     for name, p in model.named_parameters():
         if p.dtype.is_floating_point and p.requires_grad:
-            parts[anyseek_part(name)] = parts.get(anyseek_part(name), 0) + p.numel()
+            part = anyseek_part(name)
+            parts[part] = parts.get(part, 0) + p.numel()
     return {
         "parts": parts,
         "total": model.num_parameters(),

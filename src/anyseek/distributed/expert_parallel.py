@@ -239,12 +239,14 @@ class Dispatch:
     recorded (the caller turns the fixed shapes on once the routing fits C)."""
 
     def __init__(self, device: torch.device, capacity: int | None = None, overlap: bool = True,
-                 worst: int | None = None):
-        """worst: the C that never overflows (what C may grow to)."""
+                 worst: int | None = None, settling: bool = False):
+        """worst: the C that never overflows (what C may grow to); settling: start on the exact dispatch (at the
+        worst-case C nothing can overflow: never)."""
         self.capacity, self.overlap, self.worst = capacity, overlap, worst
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
         self.peak = torch.zeros((), dtype=torch.int64, device=device)  # the most rows a pair needed since `reset`
-        self.settling = False  # the exact dispatch inside `fixed_shapes()` too (the caller waits for the routing)
+        # the exact dispatch inside `fixed_shapes()` too (the caller waits for the routing to fit C)
+        self.settling = settling and capacity is not None and (worst is None or capacity < worst)
         self._on = False
 
     def reset(self) -> None:

@@ -98,9 +98,8 @@ class Parallel:
                 moe = model.moe_layers()[0]
                 rows = (tokens, moe.top_k, self.cfg.ep, moe.n_experts // self.cfg.ep)
                 capacity, worst = capacity_rows(*rows, self.cfg.ep_capacity_factor), capacity_rows(*rows, 0)
-            self.dispatch = Dispatch(self.device, capacity, overlap=self.cfg.ep_overlap, worst=worst)
-            # (C at the worst case never overflows: nothing to wait for)
-            self.dispatch.settling = capacity is not None and capacity < worst and self.cfg.ep_settle_steps > 0
+            self.dispatch = Dispatch(self.device, capacity, overlap=self.cfg.ep_overlap, worst=worst,
+                                     settling=self.cfg.ep_settle_steps > 0)
             self._settled = 0  # steps in a row whose fullest pair fitted C / 1.25, while settling
             self.expert_params = apply_ep(model, self.ep_mesh, self.dispatch)
         compute = compute_dtype(self.cfg.param_dtype, autocast_dtype)

@@ -252,11 +252,11 @@ class StepEngine:
             return self._run_exact(item, needed)
         if _PEAK in item.names:  # (metrics.jsonl: how far the routing is from fitting C)
             v["ep_peak_rows"], v["ep_capacity"] = needed, float(self.par.dispatch.capacity)
-        if _PEAK in item.names and self.par.ep_settle(needed):
-            self.log(f"note: step {self.step + 1}: expert parallelism's routing settled "
-                     f"({self.cfg.parallel.ep_settle_steps} steps in a row with every pair of ranks within C / 1.25 = "
-                     f"{self.par.dispatch.capacity / 1.25:.0f} rows): the fixed-shape dispatch (and CUDA graphs) from "
-                     f"the next step queued")
+            if self.par.ep_settle(needed):
+                self.log(f"note: step {self.step + 1}: expert parallelism's routing settled "
+                         f"({self.cfg.parallel.ep_settle_steps} steps in a row with every pair of ranks within C / "
+                         f"1.25 = {self.par.dispatch.capacity / 1.25:.0f} rows): the fixed-shape dispatch (and CUDA "
+                         f"graphs) from the next step queued")
         if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
             if item.gated:
                 self._uncount()

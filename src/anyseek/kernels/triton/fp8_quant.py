@@ -62,15 +62,36 @@ def _quantize_cols(x):
 
 
 @triton.jit
+def _tile(X, rows, cols, M, K, stride_x):
+    """x[rows, cols] in fp32 (0 outside [M, K]) and its mask."""
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    return tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32), mask
+
+
+@triton.jit
+def _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s):
+    """A tile's 1x128 rows quantized: q at [rows, cols], one scale per row at column kb of S."""
+    q, s = _quantize_rows(x)
+    tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + rows * stride_s + kb, s, mask=rows < M)
+
+
+@triton.jit
+def _store_cols_t(x, mask, QT, ST, rows, cols, mb, K, stride_qt, stride_st):
+    """A tile's columns quantized along the rows, written transposed: q^T at [cols, rows], a scale per column at
+    column mb of ST."""
+    q, s = _quantize_cols(x)
+    tl.store(QT + cols[None, :].to(tl.int64) * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=mask)
+    tl.store(ST + cols * stride_st + mb, s, mask=cols < K)
+
+
+@triton.jit
 def _rows_kernel(X, Q, S, M, K, stride_x, stride_q, stride_s, BR: tl.constexpr, TILE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     kb = tl.program_id(1)
     cols = kb * TILE + tl.arange(0, TILE)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, s = _quantize_rows(x)
-    tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + rows * stride_s + kb, s, mask=rows < M)
+    x, mask = _tile(X, rows, cols, M, K, stride_x)
+    _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s)
 
 
 @triton.jit
@@ -81,14 +102,11 @@ def _cols_t_kernel(X, SX, QT, ST, M, K, stride_x, stride_sx, stride_qt, stride_s
     mb = tl.program_id(0)
     rows = mb.to(tl.int64) * TILE + tl.arange(0, TILE)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x, mask = _tile(X, rows, cols, M, K, stride_x)
     if DEQUANT:
         sx = tl.load(SX + rows * stride_sx + (tl.program_id(1) * BC) // TILE, mask=rows < M, other=0.0)
         x = x * sx[:, None]
-    q, s = _quantize_cols(x)
-    tl.store(QT + cols[None, :].to(tl.int64) * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=mask)
-    tl.store(ST + cols * stride_st + mb, s, mask=cols < K)
+    _store_cols_t(x, mask, QT, ST, rows, cols, mb, K, stride_qt, stride_st)
 
 
 @triton.jit
@@ -98,14 +116,9 @@ def _both_kernel(X, Q, S, QT, ST, M, K, stride_x, stride_q, stride_s, stride_qt,
     mb, kb = tl.program_id(0), tl.program_id(1)
     rows = mb.to(tl.int64) * TILE + tl.arange(0, TILE)
     cols = kb * TILE + tl.arange(0, TILE)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, s = _quantize_rows(x)
-    tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + rows * stride_s + kb, s, mask=rows < M)
-    qt, st = _quantize_cols(x)
-    tl.store(QT + cols[None, :].to(tl.int64) * stride_qt + rows[:, None], qt.to(QT.dtype.element_ty), mask=mask)
-    tl.store(ST + cols * stride_st + mb, st, mask=cols < K)
+    x, mask = _tile(X, rows, cols, M, K, stride_x)
+    _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s)
+    _store_cols_t(x, mask, QT, ST, rows, cols, mb, K, stride_qt, stride_st)
 
 
 @triton.jit
