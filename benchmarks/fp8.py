@@ -26,7 +26,8 @@ Sections, in order (each prints a markdown table):
            against anyseek's bf16 Triton grouped GEMM (same plan, gather and scatter, plain epilogue) and
            torch._grouped_mm bf16 on rows permuted beforehand (copy not timed); then the experts' whole forward +
            backward, `kernels.fp8_routed_experts` against the bf16 Triton experts.
-  train    `small`, one optimizer step as `anyseek train` runs it (CUDA graphs, working copy), bf16 against
+  train    `small` (--train-flavors: also e.g. 16B/4, the 16B's shapes cut to 4 decoder layers; --data: the corpus),
+           one optimizer step as `anyseek train` runs it (CUDA graphs, working copy), bf16 against
            train.precision=fp8, at 8192 and 32768 tokens: ms/step, tokens/s, peak memory, loss after the steps.
 Times: medians of triton.testing.do_bench (CUDA events, L2 flushed) for kernels; mean over timed steps after
 warm-up for the training step (each case in a fresh process).
@@ -103,12 +104,12 @@ def compile_targets(out: Path | None) -> bool:
         "gemm (128x128 blocks, bf16 out)": (fp8_gemm._gemm_kernel, {
             "A": "*fp8e4nv", "SA": "*fp32", "B": "*fp8e4nv", "SB": "*fp32", "C": "*bf16", "M": i32, "N": i32, "K": i32,
             "stride_a": i32, "stride_b": i32, "stride_c": i32, "stride_sa": i32, "stride_sb": i32},
-            {"B_BLOCKS": True, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "SCALED": False},
+            {"B_BLOCKS": True, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "SCALED": False, "SCALES_T": True},
             {"num_warps": 8, "num_stages": 4}),
         "gemm (1x128 tiles, fp32 out)": (fp8_gemm._gemm_kernel, {
             "A": "*fp8e4nv", "SA": "*fp32", "B": "*fp8e4nv", "SB": "*fp32", "C": "*fp32", "M": i32, "N": i32, "K": i32,
             "stride_a": i32, "stride_b": i32, "stride_c": i32, "stride_sa": i32, "stride_sb": i32},
-            {"B_BLOCKS": False, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "SCALED": False},
+            {"B_BLOCKS": False, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "SCALED": False, "SCALES_T": True},
             {"num_warps": 8, "num_stages": 4}),
         "quantize rows": (fp8_quant._rows_kernel, {
             "X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "M": i32, "K": i32, "stride_x": i32, "stride_q": i32,
@@ -417,8 +418,11 @@ def experts_table(device, flavors, tokens_list, out: Path | None) -> None:
 def tune_table(device, out: Path | None) -> None:
     from anyseek.kernels.triton import fp8_gemm
 
-    configs = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5), (128, 256, 8, 3), (256, 128, 8, 3),
-               (128, 256, 16, 3), (64, 128, 4, 4), (128, 64, 4, 4)]  # (BM, BN, warps, stages)
+    # (BM, BN, warps, stages, variant): old = scales [M, KB] read strided; new = scales [KB, M], one FMA a promotion
+    # where b's scale is one per tile; tma = new with the operand tiles through tensor descriptors
+    configs = [(128, 128, 8, 4, "old"), (128, 128, 8, 4, "new"), (128, 128, 8, 4, "tma"), (128, 128, 8, 3, "new"),
+               (128, 128, 8, 5, "tma"), (128, 256, 8, 3, "new"), (128, 256, 8, 3, "tma"), (256, 128, 8, 3, "tma"),
+               (64, 128, 4, 4, "new"), (128, 128, 4, 4, "tma"), (128, 64, 4, 5, "tma")]
     shapes = [("small dense gate|up fprop", 32768, 8192, 1024, torch.bfloat16, True),
               ("16B dense down fprop", 32768, 2048, 11264, torch.bfloat16, True),
               ("16B dense gate|up wgrad", 22528, 2048, 32768, torch.float32, False)]
@@ -428,13 +432,15 @@ def tune_table(device, out: Path | None) -> None:
         b = torch.randn(N, K, device=device).to(torch.float8_e4m3fn)
         sa = torch.rand(M, _n_blocks(K), device=device) + 0.5
         sb = torch.rand(_n_blocks(N) if blocks else N, _n_blocks(K), device=device) + 0.5
-        for bm, bn, warps, stages in configs:
-            cfg = {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+        for bm, bn, warps, stages, variant in configs:
+            cfg = {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
+                   "SCALES_T": variant != "old", "TMA": variant == "tma"}
+            tile = f"{bm}x{bn} {variant}"
             try:
                 t = _bench(partial(fp8_gemm.gemm, a, sa, b, sb, out_dtype, config=cfg))
-                rows.append([name, f"{M}x{N}x{K}", f"{bm}x{bn}", warps, stages, f"{2 * M * N * K / t / 1e12:.0f}"])
+                rows.append([name, f"{M}x{N}x{K}", tile, warps, stages, f"{2 * M * N * K / t / 1e12:.0f}"])
             except Exception as e:  # noqa: BLE001  (a setting that cannot run is a row of the table)
-                rows.append([name, f"{M}x{N}x{K}", f"{bm}x{bn}", warps, stages, f"failed: {str(e)[:60]}"])
+                rows.append([name, f"{M}x{N}x{K}", tile, warps, stages, f"failed: {str(e)[:60]}"])
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
         del a, b
         torch.cuda.empty_cache()
@@ -456,12 +462,15 @@ def train_case(args) -> None:
     from anyseek.train.config import load_run_config
     from anyseek.train.trainer import Trainer
 
-    precision, tokens = args.train_case.split(":")
-    data_dir = ensure_prepared("wiki-sample", vocab_size=32000)
+    precision, tokens, flavor = args.train_case.split(":")
+    data_dir = args.data or ensure_prepared("wiki-sample", vocab_size=32000)
     overrides = [f"--data.path={json.dumps(str(data_dir))}", f"--data.tokens_per_batch={tokens}",
                  "--data.max_seqlen=2048", "--train.tensorboard=false", f"--train.precision={precision}",
                  "--train.eval_every=100000", "--train.save_every=100000", "--train.warmup_steps=5"]
-    cfg = load_run_config("small", overrides)
+    name, _, layers = flavor.partition("/")
+    if layers:  # a one-GPU proxy of a larger flavor: its shapes, fewer decoder layers
+        overrides.append(f"--model.num_hidden_layers={layers}")
+    cfg = load_run_config(name, overrides)
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(cfg, Path(tmp) / "run", log=lambda *a: None)
         batches = iter(tr.train_loader)
@@ -490,23 +499,23 @@ def train_case(args) -> None:
 
 def train_table(tokens_list, args, out: Path | None) -> None:
     rows = []
-    for tokens in tokens_list:
+    for flavor, tokens in [(f, t) for f in args.train_flavors.split(",") for t in tokens_list]:
         got = {}
         for precision in ("bf16", "fp8"):
-            cmd = [sys.executable, __file__, "--train-case", f"{precision}:{tokens}", "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)]
+            cmd = [sys.executable, __file__, "--train-case", f"{precision}:{tokens}:{flavor}", "--steps",
+                   str(args.steps), "--warmup", str(args.warmup), *(["--data", args.data] if args.data else [])]
             p = subprocess.run(cmd, capture_output=True, text=True, check=False)
             res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if p.returncode or not res:
                 print(f"train {precision} {tokens}: FAILED\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}", flush=True)
-                rows.append(["small", tokens, precision, "FAILED", "", "", "", ""])
+                rows.append([flavor, tokens, precision, "FAILED", "", "", "", ""])
                 continue
             r = got[precision] = json.loads(res[-1][len("RESULT "):])
             speed = f"{got['bf16']['ms'] / r['ms']:.2f}x" if "bf16" in got else ""
-            rows.append(["small", tokens, precision, f"{r['ms']:.1f}", f"{r['tok_s']:,.0f}", f"{r['mem']:.2f}",
+            rows.append([flavor, tokens, precision, f"{r['ms']:.1f}", f"{r['tok_s']:,.0f}", f"{r['mem']:.2f}",
                          f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}", speed])
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
-    table(f"Training step, `small` (`anyseek train`'s step: CUDA graphs, bf16 working copy; {args.warmup} warm-up "
+    table(f"Training step (`anyseek train`'s step: CUDA graphs, bf16 working copy; {args.warmup} warm-up "
           f"+ {args.steps} timed steps)", ["flavor", "tokens", "precision", "ms/step", "tokens/s", "peak GiB",
                                            "loss (first -> last step)", "vs bf16"], rows, out, "train")
 
@@ -520,6 +529,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed training steps per case")
     p.add_argument("--warmup", type=int, default=8, help="training steps before timing (graph capture included)")
     p.add_argument("--out", default=None)
+    p.add_argument("--data", default=None, help="train: a prepared corpus (default: the Wikipedia sample at vocab "
+                   "32000, prepared on first use)")
+    p.add_argument("--train-flavors", default="small", help="train: flavors, FLAVOR/N for its shapes cut to N "
+                   "decoder layers (e.g. small,16B/4)")
     p.add_argument("--train-case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.train_case:

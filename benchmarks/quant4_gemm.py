@@ -2,7 +2,7 @@
 (`kernels/triton/quant4_dq.py`), the legacy element-wise one, the bf16 kernel on the dequantized weight (the
 ceiling) and a dequantize-to-bf16 pre-pass followed by that kernel, in one process on the same inputs.
 
-    python benchmarks/quant4_gemm.py [--tokens 4096] [--reps 20] [--modes legacy,global,pair,select,gather]
+    python benchmarks/quant4_gemm.py [--tokens 4096] [--reps 20] [--modes legacy,select,gather]
                                      [--tiles 128x256x64w8s3,...] [--tiny]
 
 Dense: x [T, in] @ dq(W)^T (fwd) and g [T, out] @ dq(W) (dgrad, the input gradient) for every 4-bit linear of a
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-MODE_NAMES = ("legacy", "global", "pair", "select", "gather")
+MODE_NAMES = ("legacy", "select", "gather")
 
 
 # ---------------------------------------------------------------- timing and rows
@@ -153,7 +153,7 @@ def _dense_gemm(gemm: str, a: torch.Tensor, W: torch.Tensor, fwd: bool, modes, t
     for m in modes:
         label = "legacy" if m == "legacy" else f"fused {m}"
         rows.append(row(gemm, label, flops, lambda m=m: mm(a, W, dq=quant4_dq.MODES[m]), ref, err_pt, reps))
-    first = next((m for m in modes if m != "legacy"), "global")
+    first = next((m for m in modes if m != "legacy"), "gather")
     for tile in tiles:
         rows.append(row(gemm, f"fused {first} {tile_name(tile)}", flops,
                         lambda t=tile: mm(a, W, dq=quant4_dq.MODES[first], tile=t), ref, err_pt, reps))  # fmt: skip

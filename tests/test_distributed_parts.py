@@ -383,3 +383,38 @@ def test_expert_dispatch_settles_before_fixed_shapes_and_again_after_an_overflow
     assert [p.ep_settle(n) for n in (10, 10, 10)] == [False, False, True]
     assert not Fake(400, 400, 3).ep_unsettle() and not Fake(100, 400, 0).ep_unsettle()
     assert Fake(400, 400, 1).ep_settle(400)  # at the worst case everything fits
+
+
+def test_activation_checkpointing_keeps_one_input_a_layer(monkeypatch):
+    """A recomputed decoder layer gets h + pending (the previous FFN output) as its one input: checkpoint is called
+    with pending=None and the sum, so it keeps one [T, D] tensor a layer, not two (and the memory estimate counts
+    one). MTP modules are checkpointed as they are."""
+    from anyseek.distributed import fsdp
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+
+    calls = []
+    real = fsdp.checkpoint
+
+    def recording(fn, *args, **kwargs):
+        calls.append((getattr(fn, "__self__", None), args, kwargs))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(fsdp, "checkpoint", recording)
+    torch.manual_seed(0)
+    model = DeepSeekV3(ModelConfig.from_name("tiny", num_hidden_layers=3, vocab_size=64))
+    fsdp.apply_activation_checkpointing(model, "full")
+    seen = {}
+    for layer in model.model.layers:  # the inputs the model's loop passes, recorded before the wrapper
+        layer.register_forward_pre_hook(lambda m, a, k: seen.setdefault(id(m), (a[0], k.get("pending"))) and None,
+                                        with_kwargs=True)  # fmt: skip
+    model(torch.randint(0, 64, (30,)), cu_seqlens=torch.tensor([0, 30], dtype=torch.int32),
+          targets=torch.randint(0, 64, (30,)), return_logits=False).lm_loss.backward()
+    forward_calls = [c for c in calls if c[0] is not None and c[0] in list(model.model.layers)]
+    assert len(forward_calls) == 3
+    for layer, args, kwargs in forward_calls:
+        h, pending = seen[id(layer)]
+        assert kwargs.get("pending") is None
+        want = h if pending is None else h + pending
+        assert torch.equal(args[0], want)
+    assert sum(1 for layer, _, _ in forward_calls if seen[id(layer)][1] is not None) == 2  # layers 1 and 2 folded

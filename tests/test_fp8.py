@@ -388,7 +388,8 @@ def test_gemm_compiles_for_sm89_and_sm120():
     sig = {"A": "*fp8e4nv", "SA": "*fp32", "B": "*fp8e4nv", "SB": "*fp32", "C": "*bf16", "M": "i32", "N": "i32",
            "K": "i32", "stride_a": "i32", "stride_b": "i32", "stride_c": "i32", "stride_sa": "i32", "stride_sb": "i32"}
     for cap, mma in ((89, "e4m3.e4m3.f32"), (120, "kind::mxf8f6f4")):  # sm_120: the block-scaled MMA (`block_dot`)
-        const = {"B_BLOCKS": True, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "SCALED": cap == 120}
+        const = {"B_BLOCKS": True, "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "SCALED": cap == 120,
+                 "SCALES_T": True}
         k = triton.compile(ASTSource(fp8_gemm._gemm_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const),
                            target=GPUTarget("cuda", cap, 32), options={"num_warps": 8, "num_stages": 4})
         assert "mma.sync" in k.asm["ptx"] and mma in k.asm["ptx"] and k.asm["cubin"], cap

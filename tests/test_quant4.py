@@ -255,19 +255,19 @@ def _dq_mode_results(results: dict) -> None:
         quant4_dq.dq_mode()
         results["dq_env"] = {"pass": False, "table": "no error"}
     except ValueError as e:
-        results["dq_env"] = {"pass": "global, pair" in str(e), "table": str(e)}
+        results["dq_env"] = {"pass": "legacy, select, gather" in str(e), "table": str(e)}
     del os.environ["ANYSEEK_QUANT4_DQ"]
 
 
 def _experts_mode_results(results: dict) -> None:
-    """The routed experts' four grouped GEMMs under a fused lookup form other than the default (which runs in
+    """The routed experts' four grouped GEMMs under the fused lookup form other than the default (which runs in
     _worker), picked through ANYSEEK_QUANT4_DQ: fp32, odd row counts, an empty expert. Each form's dequantization
     itself is checked by the dq_* cases; one form here checks that the choice reaches the experts' kernels (the CI
     suite's time: every form here cost ~25 s more in the interpreter)."""
     from anyseek.kernels.triton import quant4_moe
 
     case = _experts_case(T=9, E=3, kind="sparse")
-    for name in ("global",):
+    for name in ("select",):
         os.environ["ANYSEEK_QUANT4_DQ"] = name
         table = _experts_table(quant4_moe.lora_routed_experts, case, torch.float32)
         results[f"experts_{name}"] = {"pass": interpreter.passes(table, 1e-4), "table": table}
@@ -302,8 +302,8 @@ def interp_results():
 
 
 @pytest.mark.parametrize("name", ["linear_float32", "linear_float16", "experts_sparse_float32",
-                                  "experts_sparse_float16", "matmuls", "dq_legacy", "dq_global", "dq_pair", "dq_select",
-                                  "dq_gather", "dq_env", "dense_prepass", "experts_global"])  # fmt: skip
+                                  "experts_sparse_float16", "matmuls", "dq_legacy", "dq_select", "dq_gather", "dq_env",
+                                  "dense_prepass", "experts_select"])  # fmt: skip
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err kernel, err torch)")
 
@@ -323,7 +323,7 @@ def test_gpu_kernels(dtype):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("form", ["legacy", "global", "pair", "select", "gather"])
+@pytest.mark.parametrize("form", ["legacy", "select", "gather"])
 def test_gpu_every_lookup_form(form, monkeypatch):
     """Each lookup form compiled for the GPU (the interpreter lowers none of them): the dense GEMMs on weights built by
     hand, exact in fp32 for x = I, and the routed experts in bf16 within the 2x rule."""

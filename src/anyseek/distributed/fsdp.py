@@ -201,12 +201,29 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> list
     """Recompute decoder layers (and MTP modules) in backward instead of keeping their activations (non-reentrant
     torch.utils.checkpoint; routing is deterministic, so the recompute picks the same experts). "full": every layer
     and MTP module; "selective": every other decoder layer (0, 2, 4, ...), about half the saved activations for half
-    the recompute. Parameter names are unchanged: the layer's forward is wrapped, the module is not. Returns the
-    indices (into layers + mtp) that recompute."""
+    the recompute. Parameter names are unchanged: the layer's forward is wrapped, the module is not. A decoder
+    layer's input comes as h and the previous FFN output still to be added (`DecoderLayer.forward`'s `pending`): the
+    wrapper adds them before the checkpoint, which then keeps one [T, D] tensor a layer instead of two (the 16B at
+    4,096 tokens: 0.42 GiB less), for one unfused add. Returns the indices (into layers + mtp) that recompute."""
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode must be full or selective, got {mode!r}")
+    n_layers = len(model.model.layers)
     units = [*model.model.layers, *model.mtp]
-    chosen = [i for i in range(len(units)) if mode == "full" or (i < len(model.model.layers) and i % 2 == 0)]
+    chosen = [i for i in range(len(units)) if mode == "full" or (i < n_layers and i % 2 == 0)]
     for i in chosen:
-        units[i].forward = functools.partial(checkpoint, units[i].forward, use_reentrant=False)
+        plain = functools.partial(checkpoint, units[i].forward, use_reentrant=False)
+        units[i].forward = _folding(plain) if i < n_layers else plain
     return chosen
+
+
+def _folding(checkpointed):
+    """A checkpointed decoder layer's forward that takes h + pending as its one input (see
+    `apply_activation_checkpointing`)."""
+
+    @functools.wraps(checkpointed)
+    def forward(h_TD, *args, pending=None, **kwargs):
+        if pending is not None:
+            h_TD = h_TD + pending
+        return checkpointed(h_TD, *args, **kwargs)
+
+    return forward

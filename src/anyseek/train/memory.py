@@ -206,9 +206,8 @@ def _activation_bytes_per_token(c, low: int, checkpointing: str = "none", resid:
     units += [attn + post + moe + (low + 2 * resid + 2 * low) * D] * c.num_nextn_predict_layers
     recomputed = [i for i in range(len(units)) if checkpointing == "full" or
                   (checkpointing == "selective" and i < c.num_hidden_layers and i % 2 == 0)]
-    # a recomputed decoder layer keeps its inputs: h and the previous FFN output still to be added (`pending`)
-    kept = sum((2 if 0 < i < c.num_hidden_layers else 1) * resid * D if i in recomputed else u
-               for i, u in enumerate(units))
+    # a recomputed layer keeps its input: h + the previous FFN output, added before the checkpoint (fsdp.py)
+    kept = sum(resid * D if i in recomputed else u for i, u in enumerate(units))
     heads = (1 + c.num_nextn_predict_layers) * (resid + low) * D  # final norms' inputs, the loss's saved grad_h
     return float(kept + max((units[i] for i in recomputed), default=0) + heads)
 

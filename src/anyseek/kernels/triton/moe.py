@@ -123,7 +123,7 @@ def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=Fa
         GATHER_A=gather, SCATTER_C=scatter, EPI=epi, SAVE_H=save_h, EVEN_K=K_red % cfg["BLOCK_K"] == 0,
         EVEN_N=N % cfg["BLOCK_N"] == 0, LORA=low_rank is not None, L_MODE=l_mode,
         RANK=_rank_block(rank), PREC=_prec(a.dtype), QUANT=quant, Q_K_IN=quant and strides_b[1] == 1, Q_GROUP=GROUP,
-        Q_DQ=dq_mode() if quant else 1,
+        Q_DQ=dq_mode() if quant else 4,
     )  # fmt: skip
 
 

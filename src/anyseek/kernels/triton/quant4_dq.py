@@ -2,29 +2,27 @@
 
 A packed weight is uint8 rows of [K/2 code bytes | K/64 bf16 scales]; a kernel takes it twice, as the uint8 tensor
 (codes) and as an int16 view of the same bytes (scales, read as raw bits and widened to fp32: exact, and no bf16
-loads, which Triton's interpreter lacks), plus a table (fp32, `nf4_lut`): NF4's 16 levels, then the same levels
-as 256 pairs (level[b & 15], level[b >> 4]) for each byte b. Element (o, i) of W [N, K] is levels[code] * scale with
+loads, which Triton's interpreter lacks), plus a table (fp32, `nf4_lut`): NF4's 16 levels. Element (o, i) of W [N, K] is levels[code] * scale with
 code = byte (o, i // 2) >> 4 * (i % 2) & 15, scale = scale (o, i // 64).
 
 `dq_rows` gives W[rows, c0 : c0 + C], a tile whose columns are consecutive input features: it loads each code byte
 once ([R, C/2], contiguous along a row) and both its nibbles, and one scale per row and group ([R, C/64], or [R, 1]
 when the tile lies within one group), so the per-element work is the level lookup, one multiply and the rounding.
-The lookup has four forms (`MODES`; `ANYSEEK_QUANT4_DQ=name` picks one, for measuring them on a GPU:
+The lookup has two forms (`MODES`; `ANYSEEK_QUANT4_DQ=name` picks one, for measuring them on a GPU:
 benchmarks/quant4_gemm.py):
-  global  the 16 levels from global memory (64 bytes: one L1 line, so a warp's 32 lookups are one wavefront);
-  pair    one lookup per byte in the 256-pair table (half the loads, but a warp's lookups touch ~14 lines of it);
   select  a branch-free select tree on the code's 4 bits (no memory; 15 selects and 4 bit tests per element);
   gather  `tl.gather` from the 16 levels held in registers (Triton puts them in shared memory: one ld.shared each).
 `legacy` is the first kernel's element-wise form (three gathered loads per element: the byte, the scale, the level),
 kept for the benchmark's before/after (`dq_tile`).
 
-Why `gather` is the default (not yet measured on a GPU): compiled for sm_90 on the CPU (Triton 3.9, its ptxas), the
-dense forward at 128x128x64 with 8 warps: SASS instructions / registers legacy 1,568 / 170, global 888 / 126, pair
-648 / 123, select 944 / 147, gather 640 / 127. global and pair look up with 4- and 8-byte loads, which Triton's
-pipeliner turns into cp.async copies through shared memory, a [BN, BK] fp32 buffer per stage: the routed experts'
-GEMMs then need 188-288 KB of shared memory (the dx GEMM more than an H100's 227: fewer stages) against 64-96 KB
-with gather, and each level passes global -> shared -> registers. gather reads it from a 64-byte table in shared
-memory (conflict-free: 16 words in 16 banks). docs/kernels.md has the routed experts' counts.
+Why `gather` is the default: on an H200 (Triton 3.6, stop 47) it was the fastest form of every 16B GEMM that
+benchmarks/quant4_gemm.py times, 4.7-12.6x the legacy form. Compiled for sm_90 on the CPU (Triton 3.9), the dense
+forward at 128x128x64 with 8 warps: SASS instructions / registers legacy 1,568 / 170, select 944 / 147, gather
+640 / 127. Two more forms were tried and dropped: the levels read from global memory, as 16 levels or as a table
+of 256 level pairs indexed by the byte. Triton's pipeliner turned their lookups into cp.async copies through shared
+memory (188-288 KB of it for the routed experts' GEMMs), and Triton 3.6 could not compile them for sm_90 ("Illegal
+shared layout", which aborts the process). gather reads the levels from a 64-byte table in shared memory
+(conflict-free: 16 words in 16 banks). docs/kernels.md has the routed experts' counts.
 """
 
 from __future__ import annotations
@@ -38,9 +36,8 @@ import triton.language as tl
 
 from anyseek.kernels.reference.quant4 import nf4_levels
 
-MODES = {"legacy": 0, "global": 1, "pair": 2, "select": 3, "gather": 4}
-DEFAULT_MODE = "gather"  # (see above: to be confirmed by benchmarks/quant4_gemm.py on an H100)
-_PAIRS_AT = 16  # the pair table's first fp32 in the table
+MODES = {"legacy": 0, "select": 3, "gather": 4}  # (1 and 2: the dropped global-memory forms, see above)
+DEFAULT_MODE = "gather"
 
 
 def dq_mode() -> int:
@@ -54,11 +51,8 @@ def dq_mode() -> int:
 
 @functools.cache
 def nf4_lut(device: torch.device) -> torch.Tensor:
-    """fp32 [16 + 512] on `device`: NF4's levels, then for each byte b the pair (level[b & 15], level[b >> 4]) (read
-    as one int64 by the `pair` form). Made once per device (a kernel argument at every launch)."""
-    levels = nf4_levels(device)
-    b = torch.arange(256, device=device)
-    return torch.cat([levels, torch.stack([levels[b & 15], levels[b >> 4]], -1).reshape(-1)])
+    """fp32 [16] on `device`: NF4's levels. Made once per device (a kernel argument at every launch)."""
+    return nf4_levels(device).float().contiguous()
 
 
 @triton.jit
@@ -101,21 +95,14 @@ def _select_level(c):
 def _levels(lut_ptr, byte, MODE: tl.constexpr):
     """The levels of both nibbles of code bytes `byte` (int32 [R, C/2]) -> (low nibbles', high nibbles') fp32
     [R, C/2] each (input feature 2j lies in the low nibble of byte j, 2j + 1 in its high one)."""
-    if MODE == 2:  # one int64 per byte: the two levels' fp32 bits, low nibble's in the low word
-        pair = tl.load((lut_ptr + 16).to(tl.pointer_type(tl.int64)) + byte)
-        lo = (pair & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-        hi = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    elif MODE == 3:
+    if MODE == 3:
         lo = _select_level(byte & 15)
         hi = _select_level(byte >> 4)
-    elif MODE == 4:
+    else:  # gather (and the legacy form's whole-tile dequantization, `dequantize`)
         levels = tl.load(lut_ptr + tl.arange(0, 16))
         n: tl.constexpr = byte.shape[0] * byte.shape[1]
         lo = tl.reshape(tl.gather(levels, tl.reshape(byte & 15, (n,)), 0), byte.shape)
         hi = tl.reshape(tl.gather(levels, tl.reshape(byte >> 4, (n,)), 0), byte.shape)
-    else:
-        lo = tl.load(lut_ptr + (byte & 15))
-        hi = tl.load(lut_ptr + (byte >> 4))
     return lo, hi
 
 

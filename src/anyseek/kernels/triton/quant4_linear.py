@@ -1,8 +1,8 @@
 """Triton GEMMs over a 4-bit frozen weight, dequantized tile by tile in the loop over K (`quant4_dq.py`): the
 forward y = x dq(W)^T and the input gradient dx = g dq(W) of a linear layer (no weight gradient: the base is
 frozen), and the triton backend of `kernels.low_rank_linear` for packed weights (`quant4_lowrank.py` adds LoRA's
-rank-r term and the autograd around them). Nothing the size of W in bf16 is formed (unless
-ANYSEEK_QUANT4_DENSE=prepass asks for the dequantize-then-matmul route, `_prepass`).
+rank-r term and the autograd around them). From 2,048 rows the default route dequantizes W first and multiplies in
+torch (`_prepass`, ANYSEEK_QUANT4_DENSE); below, nothing the size of W in bf16 is formed.
 
 Shape legend: M rows, K reduction length, N output columns; W [out, in] packed as [out, 17 in / 32] bytes.
 """
@@ -80,28 +80,36 @@ def _launch(a: torch.Tensor, W: torch.Tensor, forward: bool, dq: int | None = No
     return c
 
 
-def _prepass() -> bool:
-    """ANYSEEK_QUANT4_DENSE=prepass: the dense GEMMs dequantize W to the activations' dtype in one Triton pass
-    (`quant4_dq.dequantize`, a transient the size of W in bf16: 88 MiB for the 16B's largest, the dense MLP's
-    gate|up) and call torch's matmul; default `fused`. For measuring both routes in the training step
-    (benchmarks/quant4_gemm.py measures them GEMM by GEMM); anything else is an error naming the choices."""
-    route = os.environ.get("ANYSEEK_QUANT4_DENSE", "fused")
-    if route not in ("fused", "prepass"):
-        raise ValueError(f"ANYSEEK_QUANT4_DENSE={route!r}: choose fused or prepass")
-    return route == "prepass"
+PREPASS_ROWS = 2048  # the dense route's switch under ANYSEEK_QUANT4_DENSE=auto (see `_prepass`)
+
+
+def _prepass(rows: int) -> bool:
+    """Whether a dense GEMM of `rows` activation rows dequantizes W first (`quant4_dq.dequantize`, one Triton pass
+    to the activations' dtype; a transient the size of W in bf16, 88 MiB for the 16B's largest, the dense MLP's
+    gate|up) and calls torch's matmul, or dequantizes inside the GEMM. ANYSEEK_QUANT4_DENSE: `auto` (default): the
+    pre-pass from PREPASS_ROWS rows; `fused`, `prepass`: always that route; anything else is an error naming the
+    choices. Why: the fused GEMM dequantizes each tile of W once per BLOCK_M rows, the pre-pass once. On an H200
+    (stop 47, benchmarks/quant4_gemm.py, 4,096 rows, 16B's dense shapes, forward and input gradient) the pre-pass +
+    cuBLAS took 0.25-0.91x the fused kernel's time on all 12, and the 16B LoRA step 594 against 735 ms; at few rows
+    the fused kernel reads a quarter of the bytes and launches once."""
+    route = os.environ.get("ANYSEEK_QUANT4_DENSE", "auto")
+    if route not in ("auto", "fused", "prepass"):
+        raise ValueError(f"ANYSEEK_QUANT4_DENSE={route!r}: choose auto, fused or prepass")
+    return route == "prepass" or (route == "auto" and rows >= PREPASS_ROWS)
 
 
 def matmul_wt(x: torch.Tensor, W: torch.Tensor, dq: int | None = None, tile: tuple | None = None) -> torch.Tensor:
     """x [M, in] @ dq(W)^T -> [M, out] in x's dtype (fp32 sums). dq: the lookup form (`quant4_dq.MODES`, default
-    `dq_mode()`); tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of the default (benchmarks)."""
-    if dq is None and tile is None and _prepass():
+    `dq_mode()`); tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of the default (benchmarks). Either
+    given: always the fused kernel."""
+    if dq is None and tile is None and _prepass(x.shape[0]):
         return x @ dequantize(W, x.dtype).t()
     return _launch(x, W, True, dq, tile)
 
 
 def matmul_w(g: torch.Tensor, W: torch.Tensor, dq: int | None = None, tile: tuple | None = None) -> torch.Tensor:
     """g [M, out] @ dq(W) -> [M, in] in g's dtype (fp32 sums); dq, tile as for `matmul_wt`."""
-    if dq is None and tile is None and _prepass():
+    if dq is None and tile is None and _prepass(g.shape[0]):
         return g @ dequantize(W, g.dtype)
     return _launch(g, W, False, dq, tile)
 
