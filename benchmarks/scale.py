@@ -17,6 +17,7 @@ step breakdown (train/profile.py), and the breakdowns of every rank are printed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -48,20 +49,56 @@ def _logged(out: Path, steps: int) -> float:
     return time.monotonic() - (time.time() - metrics.stat().st_mtime)
 
 
+def _family(pid: int) -> list[int]:
+    """pid and every process descended from it (from /proc: torch's elastic agent may start its ranks in sessions
+    of their own, out of reach of a signal to torchrun's process group)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie has let go of its GPU memory: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _stop(proc: subprocess.Popen, sig: int) -> None:
-    """Signal every process of the run (torchrun and its ranks: one session), then wait until none is left, so
-    that the next run finds the GPUs' memory free (16B's ranks outlived torchrun at stop 46 and held 98.9 GiB)."""
-    os.killpg(proc.pid, sig)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        if time.monotonic() > deadline - 30:
-            os.killpg(proc.pid, signal.SIGKILL)
+    """Signal every process of the run (torchrun and its ranks, found by descent, and its process group), then wait
+    until none is left, so that the next run finds the GPUs' memory free (16B's ranks outlived torchrun at stop 46
+    and held 98.9 GiB; at stop 47 they outlived a signal to its group and the next run ran out of memory)."""
+    family = _family(proc.pid)
+    for p in family:
+        with contextlib.suppress(OSError):
+            os.kill(p, sig)
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, sig)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and any(_alive(p) for p in family if p != proc.pid):
+        if time.monotonic() > deadline - 60:
+            for p in family:
+                with contextlib.suppress(OSError):
+                    os.kill(p, signal.SIGKILL)
         time.sleep(1)
+    with contextlib.suppress(OSError):
+        os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    time.sleep(3)  # (the driver's teardown of the ranks' contexts)
 
 
 def run_one(name: str, cmd: list[str], out: Path, timeout: float, log_dir: Path | None, steps: int = 0) -> dict:

@@ -244,7 +244,11 @@ def _grouped_cases() -> dict:
              "scattered_bf16": (fp8_grouped.grouped_gemm(qx, sx, qw, sw, plan, bm, torch.bfloat16, gather=True,
                                                          scatter=True)[slot], torch.bfloat16, None),
              "plan_rows": (fp8_grouped.grouped_gemm(qa, sa, qw, sw, plan, bm, torch.float32), torch.float32,
-                           ref.grouped_gemm(qa, sa, qw, sw, expert_M, torch.arange(len(tok))))}  # fmt: skip
+                           ref.grouped_gemm(qa, sa, qw, sw, expert_M, torch.arange(len(tok)))),
+             # the GPU's 128-wide column tiles: one scale of b a tile, the one-FMA promotion
+             "bn128": (fp8_grouped.grouped_gemm(qx, sx, qw, sw, plan, bm, torch.float32, gather=True,
+                                                config={"BN": 128, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}),
+                       torch.float32, None)}  # fmt: skip
     out = {}
     for name, (got, dtype, twin) in cases.items():
         err_pt = (fp32.to(dtype).double() - exact)[valid].abs().max().item()
@@ -283,6 +287,11 @@ def _worker() -> None:
                 "pass": interpreter.passes(table, atol=1e-6), "table": table}
     table = _gemm_table(lambda *args: fp8_gemm.gemm(*args, scaled=True), a, b, torch.float32, True)  # (sm_120's)
     results["gemm_dot_scaled"] = {"pass": interpreter.passes(table, atol=1e-6), "table": table}
+    for blocks, scales_t in ((True, False), (True, True), (False, False)):  # the GPU's 128-wide tiles, both scale
+        cfg = {"BM": 32, "BN": 128, "GROUP_M": 2, "num_warps": 4, "num_stages": 1, "SCALES_T": scales_t}  # layouts
+        table = _gemm_table(lambda *args: fp8_gemm.gemm(*args, config=cfg), a, b, torch.float32, blocks)
+        results[f"gemm_bn128_{'blocks' if blocks else 'rows'}_{'t' if scales_t else 'strided'}"] = {
+            "pass": interpreter.passes(table, atol=1e-6), "table": table}
     x, w, dy = _spread(3, 50, 300, seed=11), _spread(200, 300, seed=12), _spread(3, 50, 200, seed=13)
     outs = []
     results.update(_grouped_cases())
@@ -308,7 +317,9 @@ def _worker() -> None:
 INTERP_CASES = ([f"{n}{s}" for s in [(130, 300), (5, 40), "ties"]
                  for n in ("rows", "rows_t", "requantize_t", "both", "blocks")]
                 + [f"gemm_{d}_{b}" for d in ("float32", "bfloat16") for b in ("rows", "blocks")]
+                + ["gemm_bn128_blocks_strided", "gemm_bn128_blocks_t", "gemm_bn128_rows_strided"]
                 + ["gemm_dot_scaled", "linear_vs_reference", "compile", "grouped_gathered", "grouped_scattered_bf16", "grouped_plan_rows",
+                   "grouped_bn128",
                    "experts_vs_reference"])
 
 

@@ -23,10 +23,12 @@ from anyseek.kernels.triton.launch import launch
 
 TILE = 128  # the K-block of the promotion and of the scales (fixed by the recipe)
 # 128x128 tiles, 8 warps, 4 stages: DeepGEMM's and FBGEMM's usual shape for 128-blocked FP8 on H100. SCALES_T: a
-# K-block's scales side by side; TMA: operand tiles through tensor descriptors (`_gemm_kernel_tma`). On an H200 at
-# stop 46 the first form (strided scales, two multiplies a promotion) ran at 0.3-0.9x cuBLAS bf16; benchmarks/fp8.py
-# --only tune compares the forms.
-CONFIG = {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "SCALES_T": True, "TMA": False}
+# K-block's scales side by side ("auto": where b has 1x128 tiles, Wgrad); TMA: operand tiles through tensor
+# descriptors (`_gemm_kernel_tma`). On an H200 (Triton 3.6, `benchmarks/fp8.py --only tune`, stop 47): the
+# promotion as one FMA where b has one scale a tile took the 16B dense down Fprop from 636 to 873 TFLOP/s; scales
+# side by side took the Wgrad (22528x2048x32768) from 301 to 652, and cost the Fprop 3-12% (so not there); TMA
+# loads 0.9-1.1x of plain ones; 128x256 tiles spill (202-437), 256x128 and 64x128 no better.
+CONFIG = {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "SCALES_T": "auto", "TMA": False}
 INTERPRET_CONFIG = {"BM": 32, "BN": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
 
@@ -159,7 +161,9 @@ def gemm(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.
         return c.zero_()
     cfg = dict(config or (INTERPRET_CONFIG if a_MK.device.type == "cpu" else CONFIG))
     BM, BN, group_m = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M")
-    scales_t, tma = cfg.pop("SCALES_T", True), cfg.pop("TMA", False) and a_MK.is_cuda
+    scales_t, tma = cfg.pop("SCALES_T", "auto"), cfg.pop("TMA", False) and a_MK.is_cuda
+    if scales_t == "auto":  # (measured: see CONFIG)
+        scales_t = not blocks
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     # (`launch` lowers num_stages where shared memory is short: 4 stages of 128x128 + 128x128 bytes want 128 KB,
     # consumer GPUs (sm_89, sm_120) have ~100)

@@ -60,13 +60,18 @@ def _grouped_kernel(A, SA, TOK, SLOT, B, SB, C, OFFS, TILE_E, TILE_ROW, n_tiles_
     b_ptr = B + e.to(tl.int64) * stride_be + rn_c[:, None].to(tl.int64) * stride_bn + rk[None, :]
     sa_ptr = SA + a_rows * stride_sa
     sb_ptr = SB + e.to(tl.int64) * stride_sbe + (rn_c // BK) * stride_sbn
+    sb_tile = SB + e.to(tl.int64) * stride_sbe + pid_n * stride_sbn  # (BN == BK: the tile's one block of b)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(tl.cdiv(K, BK)):
         k_ok = rk < K - kb * BK
         a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
         b = tl.load(b_ptr, mask=k_ok[None, :], other=0.0)
         block = block_dot(a, b, SCALED)  # this K-block's products, summed by the tensor cores
-        acc += block * tl.load(sa_ptr + kb)[:, None] * tl.load(sb_ptr + kb)[None, :]  # promoted in fp32
+        sa = tl.load(sa_ptr + kb)
+        if BN == BK:  # one scale of b a tile: the promotion is one fused multiply-add an element (fp8_gemm.CONFIG)
+            acc = tl.fma(block, (sa * tl.load(sb_tile + kb))[:, None], acc)
+        else:
+            acc += block * sa[:, None] * tl.load(sb_ptr + kb)[None, :]  # promoted in fp32
         a_ptr += BK
         b_ptr += BK
     if SCATTER:
