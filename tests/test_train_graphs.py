@@ -83,6 +83,27 @@ def test_a_shape_without_a_graph_replays_on_the_smallest_graph_that_holds_it():
     assert covering(have, (100, 256, 32)) is None  # more documents than any graph of 100 tokens holds
 
 
+def test_a_first_capture_without_room_on_any_rank_leaves_every_rank_eager(monkeypatch):
+    """Before the first capture: the eager warm-up's peak times CAPTURE_MARGIN must be free on every rank (a capture
+    that runs out of memory under torchrun broke CUDA on all ranks); the ranks' verdicts are combined by `agree`,
+    and the log says where the room was missing."""
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for free, others, want, where in [(30 * GiB, True, True, None), (10 * GiB, True, False, "here"),
+                                      (30 * GiB, False, False, "on another rank"),
+                                      (int(10.9 * GiB), True, False, "here")]:  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free: (f, 80 * GiB))
+        lines, asked = [], []
+        fake = types.SimpleNamespace(device="cuda", log=lines.append,
+                                     agree=lambda ok, o=others: asked.append(ok) or (ok and o))  # fmt: skip
+        assert graphs.StepGraphs._capture_fits(fake, 10 * GiB) is want
+        assert asked == [free > 11 * GiB]  # this rank's own verdict went to the others
+        assert (where is None and not lines) or (where in lines[0] and "11.0 GiB" in lines[0]), lines
+    fake = types.SimpleNamespace(device="cuda", log=print, agree=None)  # one process: its own verdict
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * GiB, 80 * GiB))
+    assert graphs.StepGraphs._capture_fits(fake, 1 * GiB) is True
+
+
 def _losses(data, tmp_path, mode: str, steps: int, accum: int, free_grads_at: int = -1):
     cfg = tiny_cfg(data, "--train.device=cuda", f"--train.cuda_graphs={mode}", f"--train.grad_accum={accum}",
                    "--train.max_steps=100", "--train.warmup_steps=1", "--train.lr=1e-3")

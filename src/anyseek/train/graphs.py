@@ -39,6 +39,7 @@ import torch
 from anyseek.model.layout import check_cu_seqlens
 
 MAX_GRAPHS = 4
+CAPTURE_MARGIN = 1.1  # a capture needs its eager warm-up's peak; this much more, for what the estimate misses
 MIN_DOC_SLOTS = 64
 
 
@@ -78,9 +79,13 @@ class StepGraphs:
     not a copy)."""
 
     def __init__(self, micro: Callable, params: list[torch.nn.Parameter], device: torch.device, tokens: int,
-                 max_seqlen: int, accumulate: bool, log: Callable[[str], None] = print):
-        """accumulate: several micro-batches per step (the graphs add into kept `.grad` tensors), else one."""
+                 max_seqlen: int, accumulate: bool, log: Callable[[str], None] = print,
+                 agree: Callable[[bool], bool] | None = None):
+        """accumulate: several micro-batches per step (the graphs add into kept `.grad` tensors), else one.
+        agree: every rank's verdict from this one's (True where all say True; torchrun), for decisions all ranks
+        must take alike (a capture holds collectives); None: this process alone."""
         self.micro, self.params, self.device, self.log = micro, params, device, log
+        self.agree = agree
         self.tokens, self.max_seqlen, self.accumulate = tokens, max_seqlen, accumulate
         self.enabled = True
         self.graphs: dict[tuple, _Graph] = {}
@@ -140,6 +145,10 @@ class StepGraphs:
                 torch.cuda.synchronize(self.device)
                 warm = torch.cuda.max_memory_allocated(self.device) - before
                 reserved = torch.cuda.memory_reserved(self.device)
+            if measure and not self._capture_fits(warm):
+                self.enabled = False
+                self._drop_graphs()
+                return outputs
             try:
                 self._capture(g)
                 if measure:  # what one more graph needs: its eager warm-up's peak, then the pool it keeps
@@ -188,6 +197,24 @@ class StepGraphs:
         gc.collect()  # (an exception's frames may still hold a failed capture's tensors)
         torch.cuda.empty_cache()
         self.pool = torch.cuda.graph_pool_handle()
+
+    def _capture_fits(self, warm: int) -> bool:
+        """Whether a first capture (or the first after `forget`) has memory on every rank: the eager warm-up's peak
+        (`warm`, what the graph's pool will hold) times CAPTURE_MARGIN within what is free once the allocator's
+        cache is given back. A capture that runs out of memory under torchrun leaves CUDA failing (`invalid
+        argument`) on every rank (16B EP4 on 4 H200s, stops 46 and 47), so all ranks decide together and, where
+        one lacks the room, the run goes on eagerly, saying so. (A collective: every rank gets here in the same
+        step, since every rank starts without a graph, and `forget` runs on all of them together.)"""
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        mine = free > CAPTURE_MARGIN * warm
+        every = self.agree(mine) if self.agree is not None else mine
+        if not every:
+            where = "here" if not mine else "on another rank"
+            self.log(f"CUDA graphs off for the rest of the run: the step's graph would need about "
+                     f"{CAPTURE_MARGIN * warm / 2**30:.1f} GiB and there is not that much free {where} "
+                     f"({free / 2**30:.1f} GiB here); the step runs eagerly")
+        return every
 
     def room(self) -> bool:
         """Whether the GPU has memory for one more graph: its warm-up and its pool (`cost`, as the first one took)

@@ -427,8 +427,9 @@ class StepEngine:
         # with a working copy its `collect` (inside the graph) moves the gradients; the graphs own none
         params = [] if self.working is not None else [p for p in self.model.parameters() if p.requires_grad]
         d = self.cfg.data
+        agree = (lambda ok: self.par.sum_host([0.0 if ok else 1.0])[0] == 0) if self.par.active else None
         g = graphs_lib.StepGraphs(self._micro, params, self.device, d.tokens_per_batch, d.max_seqlen,
-                              accumulate=self.cfg.train.grad_accum > 1, log=self.log)
+                              accumulate=self.cfg.train.grad_accum > 1, log=self.log, agree=agree)
         fsdp = " with FSDP2's gathers and gradient reductions inside" if self.par.active else ""
         return g, f"on: each micro-batch's forward and backward replays as one CUDA graph{fsdp} (train/graphs.py)"
 
