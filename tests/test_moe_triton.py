@@ -129,6 +129,30 @@ def _worker() -> None:
     table = [((a - t).abs().max().item(), (m - t).abs().max().item()) for a, m, t in zip(lora16, merged16, truth)]
     rule16 = [e <= 2 * e_pt + 1e-3 for e, e_pt in table]
     results["lora"] = {"pass": all(close32) and all(rule16), "table": [close32, table]}
+    # the adapters' gradients written straight into their destinations (four parameters back to back in the
+    # working copy's buffer, fp16 as the computation): in place, the same values as without destinations, B's
+    # gradient scaled once; fp32 adapters under fp16 compute (no destination: cast) give the merged path's too
+    x, ids, w, gu, dn, dy = accuracy.moe_inputs(29, 32, 24, 5, 2, "skewed", 11)
+    g = torch.Generator().manual_seed(6)
+    ad = [torch.randn(*s, generator=g) * 0.2 for s in ((5, 4, 32), (5, 48, 4), (5, 4, 24), (5, 32, 4))]
+    buf = torch.full((sum(t.numel() for t in ad),), float("nan"), dtype=torch.float16)
+    ps = [torch.nn.Parameter(t.half()) for t in ad]
+    at = 0
+    for p_ in ps:
+        kernels_mod.set_grad_destination(p_, buf, at)
+        at += p_.numel()
+    xh, wh = x.half(), w.half()
+    (moe.lora_routed_experts(xh, ids, wh, gu.half(), dn.half(), *ps, 0.5).float() * dy).sum().backward()
+    starts = [0] + [int(v) for v in torch.tensor([t.numel() for t in ad]).cumsum(0)[:-1]]
+    in_place = all(p_.grad.data_ptr() == buf[s0:].data_ptr() for p_, s0 in zip(ps, starts))
+    qs = [t.half().requires_grad_() for t in ad]
+    (moe.lora_routed_experts(xh, ids, wh, gu.half(), dn.half(), *qs, 0.5).float() * dy).sum().backward()
+    same = torch.equal(buf, torch.cat([q.grad.reshape(-1) for q in qs]))
+    rs = [t.clone().requires_grad_() for t in ad]  # fp32 adapters, fp16 compute: B scaled in fp32, cast back
+    (moe.lora_routed_experts(xh, ids, wh, gu.half(), dn.half(), *rs, 0.5).float() * dy).sum().backward()
+    cast = all(r.grad.dtype == torch.float32 and torch.allclose(r.grad.half(), q.grad, rtol=1e-2, atol=1e-3)
+               for r, q in zip(rs, qs))  # fmt: skip
+    results["lora_grad_destination"] = {"pass": bool(in_place and same and cast), "table": [in_place, same, cast]}
     # a rank that is not a power of two (the rank tiles padded to 32), every expert busy
     lora_run = _lora_case(accuracy.moe_inputs(41, 48, 40, 4, 2, "balanced", 8), rank=20, scale=0.1, seed=4)
     truth, lora32 = lora_run(True, torch.float32), lora_run(False, torch.float32)
@@ -202,7 +226,7 @@ def interp_results():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "no_expert_rows", "grad_destination", "lora", "lora_rank20", "lora_addend",
+                         + ["plan", "plan_is_stable_sort", "no_expert_rows", "grad_destination", "lora_grad_destination", "lora", "lora_rank20", "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):

@@ -210,6 +210,31 @@ def test_lora_frozen_fp32_tensors_held_in_low_precision_and_unchanged(data_dir, 
     assert all(math.isfinite(x) for x in losses), losses
 
 
+def test_lora_experts_adapters_lie_back_to_back_in_the_gradient_buffer():
+    """The working copy lays each LoRA routed-experts module's four adapters out back to back, in the kernels'
+    order, so that the Triton LoRA experts write their gradients into the buffer (`kernels.grad_destinations`)
+    instead of a tensor of their own beside it."""
+    from anyseek import kernels
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.transformer import DeepSeekV3
+    from anyseek.transforms import lora as lora_lib
+
+    torch.manual_seed(0)
+    model = DeepSeekV3(ModelConfig.from_name("tiny", num_hidden_layers=3, vocab_size=64))
+    lora_lib.apply_lora(model, lora_lib.LoRASpec(rank=4, alpha=8), torch.bfloat16)
+    w = precision.WorkingCopy(model, torch.bfloat16, accumulate=False)
+    experts = [m for m in model.modules() if isinstance(m, lora_lib.LoRAExperts)]
+    assert experts
+    with w.active():
+        for m in experts:
+            four = (m.gate_up_lora_A, m.gate_up_lora_B, m.down_lora_A, m.down_lora_B)
+            dest = kernels.grad_destinations(four)
+            assert dest is not None and dest.dtype == torch.bfloat16 and dest.numel() == sum(p.numel() for p in four)
+            first = next(i for i, p in enumerate(w.trained) if p is m.gate_up_lora_A)
+            assert dest.data_ptr() == w.grads[first].data_ptr()
+    assert kernels.grad_destinations((experts[0].gate_up_lora_B, experts[0].gate_up_lora_A)) is None  # order counts
+
+
 def _losses(data, tmp_path, working: str, graphs: str, steps: int):
     cfg = tiny_cfg(data, "--train.device=cuda", f"--train.working_copy={working}", f"--train.cuda_graphs={graphs}",
                    "--train.max_steps=100", "--train.warmup_steps=1", "--train.lr=1e-3")

@@ -268,6 +268,22 @@ def grad_destination(param: torch.Tensor) -> torch.Tensor | None:
     return buffer[start:start + param.numel()].view(param.shape)
 
 
+def grad_destinations(params) -> torch.Tensor | None:
+    """One flat view over the gradient destinations of `params` (see `set_grad_destination`) where they lie back to
+    back, in that order, in one buffer of the parameters' dtype; else None. For a backend that computes several
+    weights' gradients into one buffer (the LoRA routed experts' four adapters)."""
+    dests = [getattr(p, "_anyseek_grad_dest", None) for p in params]
+    if not dests or any(d is None for d in dests):
+        return None
+    buffer, start = dests[0]
+    at = start
+    for p, (buf, s) in zip(params, dests):
+        if buf is not buffer or s != at or buf.dtype != p.dtype:
+            return None
+        at += p.numel()
+    return buffer[start:at]
+
+
 def low_rank_merge(W: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                    b_out: torch.Tensor | None = None, b_at: int = 0) -> torch.Tensor:  # fmt: skip
     """W + scale * B A -> [O, I] in W's dtype, from W [O, I], B [O, r], A [r, I] (one dtype), the products summed in

@@ -120,25 +120,66 @@ def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
 
 class _LoRARoutedExperts(torch.autograd.Function):
     """Routed experts with frozen base weights and per-expert LoRA adapters (`experts_fwd_lora`): saved for backward
-    are x, h and two [M, r] products (not the [M, I] SwiGLU output, recomputed from h); no effective weights."""
+    are x, h and two [M, r] products (not the [M, I] SwiGLU output, recomputed from h); no effective weights.
+
+    The B adapters come in unscaled, in their own dtype: the kernels read scale * B in the compute dtype (`_scaled`,
+    [E, F, r]: formed in the forward and again in the backward), and B's gradient is scale times that of the scaled
+    B. `params`: the four adapters as the trainer holds them, where the kernels may write their gradients into the
+    trainer's buffer (`kernels.grad_destinations`: back to back, the compute dtype); then no gradient tensor of the
+    adapters' size exists beside that buffer (the 16B LoRA: 0.41 GiB at the end of the backward)."""
 
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, add_TD=None):
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, add_TD, scale, dtype,
+                params):  # fmt: skip
         plan = torch.ops.anyseek.moe_plan(topk_ids_TK, W_gu.shape[0], _block_m(x_TD.device))
         w_M = topk_weights_TK.reshape(-1)
-        adapters = (A_gu, B_gu, A_dn, B_dn)
+        adapters = (A_gu, _scaled(B_gu, scale, dtype), A_dn, _scaled(B_dn, scale, dtype))
         y_TD, h_MF, _, u_gu, u_dn = experts_fwd_lora(x_TD, w_M, W_gu, W_dn, adapters, plan, True, add_TD)
-        ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, *adapters, h_MF, u_gu, u_dn, *plan)
+        ctx.save_for_backward(x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, u_gu, u_dn, *plan)
         ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
+        ctx.scale, ctx.dtype, ctx.params = scale, dtype, params
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
         x_TD, w_M, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, h_MF, u_gu, u_dn, *plan = ctx.saved_tensors
-        dx, dw_M, *d_adapters = experts_bwd_lora(dy_TD.contiguous(), x_TD, w_M, W_gu, W_dn, h_MF, u_gu, u_dn, plan,
-                                                 (A_gu, B_gu, A_dn, B_dn))  # fmt: skip
+        scale, dtype = ctx.scale, ctx.dtype
+        adapters = (A_gu, _scaled(B_gu, scale, dtype), A_dn, _scaled(B_dn, scale, dtype))
+        out = kernels.grad_destinations(ctx.params) if ctx.params is not None else None
+        dx, dw_M, dA_gu, dBs_gu, dA_dn, dBs_dn = experts_bwd_lora(dy_TD.contiguous(), x_TD, w_M, W_gu, W_dn, h_MF,
+                                                                  u_gu, u_dn, plan, adapters, out)  # fmt: skip
+        dB_gu, dB_dn = _unscaled(dBs_gu, B_gu, scale), _unscaled(dBs_dn, B_dn, scale)
         d_add = dy_TD if ctx.needs_input_grad[9] else None  # the addend's gradient is dy itself
-        return (dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), None, None, *d_adapters, d_add)
+        return (dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), None, None, dA_gu, dB_gu, dA_dn, dB_dn, d_add,
+                None, None, None)  # fmt: skip
+
+
+def _scaled(B: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """scale * B in B's dtype, then in the compute dtype (as LoRA's seam defines the product)."""
+    return (B * scale).to(dtype).contiguous()
+
+
+def _unscaled(g: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """B's gradient from that of the scaled B (`_scaled`'s backward: the cast back to B's dtype, then times
+    scale); in place where the dtypes agree (g may be the trainer's buffer)."""
+    return g.mul_(scale) if g.dtype == B.dtype else g.to(B.dtype) * scale
+
+
+def _lora_apply(x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, scale, add_TD,
+                out_dtype) -> torch.Tensor:  # fmt: skip
+    """The LoRA experts' Function on the seam's arguments (the bf16 and the 4-bit bases): inputs cast to the
+    compute dtype, the adapters handed over as parameters where the kernels may write their gradients."""
+    dtype = _compute_dtype(x_TD)
+    with torch.autocast(x_TD.device.type, enabled=False):
+        x, a_gu, a_dn = (t.to(dtype).contiguous() for t in (x_TD, A_gu, A_dn))
+        b_gu, b_dn = B_gu.contiguous(), B_dn.contiguous()
+        same = (a_gu is A_gu and a_dn is A_dn and b_gu is B_gu and b_dn is B_dn and B_gu.dtype == dtype
+                and B_dn.dtype == dtype)  # fmt: skip
+        params = (A_gu, B_gu, A_dn, B_dn) if same else None
+        folded = _foldable(add_TD, dtype, out_dtype)
+        y = _LoRARoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), W_gu, W_dn, a_gu,
+                                     b_gu, a_dn, b_dn, folded, scale, dtype, params)  # fmt: skip
+    return _with_addend(y, add_TD, folded, out_dtype)
 
 
 def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, A_gu, B_gu, A_dn,
@@ -154,16 +195,10 @@ def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, do
         gu, dn = (effective_weights(W, A, B, scale) for W, A, B in ((gate_up_proj_EFD, A_gu, B_gu),
                                                                     (down_proj_EDI, A_dn, B_dn)))  # fmt: skip
         return routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gu, dn, add_TD)
-    out_dtype = x_TD.dtype
     dtype = _compute_dtype(x_TD)
-    with torch.autocast(x_TD.device.type, enabled=False):
-        x, W_gu, W_dn, a_gu, a_dn = (t.to(dtype).contiguous() for t in (x_TD, gate_up_proj_EFD, down_proj_EDI, A_gu,
-                                                                         A_dn))  # fmt: skip
-        b_gu, b_dn = ((b * scale).to(dtype).contiguous() for b in (B_gu, B_dn))
-        folded = _foldable(add_TD, dtype, out_dtype)
-        y = _LoRARoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), W_gu.detach(),
-                                     W_dn.detach(), a_gu, b_gu, a_dn, b_dn, folded)  # fmt: skip
-    return _with_addend(y, add_TD, folded, out_dtype)
+    W_gu, W_dn = (t.detach().to(dtype).contiguous() for t in (gate_up_proj_EFD, down_proj_EDI))
+    return _lora_apply(x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, scale, add_TD,
+                       x_TD.dtype)  # fmt: skip
 
 
 def _foldable(add_TD: torch.Tensor | None, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor | None:

@@ -86,10 +86,12 @@ def experts_fwd_lora(x_TD, w_M, gate_up_EFD, down_EDI, adapters, plan, save: boo
     return y_TD, h_MF, act_MI, u_gu, u_dn
 
 
-def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, plan, adapters):
+def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, plan, adapters, out=None):
     """Backward of `experts_fwd_lora`: -> dx [T, D], dw [M] (fp32), dA_gu, dB_gu, dA_dn, dB_dn (the adapters'
     shapes; B's gradient being that of the scaled B). The base weights get none. The SwiGLU output the down
-    adapter's gradient needs is recomputed from h inside that product (the forward keeps no [M, I] tensor)."""
+    adapter's gradient needs is recomputed from h inside that product (the forward keeps no [M, I] tensor). out: a
+    flat tensor (the adapters' dtype and total size) the four gradients are written into, back to back (the
+    trainer's gradient buffer); else a new one."""
     A_gu, B_gu, A_dn, B_dn = adapters
     r, M = A_gu.shape[1], plan[0].numel()
     tok, offs = plan[1], plan[2]
@@ -106,7 +108,10 @@ def experts_bwd_lora(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, u_gu, u_dn, 
             (dy_TD, tok, u_dn, None, "wgrad_n", None)]  # dB_dn = dy^T u_dn
     cfgs = [_rank_config(x_TD.device, job[4], r) for job in jobs]
     sizes, splits = [t.numel() for t in adapters], [split for _, split in cfgs]
-    flat = A_gu.new_empty(sum(sizes))
+    if out is not None and (out.dtype != A_gu.dtype or out.numel() != sum(sizes) or out.dim() != 1):
+        raise ValueError(f"experts_bwd_lora: out must be a flat {A_gu.dtype} tensor of {sum(sizes)} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    flat = A_gu.new_empty(sum(sizes)) if out is None else out
     grads = [v.view(t.shape) for v, t in zip(flat.split(sizes), adapters)]
     parts = torch.empty(sum(s * n for s, n in zip(splits, sizes)), device=x_TD.device, dtype=torch.float32)
     for (a, a_idx, b, b_idx, _, swiglu), grad, (cfg, split), part in zip(

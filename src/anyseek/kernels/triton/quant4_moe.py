@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from anyseek.kernels.ops.moe import _compute_dtype, _foldable, _LoRARoutedExperts, _with_addend
+from anyseek.kernels.ops.moe import _lora_apply
 
 
 def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFP, down_EDP, A_gu, B_gu, A_dn, B_dn,
@@ -23,16 +23,8 @@ def lora_routed_experts(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFP, down_ED
 
         return reference(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFP, down_EDP, A_gu, B_gu, A_dn, B_dn, scale,
                          add_TD)  # fmt: skip
-    out_dtype = x_TD.dtype
-    dtype = _compute_dtype(x_TD)
-    with torch.autocast(x_TD.device.type, enabled=False):
-        x, a_gu, a_dn = (t.to(dtype).contiguous() for t in (x_TD, A_gu, A_dn))
-        b_gu, b_dn = ((b * scale).to(dtype).contiguous() for b in (B_gu, B_dn))
-        folded = _foldable(add_TD, dtype, out_dtype)
-        y = _LoRARoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(),
-                                     gate_up_EFP.detach().contiguous(), down_EDP.detach().contiguous(), a_gu, b_gu,
-                                     a_dn, b_dn, folded)  # fmt: skip
-    return _with_addend(y, add_TD, folded, out_dtype)
+    return _lora_apply(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFP.detach().contiguous(),
+                       down_EDP.detach().contiguous(), A_gu, B_gu, A_dn, B_dn, scale, add_TD, x_TD.dtype)  # fmt: skip
 
 
 __all__ = ["lora_routed_experts"]
