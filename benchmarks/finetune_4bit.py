@@ -139,11 +139,11 @@ def random_model(mc: ModelConfig, dev: torch.device, spec: lora_lib.LoRASpec) ->
 
 
 def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int, seqlen: int, steps: int,
-                ckpt: str, step_mode: str = "autocast", moments: str = "fp32") -> dict:  # fmt: skip
+                ckpt: str, step_mode: str = "autocast", moments: str = "fp32", graphs: bool = False) -> dict:  # fmt: skip
     """One row. step_mode "autocast": fp32 adapters under bf16 autocast, torch's AdamW, clip_grad_norm_ (the
     measurements of stop 45); "trainer": as `anyseek train` runs one process on a GPU by default (train.working_copy:
     bf16 working copy of the adapters, bf16 activations and gradients, FlatAdamW with `moments` moments and the clip
-    folded into its step; train/precision.py), eager (no CUDA graphs)."""
+    folded into its step; train/precision.py), eager, or with `graphs` its forward and backward as one CUDA graph."""
     spec = lora_lib.LoRASpec(rank=16, alpha=32, base_bits=base_bits)
     torch.cuda.reset_peak_memory_stats()
     model = random_model(mc, dev, spec)
@@ -158,8 +158,10 @@ def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int,
                                         f"--train.moments_dtype={moments}"])  # fmt: skip
     ids, targets, cu = batch(mc.vocab_size, tokens, seqlen, dev)
     n = torch.tensor(count_targets(targets.cpu(), cu.cpu(), len(model.mtp)), dtype=torch.float32, device=dev)
-    step = (_trainer_step if step_mode == "trainer" else _autocast_step)(model, run_cfg, dev, (ids, targets, cu, n),
-                                                                         seqlen)  # fmt: skip
+    if step_mode == "trainer":
+        step = _trainer_step(model, run_cfg, dev, (ids, targets, cu, n), seqlen, graphs)
+    else:
+        step = _autocast_step(model, run_cfg, dev, (ids, targets, cu, n), seqlen)
     gc.collect()
     torch.cuda.empty_cache()
     resident = torch.cuda.memory_allocated()
@@ -173,7 +175,7 @@ def anyseek_row(mc: ModelConfig, dev: torch.device, base_bits: int, tokens: int,
                    working_copy=step_mode == "trainer", triton_experts=True)  # fmt: skip
     stats = torch.cuda.memory_stats()
     base = "4-bit NF4" if base_bits == 4 else "bf16"
-    extra = "" if step_mode == "autocast" else f", trainer step (working copy, {moments} moments)"
+    extra = "" if step_mode == "autocast" else f", trainer step (working copy, {moments} moments{', CUDA graph' if graphs else ''})"
     row = {"mode": f"anyseek LoRA r16, {base} base{extra}", "resident_GiB": resident / GiB,
            "build_peak_reserved_GiB": build_peak / GiB, "after_step_GiB": steady / GiB,
            "peak_alloc_GiB": torch.cuda.max_memory_allocated() / GiB,
@@ -200,8 +202,11 @@ def _autocast_step(model, run_cfg, dev, data, seqlen):
     return step
 
 
-def _trainer_step(model, run_cfg, dev, data, seqlen):
-    """The trainer's one-process step (train/step.py: `_micro_inner`, `_launch`) without its logging and overlap."""
+def _trainer_step(model, run_cfg, dev, data, seqlen, graphs: bool = False):
+    """The trainer's one-process step (train/step.py: `_micro_inner`, `_launch`) without its logging and overlap.
+    graphs: the forward and backward replayed as one CUDA graph, as `anyseek train` runs it on a GPU (the batch here
+    is one fixed batch, so the graph's inputs never change); where the capture fails, the step says so and stays
+    eager (as the trainer does)."""
     from anyseek.train import precision
 
     ids, targets, cu, n = data
@@ -209,16 +214,35 @@ def _trainer_step(model, run_cfg, dev, data, seqlen):
     opt = precision.build_flat_adamw(working, run_cfg.train)
     max_norm = run_cfg.train.grad_clip
 
-    def step():
+    def micro():
         with working.active():
             out = model(ids, cu_seqlens=cu, targets=targets, max_seqlen=seqlen, return_logits=False, num_targets=n)
             out.loss.backward()
             working.collect()
+        return out.loss.detach()
+
+    def apply(loss):
         opt.grad_scale = ((working.grad_norm() + 1e-6) / max_norm).clamp(min=1.0)
         opt.step()
-        return out.loss
+        return loss
 
-    return step
+    if graphs:
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # (Triton compiles, cuBLAS sets up, the allocator warms)
+                micro()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                static_loss = micro()
+        except Exception as e:  # noqa: BLE001 - reported: the row is then the eager step
+            print(f"CUDA graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); eager", flush=True)
+            graph = None
+        if graph is not None:
+            return lambda: apply((graph.replay(), static_loss)[1])
+    return lambda: apply(micro())
 
 
 # ---------------------------------------------------------------- the peer
@@ -288,6 +312,8 @@ def main() -> None:
     ap.add_argument("--step", default="autocast", choices=("autocast", "trainer"),
                     help="autocast: fp32 adapters under autocast, torch's AdamW; trainer: anyseek train's default "
                          "one-process step (bf16 working copy, FlatAdamW)")
+    ap.add_argument("--graphs", action="store_true", help="--step trainer: forward and backward as one CUDA graph, "
+                    "as anyseek train runs them on a GPU")
     ap.add_argument("--moments", default="fp32", choices=("fp32", "bf16"), help="train.moments_dtype (--step trainer)")
     ap.add_argument("--expandable", action="store_true",
                     help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less held by the caching allocator)")
@@ -311,7 +337,7 @@ def main() -> None:
     for bits in ((4,) if args.skip_bf16 else (16, 4)):
         t0 = time.perf_counter()
         rows.append(anyseek_row(mc, dev, bits, args.tokens, args.seqlen, args.steps, args.ckpt, args.step,
-                                args.moments))  # fmt: skip
+                                args.moments, args.graphs))  # fmt: skip
         gc.collect()  # the row's model and optimizer went with its frame
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
