@@ -2,7 +2,7 @@
 what `anyseek train --init DIR --train.base_bits=4` does), against the issue's bound: 1.2x the 4-bit model plus one
 tensor.
 
-    python benchmarks/load_4bit.py [--layers 27] [--device cuda] [--folder /tmp/anyseek-16B-random-27]
+    python benchmarks/load_4bit.py [--layers 27] [--device cuda] [--folder /tmp/anyseek-16B-random-27] [--stream]
 
 Writes a random-weight bf16 folder of the `16B` flavor with --layers decoder layers first where --folder has none
 (the same folder benchmarks/finetune_4bit.py --peer writes), then loads it in a fresh process, sampling the process's
@@ -61,12 +61,41 @@ def child(folder: str, device: str) -> None:
                       "anon_before": before, "anon_peak": peak[0], "file_peak": peak[1]}))
 
 
+def write_random_folder(mc, folder: Path) -> None:
+    """A Hugging Face folder of `mc`'s shape with random bf16 weights (0.02 x normal; vectors ones), made one
+    shard at a time: the model exists only on the meta device, so the host never holds more than a shard."""
+    import torch
+
+    from anyseek.hf import pretrained
+    from anyseek.hf.safetensors_io import write_shards
+    from anyseek.model.transformer import DeepSeekV3
+
+    model = DeepSeekV3(mc, device="meta")
+    gen = torch.Generator().manual_seed(0)
+
+    def random_like(make):
+        def made():
+            t = make()  # (a meta tensor: its shape and dtype)
+            if t.dim() < 2 or not t.is_floating_point():
+                return torch.ones(t.shape, dtype=t.dtype) if t.is_floating_point() else torch.zeros(t.shape, dtype=t.dtype)
+            return (torch.randn(t.shape, generator=gen) * 0.02).to(t.dtype)
+        return made
+
+    entries = [(name, size, random_like(make)) for name, size, make in
+               pretrained._save_entries(model, mc.num_hidden_layers, mc.num_nextn_predict_layers, torch.bfloat16)]
+    folder.mkdir(parents=True, exist_ok=True)
+    write_shards(entries, folder, "2GB")
+    pretrained._write_configs(model, mc, folder, torch.bfloat16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--flavor", default="16B", help="the shape (tiny: a dry run of the script on a CPU)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--folder", default=None)
+    ap.add_argument("--stream", action="store_true", help="write the random folder tensor by tensor (a host with "
+                    "less memory than the bf16 model: the whole 16B is 31 GB)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     folder = args.folder or f"/tmp/anyseek-{args.flavor}-random-{args.layers}"
@@ -82,7 +111,10 @@ def main() -> None:
         torch.manual_seed(0)
         wide = {"moe_intermediate_size": 64, "kv_lora_rank": 64} if args.flavor == "tiny" else {}  # (64-wide groups)
         mc = ModelConfig.from_name(args.flavor, num_hidden_layers=args.layers, num_nextn_predict_layers=0, **wide)
-        hf.save_pretrained(DeepSeekV3(mc, dtype=torch.bfloat16), folder, dtype=torch.bfloat16)
+        if args.stream:
+            write_random_folder(mc, Path(folder))
+        else:
+            hf.save_pretrained(DeepSeekV3(mc, dtype=torch.bfloat16), folder, dtype=torch.bfloat16)
     out = subprocess.run([sys.executable, __file__, "--child", "--folder", folder, "--device", args.device,
                           "--layers", str(args.layers)], capture_output=True, text=True, check=True)  # fmt: skip
     r = json.loads(out.stdout.strip().splitlines()[-1])
