@@ -248,7 +248,12 @@ def _trainer_step(model, run_cfg, dev, data, seqlen, graphs: bool = False):
 # ---------------------------------------------------------------- the peer
 
 
-def peer_row(mc: ModelConfig, dev: torch.device, tokens: int, seqlen: int, steps: int, folder: str) -> dict:
+def peer_row(mc: ModelConfig, dev: torch.device, tokens: int, seqlen: int, steps: int, folder: str,
+             ckpt: str = "none") -> dict:  # fmt: skip
+    """transformers + PEFT + bitsandbytes 4-bit on the same shapes. Like for like where PEFT allows: LoRA r16 on
+    every linear and, where PEFT has `target_parameters` (0.17+), on the fused routed experts too (transformers v5
+    keeps them as 3-D parameters, which `all-linear` misses: stop 47's peer trained no expert adapters); gradient
+    checkpointing where `ckpt` asks for recomputation (the usual QLoRA setup). The row says what it trained."""
     try:
         import bitsandbytes  # noqa: F401
         import peft
@@ -273,7 +278,19 @@ def peer_row(mc: ModelConfig, dev: torch.device, tokens: int, seqlen: int, steps
     four = sum(p.numel() * 2 for n, p in model.named_parameters() if p.dtype == torch.uint8)  # 2 weights a byte
     expert_16 = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and p.is_floating_point())
     expert_4 = sum(p.numel() * 2 for n, p in model.named_parameters() if ".experts." in n and p.dtype == torch.uint8)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+    if "target_parameters" in peft.LoraConfig.__dataclass_fields__:
+        lora["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    try:
+        model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    except Exception as e:  # noqa: BLE001 - an older PEFT that cannot adapt these parameters: linears only, said
+        print(f"peer: PEFT could not target the fused experts ({type(e).__name__}: {str(e)[:120]}); linears only")
+        lora.pop("target_parameters", None)
+        model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    adapters = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    expert_adapters = sum(v for n, v in adapters.items() if ".experts." in n)
+    if ckpt != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -296,7 +313,8 @@ def peer_row(mc: ModelConfig, dev: torch.device, tokens: int, seqlen: int, steps
            "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GiB, "ms_per_step": ms,
            "tokens_per_s": tokens / ms * 1e3, "first_loss": first, "last_loss": last,
            "weights_in_4bit_M": four / 1e6, "expert_weights_4bit_M": expert_4 / 1e6,
-           "expert_weights_16bit_M": expert_16 / 1e6}
+           "expert_weights_16bit_M": expert_16 / 1e6, "adapters_M": sum(adapters.values()) / 1e6,
+           "expert_adapters_M": expert_adapters / 1e6, "checkpointing": ckpt != "none"}
     return row
 
 
@@ -344,7 +362,8 @@ def main() -> None:
     if args.peer:
         pc = ModelConfig.from_name("16B", num_hidden_layers=args.peer_layers or args.layers,
                                    num_nextn_predict_layers=0)  # fmt: skip
-        rows.append(peer_row(pc, dev, args.tokens, args.seqlen, args.steps, f"{args.peer_dir}-{pc.num_hidden_layers}"))
+        rows.append(peer_row(pc, dev, args.tokens, args.seqlen, args.steps, f"{args.peer_dir}-{pc.num_hidden_layers}",
+                             args.ckpt))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | 16B shape, {args.layers} layers | "
           f"{args.tokens} tokens/step | activation checkpointing {args.ckpt} | step {args.step}, {args.moments} moments"
@@ -359,6 +378,8 @@ def main() -> None:
               f"{r.get('estimate_GiB', float('nan')):.2f} | {r['ms_per_step']:.0f} | {r['tokens_per_s']:,.0f} |")
     peer = next((r for r in rows if r["mode"].startswith("transformers") and "skipped" not in r), None)
     if peer:
+        print(f"peer: {peer['adapters_M']:.1f}M adapter weights, {peer['expert_adapters_M']:.1f}M of them on the routed "
+              f"experts; gradient checkpointing {'on' if peer['checkpointing'] else 'off'}")
         print(f"peer: {peer['weights_in_4bit_M']:.0f}M weights in 4 bits; routed experts "
               f"{peer['expert_weights_4bit_M']:.0f}M"
               f" in 4 bits, {peer['expert_weights_16bit_M']:.0f}M left in 16 bits")
