@@ -418,11 +418,10 @@ def experts_table(device, flavors, tokens_list, out: Path | None) -> None:
 def tune_table(device, out: Path | None) -> None:
     from anyseek.kernels.triton import fp8_gemm
 
-    # (BM, BN, warps, stages, variant): old = scales [M, KB] read strided; new = scales [KB, M], one FMA a promotion
-    # where b's scale is one per tile; tma = new with the operand tiles through tensor descriptors
-    configs = [(128, 128, 8, 4, "old"), (128, 128, 8, 4, "new"), (128, 128, 8, 4, "tma"), (128, 128, 8, 3, "new"),
-               (128, 128, 8, 5, "tma"), (128, 256, 8, 3, "new"), (128, 256, 8, 3, "tma"), (256, 128, 8, 3, "tma"),
-               (64, 128, 4, 4, "new"), (128, 128, 4, 4, "tma"), (128, 64, 4, 5, "tma")]
+    # (BM, BN, warps, stages, variant): strided = scales [M, KB] read row by row; side = scales [KB, M] side by side
+    configs = [(128, 128, 8, 4, "strided"), (128, 128, 8, 4, "side"), (128, 128, 8, 3, "side"),
+               (128, 128, 8, 5, "strided"), (128, 256, 8, 3, "side"), (256, 128, 8, 3, "strided"),
+               (64, 128, 4, 4, "side")]
     shapes = [("small dense gate|up fprop", 32768, 8192, 1024, torch.bfloat16, True),
               ("16B dense down fprop", 32768, 2048, 11264, torch.bfloat16, True),
               ("16B dense gate|up wgrad", 22528, 2048, 32768, torch.float32, False)]
@@ -434,7 +433,7 @@ def tune_table(device, out: Path | None) -> None:
         sb = torch.rand(_n_blocks(N) if blocks else N, _n_blocks(K), device=device) + 0.5
         for bm, bn, warps, stages, variant in configs:
             cfg = {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
-                   "SCALES_T": variant != "old", "TMA": variant == "tma"}
+                   "SCALES_T": variant == "side"}
             tile = f"{bm}x{bn} {variant}"
             try:
                 t = _bench(partial(fp8_gemm.gemm, a, sa, b, sb, out_dtype, config=cfg))

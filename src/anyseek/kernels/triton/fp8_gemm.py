@@ -20,15 +20,16 @@ import triton
 import triton.language as tl
 
 from anyseek.kernels.triton.launch import launch
+from anyseek.kernels.triton.moe_gemm import _tile_of
 
 TILE = 128  # the K-block of the promotion and of the scales (fixed by the recipe)
 # 128x128 tiles, 8 warps, 4 stages: DeepGEMM's and FBGEMM's usual shape for 128-blocked FP8 on H100. SCALES_T: a
-# K-block's scales side by side ("auto": where b has 1x128 tiles, Wgrad); TMA: operand tiles through tensor
-# descriptors (`_gemm_kernel_tma`). On an H200 (Triton 3.6, `benchmarks/fp8.py --only tune`, stop 47): the
-# promotion as one FMA where b has one scale a tile took the 16B dense down Fprop from 636 to 873 TFLOP/s; scales
-# side by side took the Wgrad (22528x2048x32768) from 301 to 652, and cost the Fprop 3-12% (so not there); TMA
-# loads 0.9-1.1x of plain ones; 128x256 tiles spill (202-437), 256x128 and 64x128 no better.
-CONFIG = {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "SCALES_T": "auto", "TMA": False}
+# K-block's scales side by side ("auto": where b has 1x128 tiles, Wgrad). On an H200 (Triton 3.6, `benchmarks/fp8.py
+# --only tune`, stop 47): the promotion as one FMA where b has one scale a tile took the 16B dense down Fprop from 636
+# to 873 TFLOP/s; scales side by side took the Wgrad (22528x2048x32768) from 301 to 652, and cost the Fprop 3-12% (so
+# not there); operand tiles through tensor descriptors (TMA) ran at 0.9-1.1x of plain loads (not kept); 128x256
+# tiles spill (202-437), 256x128 and 64x128 no better.
+CONFIG = {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "SCALES_T": "auto"}
 INTERPRET_CONFIG = {"BM": 32, "BN": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
 
@@ -51,24 +52,12 @@ def scaled_dot(device: torch.device) -> bool:
 
 
 @triton.jit
-def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    group = pid // (GROUP_M * grid_n)  # GROUP_M row tiles side by side share b's columns in L2
-    first_m = group * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
-    pid_n = (pid % (GROUP_M * grid_n)) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
 def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_sa, stride_sb,
                  B_BLOCKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr, SCALED: tl.constexpr, SCALES_T: tl.constexpr):  # fmt: skip
     """SCALES_T: SA is [KB, M] and a 1x128 SB [KB, N] (a K-block's scales contiguous: one coalesced load each);
     else [M, KB] and [N, KB] (strided loads). 128x128 blocks' SB is [NB, KB] either way."""
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)  # neighbours share b tiles
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -85,50 +74,19 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_
             sa = tl.load(SA + kb * stride_sa + rm, mask=rm < M, other=0.0)
         else:
             sa = tl.load(SA + rm * stride_sa + kb, mask=rm < M, other=0.0)
-        if SB_SCALAR:
-            sb = tl.load(SB + pid_n * stride_sb + kb)
-        elif B_BLOCKS:
-            sb = tl.load(SB + (rn // BK) * stride_sb + kb, mask=rn < N, other=0.0)
-        elif SCALES_T:
-            sb = tl.load(SB + kb * stride_sb + rn, mask=rn < N, other=0.0)
+        # the promotion: the block's sum scaled and added in fp32
+        if SB_SCALAR:  # one fused multiply-add an element
+            acc = tl.fma(block, (sa * tl.load(SB + pid_n * stride_sb + kb))[:, None], acc)
         else:
-            sb = tl.load(SB + rn * stride_sb + kb, mask=rn < N, other=0.0)
-        if SB_SCALAR:  # the promotion, scaled and summed in fp32: one fused multiply-add an element
-            acc = tl.fma(block, (sa * sb)[:, None], acc)
-        else:
+            if B_BLOCKS:
+                sb = tl.load(SB + (rn // BK) * stride_sb + kb, mask=rn < N, other=0.0)
+            elif SCALES_T:
+                sb = tl.load(SB + kb * stride_sb + rn, mask=rn < N, other=0.0)
+            else:
+                sb = tl.load(SB + rn * stride_sb + kb, mask=rn < N, other=0.0)
             acc += block * (sa[:, None] * sb[None, :])
         a_ptr += BK
         b_ptr += BK
-    c_ptr = C + rm[:, None] * stride_c + rn[None, :]
-    tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
-@triton.jit
-def _gemm_kernel_tma(a_desc, SA, b_desc, SB, C, M, N, K, stride_c, stride_sa, stride_sb,
-                     B_BLOCKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP_M: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
-    """`_gemm_kernel` with SCALES_T, its operand tiles read through tensor descriptors (Hopper's TMA copy engine:
-    no per-element addresses or masks; out-of-range rows and columns read as 0)."""
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    SB_SCALAR: tl.constexpr = B_BLOCKS and (BN == BK)  # one scale of b a tile and K-block
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(tl.cdiv(K, BK)):
-        a = a_desc.load([pid_m * BM, kb * BK])
-        b = b_desc.load([pid_n * BN, kb * BK])
-        block = block_dot(a, b, SCALED)
-        sa = tl.load(SA + kb * stride_sa + rm, mask=rm < M, other=0.0)
-        if SB_SCALAR:
-            sb = tl.load(SB + pid_n * stride_sb + kb)
-        elif B_BLOCKS:
-            sb = tl.load(SB + (rn // BK) * stride_sb + kb, mask=rn < N, other=0.0)
-        else:
-            sb = tl.load(SB + kb * stride_sb + rn, mask=rn < N, other=0.0)
-        if SB_SCALAR:
-            acc = tl.fma(block, (sa * sb)[:, None], acc)
-        else:
-            acc += block * (sa[:, None] * sb[None, :])
     c_ptr = C + rm[:, None] * stride_c + rn[None, :]
     tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -161,25 +119,17 @@ def gemm(a_MK: torch.Tensor, sa_MB: torch.Tensor, b_NK: torch.Tensor, sb: torch.
         return c.zero_()
     cfg = dict(config or (INTERPRET_CONFIG if a_MK.device.type == "cpu" else CONFIG))
     BM, BN, group_m = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M")
-    scales_t, tma = cfg.pop("SCALES_T", "auto"), cfg.pop("TMA", False) and a_MK.is_cuda
+    scales_t = cfg.pop("SCALES_T", "auto")
     if scales_t == "auto":  # (measured: see CONFIG)
         scales_t = not blocks
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     # (`launch` lowers num_stages where shared memory is short: 4 stages of 128x128 + 128x128 bytes want 128 KB,
     # consumer GPUs (sm_89, sm_120) have ~100)
     scaled = scaled_dot(a_MK.device) if scaled is None else scaled
-    if scales_t or tma:  # a K-block's scales side by side (a small copy: M x KB fp32, 2 MB at 32k x 4096)
+    if scales_t:  # a K-block's scales side by side (a small copy: M x KB fp32, 23 MB for 16B's largest Wgrad)
         sa_MB = sa_MB.t().contiguous()
         sb = sb if blocks else sb.t().contiguous()
-    meta = dict(B_BLOCKS=blocks, BM=BM, BN=BN, BK=TILE, GROUP_M=group_m, SCALED=scaled)
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_desc = TensorDescriptor.from_tensor(a_MK, [BM, TILE])
-        b_desc = TensorDescriptor.from_tensor(b_NK, [BN, TILE])
-        launch(_gemm_kernel_tma, grid, cfg)(a_desc, sa_MB, b_desc, sb, c, M, N, K, c.stride(0), sa_MB.stride(0),
-                                            sb.stride(0), **meta)  # fmt: skip
-        return c
     launch(_gemm_kernel, grid, cfg)(a_MK, sa_MB, b_NK, sb, c, M, N, K, a_MK.stride(0), b_NK.stride(0), c.stride(0),
-                                    sa_MB.stride(0), sb.stride(0), SCALES_T=scales_t, **meta)  # fmt: skip
+                                    sa_MB.stride(0), sb.stride(0), B_BLOCKS=blocks, BM=BM, BN=BN, BK=TILE,
+                                    GROUP_M=group_m, SCALED=scaled, SCALES_T=scales_t)  # fmt: skip
     return c

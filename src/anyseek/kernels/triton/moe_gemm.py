@@ -74,7 +74,7 @@ def _grouped_gemm_kernel(
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, EPI: tl.constexpr, SAVE_H: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LORA: tl.constexpr, L_MODE: tl.constexpr, RANK: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    QUANT: tl.constexpr = False, Q_K_IN: tl.constexpr = False, Q_GROUP: tl.constexpr = 64, Q_DQ: tl.constexpr = 1,
+    QUANT: tl.constexpr = False, Q_K_IN: tl.constexpr = False, Q_GROUP: tl.constexpr = 64, Q_DQ: tl.constexpr = 4,
 ):  # fmt: skip
     pid_m, pid_n = _tile_of(tl.program_id(0), n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_m)

@@ -2,8 +2,8 @@
 
 A packed weight is uint8 rows of [K/2 code bytes | K/64 bf16 scales]; a kernel takes it twice, as the uint8 tensor
 (codes) and as an int16 view of the same bytes (scales, read as raw bits and widened to fp32: exact, and no bf16
-loads, which Triton's interpreter lacks), plus a table (fp32, `nf4_lut`): NF4's 16 levels. Element (o, i) of W [N, K] is levels[code] * scale with
-code = byte (o, i // 2) >> 4 * (i % 2) & 15, scale = scale (o, i // 64).
+loads, which Triton's interpreter lacks), plus NF4's 16 levels (fp32 [16], `nf4_lut`). Element (o, i) of W [N, K]
+is levels[code] * scale with code = byte (o, i // 2) >> 4 * (i % 2) & 15, scale = scale (o, i // 64).
 
 `dq_rows` gives W[rows, c0 : c0 + C], a tile whose columns are consecutive input features: it loads each code byte
 once ([R, C/2], contiguous along a row) and both its nibbles, and one scale per row and group ([R, C/64], or [R, 1]
@@ -51,8 +51,8 @@ def dq_mode() -> int:
 
 @functools.cache
 def nf4_lut(device: torch.device) -> torch.Tensor:
-    """fp32 [16] on `device`: NF4's levels. Made once per device (a kernel argument at every launch)."""
-    return nf4_levels(device).float().contiguous()
+    """NF4's levels on `device` (fp32 [16]), made once per device (a kernel argument at every launch)."""
+    return nf4_levels(device)
 
 
 @triton.jit
@@ -120,8 +120,9 @@ def _scaled(v, scale, G: tl.constexpr):
 @triton.jit
 def dq_rows(q_ptr, s_ptr, lut_ptr, rows, rmask, c0, n_in, row_bytes, scale_at,
             C: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, MASK_C: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-    """W[rows, c0 : c0 + C] in DTYPE (level * scale in fp32, rounded once), [R, C], R = len(rows): rows (int32 [R]) of one weight (q_ptr / s_ptr: its first
-    byte / int16; row_bytes: bytes per row; scale_at: the first scale's int16 index within a row, K / 4; n_in: K).
+    """W[rows, c0 : c0 + C] in DTYPE (level * scale in fp32, rounded once), [R, C], R = len(rows): rows (int32 [R])
+    of one weight (q_ptr / s_ptr: its first byte / int16; row_bytes: bytes per row; scale_at: the first scale's
+    int16 index within a row, K / 4; n_in: K).
     c0 is a multiple of C, and C of GROUP or GROUP of C (powers of two). Rows outside rmask and, with MASK_C,
     columns past n_in are 0."""
     HALF: tl.constexpr = C // 2
