@@ -322,7 +322,9 @@ def test_full_queue_is_503_with_retry_after(server):
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
     assert server.wait_idle()["pages_in_use"] == 0
-    assert server.client.completions.create(model=NAME, prompt="x", max_tokens=4).usage.completion_tokens >= 1
+    # the server serves again (ignore_eos: a random model may sample EOS first, which is a correct empty answer)
+    again = server.client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body={"ignore_eos": True})
+    assert again.usage.completion_tokens == 4
 
 
 def test_client_disconnect_frees_pages(server):
@@ -346,7 +348,8 @@ def test_client_disconnect_frees_pages(server):
     assert h["pages_in_use"] == 0 and h["running"] == 0, h
     assert h["sequences_finished"] == before["sequences_finished"], "a dropped request ran to its end"
     assert h["tokens_generated"] - before["tokens_generated"] < 1800, h
-    assert server.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+    again = server.client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert again.usage.completion_tokens == 2
 
 
 def test_sigterm_drains_and_exits_0(servers, ref):
