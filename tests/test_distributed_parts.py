@@ -79,6 +79,47 @@ def _expert_parallel_equals_local() -> None:
         assert flag.tolist() == [1.0, float(tight)]
 
 
+def _fp8_expert_parallel_equals_local() -> None:
+    """FP8 training's experts under expert parallelism (rows sent as E4M3 with power-of-two scales, the FP8 experts
+    on arrival) against `kernels.fp8_routed_experts` of all experts on the rank's own tokens: the same output (the
+    rows arrive as the values the local experts quantize them to), the same input and routing-weight gradients;
+    the weight gradients differ only by their Wgrad tiles along the rows (both ranks' rows share them under EP)."""
+    import torch.distributed as dist
+
+    from anyseek import kernels
+    from anyseek.distributed.expert_parallel import capacity_rows, dispatch_combine, dispatch_combine_fixed
+
+    rank = dist.get_rank()
+    E, D, I, K, T = 4, 160, 136, 2, 11 + 6 * rank  # D, I past one 128-tile: a short last tile in every row
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * I, D, generator=gen) * 0.1, torch.randn(E, D, I, generator=gen) * 0.1
+    gen.manual_seed(7 + rank)
+    x = torch.randn(T, D, generator=gen) * torch.logspace(-2, 2, T)[:, None]  # rows of very different ranges
+    ids = torch.rand(T, E, generator=gen).topk(K, dim=-1)[1]
+    w, g = torch.rand(T, K, generator=gen), torch.randn(T, D, generator=gen)
+    x_ref, w_ref, gu_ref, d_ref = (t.clone().requires_grad_() for t in (x, w, gate_up, down))
+    y_ref = kernels.fp8_routed_experts(x_ref, ids, w_ref, gu_ref, d_ref)
+    (y_ref * g).sum().backward()
+    for r in (gu_ref.grad, d_ref.grad):
+        dist.all_reduce(r)
+    plain = kernels.routed_experts(x, ids, w, gate_up, down)
+    assert (y_ref - plain).norm() > 1e-3 * plain.norm(), "the FP8 experts computed in full precision"
+    mine = slice(rank * E // 2, (rank + 1) * E // 2)
+    for capacity, overlap in ((None, False), (capacity_rows(17, K, 2, 2, factor=0), True),
+                              (capacity_rows(17, K, 2, 2, factor=0), False)):  # fmt: skip
+        x_ep, w_ep = x.clone().requires_grad_(), w.clone().requires_grad_()
+        gu_ep, d_ep = gate_up[mine].clone().requires_grad_(), down[mine].clone().requires_grad_()
+        y_ep = (dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, fp8=True) if capacity is None else
+                dispatch_combine_fixed(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, capacity,
+                                       torch.zeros((), dtype=torch.bool), None, overlap, fp8=True))  # fmt: skip
+        (y_ep * g).sum().backward()
+        torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w_ep.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+        for full, got in ((gu_ref.grad[mine], gu_ep.grad), (d_ref.grad[mine], d_ep.grad)):
+            assert (got - full).norm() < 0.05 * full.norm(), (got - full).norm() / full.norm()
+
+
 def _collectives(result: str) -> None:
     """EP dispatch vs local experts, NaN and stop agreement, a failure on one rank raised on both, then rank 1 dies
     and rank 0 must fail, not hang."""
@@ -91,6 +132,7 @@ def _collectives(result: str) -> None:
 
     par = Parallel.from_torchrun(ParallelConfig(timeout_s=5), "cpu")
     _expert_parallel_equals_local()
+    _fp8_expert_parallel_equals_local()
     rank = par.env.rank
     stats = StepStats(loss=torch.tensor(float("nan") if rank == 1 else 2.0), tokens=10,
                       expert_load=torch.tensor([[1.0, 2.0]]) * (rank + 1), stop_requested=rank == 0)

@@ -8,6 +8,11 @@ to the rank that holds their expert and back with two `all_to_all_single`s (coun
         kernels.routed_experts(rows, local expert ids [N, 1], weights [N, 1], my experts)  (the unchanged seam)
         outputs [N, D]  --all_to_all (reverse splits)-->  [M, D]  --sum each token's K rows in fp32-->  y [T, D]
 
+FP8 training (experts whose module says `fp8`): the rows travel as E4M3 bytes with power-of-two 1x128 scales
+(`kernels.fp8_pack_rows`, ~1.03 bytes an element instead of 2) and the experts run `kernels.fp8_routed_experts`,
+which quantize the rows to the very values they arrived as; outputs and gradients travel in bf16 (DeepSeek-V3's
+FP8 dispatch, bf16 combine).
+
 Backward is the same exchange with the splits swapped (`_AllToAll`). The one host sync per MoE layer and forward is
 the split sizes: `all_to_all_single` takes them as Python ints.
 
@@ -46,13 +51,17 @@ from anyseek.model.moe import addend
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single of one or more row-aligned tensors with the same split sizes; backward sends the gradients
     back the same way. Every rank runs the same exchanges in the same order, forward and backward: a gradient that
-    is None here (say, no rows arrived) travels as zeros, so no rank skips a collective the others wait in."""
+    is None here (say, no rows arrived) travels as zeros, so no rank skips a collective the others wait in. fp8: the
+    first tensor travels as E4M3 bytes and power-of-two scales (`kernels.fp8_pack_rows`) and arrives as those
+    values in its dtype; its gradient travels back in that dtype."""
 
     @staticmethod
-    def forward(ctx, out_splits: list[int], in_splits: list[int], group, *tensors: torch.Tensor):
+    def forward(ctx, out_splits: list[int], in_splits: list[int], group, fp8: bool, *tensors: torch.Tensor):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         ctx.shapes = [(t.shape[1:], t.dtype, t.device) for t in tensors]
-        return tuple(_exchange(t, out_splits, in_splits, group) for t in tensors)
+        first = _exchange_fp8(tensors[0], out_splits, in_splits, group) if fp8 else None
+        return tuple(first if i == 0 and fp8 else _exchange(t, out_splits, in_splits, group)
+                     for i, t in enumerate(tensors))  # fmt: skip
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
@@ -62,7 +71,7 @@ class _AllToAll(torch.autograd.Function):
             if g is None:
                 g = torch.zeros((sum(out_splits), *shape), dtype=dtype, device=device)
             back.append(_exchange(g, in_splits, out_splits, ctx.group))
-        return (None, None, None, *back)
+        return (None, None, None, None, *back)
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -71,13 +80,25 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     return out
 
 
-class _InFlight:
-    """An exchange between its `_Start` and its `_Wait`: the forward's work handles, then the backward's."""
+def _exchange_fp8(x_SD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """`_exchange` of rows as E4M3 bytes and power-of-two 1x128 scales (~1.03 bytes an element instead of bf16's
+    2), unpacked on arrival to the quantized values in x's dtype."""
+    q, s = kernels.fp8_pack_rows(x_SD)
+    return kernels.fp8_unpack_rows(_exchange(q, out_splits, in_splits, group),
+                                   _exchange(s, out_splits, in_splits, group), x_SD.dtype)  # fmt: skip
 
-    def __init__(self, group):
-        self.group = group
+
+class _InFlight:
+    """An exchange between its `_Start` and its `_Wait`: the forward's work handles, then the backward's. fp8: the
+    first tensor travels as `kernels.fp8_pack_rows`' bytes (kept here in flight) and scales (which stand for the
+    rows between `_Start` and `_Wait`: the autograd link), and `_Wait` unpacks them."""
+
+    def __init__(self, group, fp8: bool = False):
+        self.group, self.fp8 = group, fp8
         self.works: list = []
         self.grads: list[torch.Tensor] = []
+        self.codes: torch.Tensor | None = None  # fp8: the first tensor's bytes as they arrive
+        self.dtype: torch.dtype | None = None  # fp8: the first tensor's dtype
 
 
 class _Start(torch.autograd.Function):
@@ -89,9 +110,15 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flight: _InFlight, *tensors: torch.Tensor):
         ctx.flight = flight
-        outs = tuple(t.new_empty(t.shape) for t in tensors)
-        flight.works = [dist.all_to_all_single(o, t.contiguous(), group=flight.group, async_op=True)
-                        for o, t in zip(outs, tensors)]
+        sends = list(tensors)
+        if flight.fp8:  # the rows as bytes and scales; the scales stand for them until `_Wait`
+            flight.dtype = tensors[0].dtype
+            codes, sends[0] = kernels.fp8_pack_rows(tensors[0])
+            flight.codes = codes.new_empty(codes.shape)
+            flight.works = [dist.all_to_all_single(flight.codes, codes, group=flight.group, async_op=True)]
+        outs = tuple(t.new_empty(t.shape) for t in sends)
+        flight.works += [dist.all_to_all_single(o, t.contiguous(), group=flight.group, async_op=True)
+                         for o, t in zip(outs, sends)]  # fmt: skip
         return outs
 
     @staticmethod
@@ -109,8 +136,13 @@ class _Wait(torch.autograd.Function):
         for w in flight.works:
             w.wait()
         flight.works = []
-        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
-        return tuple(t.view_as(t) for t in tensors)
+        outs = [t.view_as(t) for t in tensors]
+        if flight.fp8:
+            outs[0] = kernels.fp8_unpack_rows(flight.codes, tensors[0], flight.dtype)
+            flight.codes = None
+            ctx.link = tensors[0].shape  # the scales' shape: their (zero) gradient
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in outs]
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -120,7 +152,10 @@ class _Wait(torch.autograd.Function):
                  for g, (shape, dtype, dev) in zip(grads, ctx.shapes)]
         f.grads = [g.new_empty(g.shape) for g in grads]
         f.works = [dist.all_to_all_single(o, g, group=f.group, async_op=True) for o, g in zip(f.grads, grads)]
-        return (None, *f.grads)  # not yet arrived: `_Start.backward`, their only reader, waits first
+        back = list(f.grads)  # not yet arrived: `_Start.backward`, their only reader, waits first
+        if f.fp8:  # the scales that stood for the rows get none (the rows' gradient goes through `f.grads`)
+            back[0] = grads[0].new_zeros(ctx.link, dtype=torch.float32)
+        return (None, *back)
 
 
 def _count_slots(topk_ids_TK: torch.Tensor, E: int, group):
@@ -147,12 +182,14 @@ def dispatch_combine_fixed(
     add_TD=None,
     overlap: bool = True,
     peak: torch.Tensor | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """`dispatch_combine` in fixed shapes, without a host sync: `capacity` (C) rows for each (source, destination)
     pair; `overflow` (a device scalar) is raised where a pair needs more (the rows past C are not computed).
     add_TD (a [T, D] tensor, or a function computing it: the shared experts) is added to the output; with `overlap`
     it is computed while the rows travel, and its backward runs while their gradients travel back. peak (an int64
-    device scalar): raised to the most rows this rank sends any other (what C would have to be)."""
+    device scalar): raised to the most rows this rank sends any other (what C would have to be). fp8: as
+    `dispatch_combine`'s."""
     T, K = topk_ids_TK.shape
     ep, E_loc, C = dist.get_world_size(group), gate_up_local.shape[0], capacity
     dev = x_TD.device
@@ -174,17 +211,18 @@ def dispatch_combine_fixed(
     send_SD = _SendRows.apply(x_TD, token_S, at_slot_M, K)
     splits = [C] * ep
     if overlap:
-        flight = _InFlight(group)
+        flight = _InFlight(group, fp8)
         recv_SD, recv_w_S = _Start.apply(flight, send_SD, send_w_S)
         add_TD = addend(add_TD)  # the shared experts, while the rows travel
         recv_SD, recv_w_S = _Wait.apply(flight, recv_SD, recv_w_S)
     else:
-        recv_SD, recv_w_S = _AllToAll.apply(splits, splits, group, send_SD, send_w_S)
+        recv_SD, recv_w_S = _AllToAll.apply(splits, splits, group, fp8, send_SD, send_w_S)
     # row j of source s's block: the first local expert whose running count passes j (E_loc: past the count)
     ends = recv_counts_E.view(ep, E_loc).cumsum(1)
     local_S = torch.searchsorted(ends, torch.arange(C, device=dev).expand(ep, C).contiguous(), right=True)
-    y_SD = kernels.routed_experts(recv_SD, local_S.view(-1, 1), recv_w_S[:, None], gate_up_local, down_local)
-    (back_SD,) = _AllToAll.apply(splits, splits, group, y_SD)
+    experts = kernels.fp8_routed_experts if fp8 else kernels.routed_experts
+    y_SD = experts(recv_SD, local_S.view(-1, 1), recv_w_S[:, None], gate_up_local, down_local)
+    (back_SD,) = _AllToAll.apply(splits, splits, group, False, y_SD)
     y_TD = _sum_slots(back_SD.index_select(0, at_slot_M), T, K, x_TD.dtype)
     add_TD = addend(add_TD)
     return y_TD if add_TD is None else y_TD + add_TD
@@ -284,11 +322,16 @@ def dispatch_combine(
     down_local: torch.Tensor,
     group,
     peak: torch.Tensor | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """The routed experts of a whole expert group, this rank holding experts [E_loc*r, E_loc*(r+1)) (gate_up_local
     [E_loc, 2I, D], down_local [E_loc, D, I]). Same maths as `kernels.routed_experts` on all E experts; y [T, D] in
     x's dtype. Every rank of `group` must call it (with its own tokens, possibly none). peak: raised (on the device)
-    to the most rows this rank sent to or received from one rank."""
+    to the most rows this rank sent to or received from one rank. fp8 (FP8 training, DeepSeek-V3's recipe): the
+    rows travel as E4M3 with power-of-two 1x128 scales (`kernels.fp8_pack_rows`: about half the bytes) and the
+    experts are `kernels.fp8_routed_experts`, which quantize them to the same values; the outputs travel back, and
+    the rows' gradients too, in x's dtype (the paper's combine in bf16). Same maths as `kernels.fp8_routed_experts`
+    on all E experts."""
     T, K = topk_ids_TK.shape
     ep, E_loc = dist.get_world_size(group), gate_up_local.shape[0]
     _, order_M, counts_E, recv_counts_E = _count_slots(topk_ids_TK, ep * E_loc, group)
@@ -301,13 +344,15 @@ def dispatch_combine(
     in_splits, out_splits = splits_2R.tolist()  # the host sync: Python ints for the row exchange
     if peak is not None:
         peak.clamp_(min=max(in_splits + out_splits))
-    rows_ND, w_N = _AllToAll.apply(out_splits, in_splits, group, rows_MD, w_M)
+    rows_ND, w_N = _AllToAll.apply(out_splits, in_splits, group, fp8, rows_MD, w_M)
     N = rows_ND.shape[0]
     local_ids_N = torch.arange(E_loc, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts_E, output_size=N)
-    y_ND = kernels.routed_experts(rows_ND, local_ids_N[:, None], w_N[:, None], gate_up_local, down_local)
-    if N == 0:  # nothing arrived: keep the exchanges in the autograd graph, or this rank's backward would skip them
+    experts = kernels.fp8_routed_experts if fp8 else kernels.routed_experts
+    if N:
+        y_ND = experts(rows_ND, local_ids_N[:, None], w_N[:, None], gate_up_local, down_local)
+    else:  # nothing arrived: keep the exchanges in the autograd graph, or this rank's backward would skip them
         y_ND = rows_ND * w_N[:, None].to(rows_ND.dtype) + 0 * (gate_up_local.sum() + down_local.sum())
-    (y_MD,) = _AllToAll.apply(in_splits, out_splits, group, y_ND)
+    (y_MD,) = _AllToAll.apply(in_splits, out_splits, group, False, y_ND)
     # each token's K rows gathered back into slot order and summed in fp32 (k in order: deterministic; no atomics,
     # no fp32 copy of the rows: the stop-46 profile of 16B EP4 spent ~60 of 352 ms of compute in that glue)
     return _sum_slots(_Permute.apply(y_MD, at_slot_M, order_M), T, K, x_TD.dtype)
@@ -318,10 +363,13 @@ class ExpertParallelExperts(nn.Module):
     holding this rank's slice of the experts as DTensors on `mesh` ("edp", "ep")."""
 
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, mesh: DeviceMesh,
-                 dispatch: Dispatch | None = None):
+                 dispatch: Dispatch | None = None, fp8: bool = False):
+        """fp8: the experts replaced were FP8 training's (`fp8 = True` on their module): FP8 dispatch and
+        `kernels.fp8_routed_experts`."""
         super().__init__()
         self.mesh = mesh
         self.dispatch = dispatch
+        self.fp8 = fp8
         placements = [Replicate(), Shard(0)]
         self.gate_up_proj = nn.Parameter(distribute_tensor(gate_up_proj.detach(), mesh, placements))
         self.down_proj = nn.Parameter(distribute_tensor(down_proj.detach(), mesh, placements))
@@ -333,9 +381,9 @@ class ExpertParallelExperts(nn.Module):
         group, d = self.mesh.get_group("ep"), self.dispatch
         if d is not None and d.fixed:
             return dispatch_combine_fixed(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group, d.capacity,
-                                          d.overflow, add_TD, d.overlap, d.peak)
+                                          d.overflow, add_TD, d.overlap, d.peak, self.fp8)
         y_TD = dispatch_combine(x_TD, topk_ids_TK, topk_weights_TK, gate_up, down, group,
-                                None if d is None or d.capacity is None else d.peak)
+                                None if d is None or d.capacity is None else d.peak, self.fp8)
         add_TD = addend(add_TD)
         return y_TD if add_TD is None else y_TD + add_TD
 
@@ -343,14 +391,16 @@ class ExpertParallelExperts(nn.Module):
 def apply_ep(model: nn.Module, mesh: DeviceMesh, dispatch: Dispatch | None = None) -> list[nn.Parameter]:
     """Replace every MoE layer's `experts` with its expert-parallel twin on `mesh` ("edp", "ep"), all sending their
     rows as `dispatch` says (None: exact splits); the model's full expert weights (identical on every rank) are split
-    by `distribute_tensor`. Returns the new expert parameters (for FSDP to leave alone)."""
+    by `distribute_tensor`; experts whose module says `fp8` (FP8 training's) stay FP8 with FP8 dispatch. Returns the
+    new expert parameters (for FSDP to leave alone)."""
     ep = mesh["ep"].size()
     params: list[nn.Parameter] = []
     for moe in model.moe_layers():
         E = moe.experts.gate_up_proj.shape[0]
         if E % ep:
             raise ValueError(f"parallel.ep={ep} must divide the number of routed experts ({E})")
-        moe.experts = ExpertParallelExperts(moe.experts.gate_up_proj, moe.experts.down_proj, mesh, dispatch)
+        moe.experts = ExpertParallelExperts(moe.experts.gate_up_proj, moe.experts.down_proj, mesh, dispatch,
+                                            fp8=getattr(moe.experts, "fp8", False))  # fmt: skip
         params += [moe.experts.gate_up_proj, moe.experts.down_proj]
     return params
 

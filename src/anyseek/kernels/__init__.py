@@ -13,7 +13,8 @@
     (the routed experts with per-expert adapters beside the frozen stacks). Both take the frozen weights in 4 bits
     too (`quantize4` / `dequantize4`, the format in reference/quant4.py; ops quant4_linear, quant4_routed_experts);
 (g) FP8 training, applied from outside the model (transforms/fp8.py): `fp8_linear` (a linear layer in DeepSeek-V3's
-    FP8 recipe; `model.concat.fused_linear` calls it for joined layers too) and `fp8_routed_experts`.
+    FP8 recipe; `model.concat.fused_linear` calls it for joined layers too) and `fp8_routed_experts`; expert
+    parallelism's FP8 dispatch: `fp8_pack_rows` / `fp8_unpack_rows`.
 
 The attention seams check their input contract once (`contract.py`); backends trust it.
 Each call goes through `registry`, which picks a backend per op (Triton on CUDA, SDPA, the pure-PyTorch
@@ -394,13 +395,31 @@ def fp8_routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weigh
     return fn(x_TD, topk_ids_TK, topk_weights_TK, gate_up_proj_EFD, down_proj_EDI, add_TD)
 
 
+def fp8_pack_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as expert parallelism's FP8 dispatch sends them: x [M, D] -> (E4M3 codes as bytes [M, D] uint8, scales
+    [M, ceil(D/128)] fp32, one per 1x128 tile, powers of two: DeepSeek-V3's for the activations it dispatches).
+    `fp8_unpack_rows` gives back the quantized values exactly; the routed experts' FP8 GEMMs quantize them again to
+    the same values (their input has power-of-two scales too), so a row's trip costs no second rounding."""
+    if x.dim() != 2:
+        raise ValueError(f"fp8_pack_rows: rows [M, D] expected, got {tuple(x.shape)}")
+    return registry.get("fp8_pack_rows", x)(x)
+
+
+def fp8_unpack_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_pack_rows`' bytes [M, D] and scales [M, ceil(D/128)] -> the rows' values [M, D] in `dtype`."""
+    if q.dim() != 2 or q.dtype != torch.uint8 or scales.shape != (q.shape[0], -(-q.shape[1] // 128)):
+        raise ValueError(f"fp8_unpack_rows: uint8 codes [M, D] and scales [M, ceil(D/128)] expected, got "
+                         f"{q.dtype} {tuple(q.shape)} and {tuple(scales.shape)}")
+    return registry.get("fp8_unpack_rows", q)(q, scales, dtype)
+
+
 def sq_norm(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) of a 1-D tensor, accumulated and returned in fp32 (0-dim)."""
     return registry.get("sq_norm", x)(x)
 
 
 __all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "dequantize4", "describe",
-           "fp8_linear", "fp8_routed_experts", "grad_destination", "in_features4", "lora_routed_experts",
-           "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode", "quantize4", "registry", "rms_norm",
-           "rope_rotate", "route_topk", "routed_experts", "set_backend", "set_grad_destination", "sq_norm", "swiglu",
-           "varlen_attention"]
+           "fp8_linear", "fp8_pack_rows", "fp8_routed_experts", "fp8_unpack_rows", "grad_destination", "in_features4",
+           "lora_routed_experts", "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode", "quantize4",
+           "registry", "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend",
+           "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]

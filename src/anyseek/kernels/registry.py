@@ -12,7 +12,8 @@ an availability check `available(example) -> (ok, reason)` and the device types 
   cross_entropy_rows, `ANYSEEK_ADAMW=name` for the optimizer steps (adamw_flat, sq_norm, adamw_tensors),
   `ANYSEEK_ROUTER=name` for route_topk, `ANYSEEK_LOWRANK=name` for low_rank_merge, `ANYSEEK_LOWRANK_LINEAR=name`
   for low_rank_linear, `ANYSEEK_QUANT4=name` for quant4_linear and quant4_routed_experts (the two seams above given
-  4-bit frozen weights), `ANYSEEK_FP8=name` for fp8_linear and fp8_routed_experts.
+  4-bit frozen weights), `ANYSEEK_FP8=name` for fp8_linear, fp8_routed_experts and the rows FP8 dispatch sends (fp8_pack_rows,
+  fp8_unpack_rows).
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises
   ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
@@ -57,6 +58,8 @@ ENV_VARS = {
     "quant4_routed_experts": "ANYSEEK_QUANT4",
     "fp8_linear": "ANYSEEK_FP8",
     "fp8_routed_experts": "ANYSEEK_FP8",
+    "fp8_pack_rows": "ANYSEEK_FP8",
+    "fp8_unpack_rows": "ANYSEEK_FP8",
 }
 # short names accepted by set_backend for groups of ops
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts", "lora_routed_experts"),
@@ -64,7 +67,7 @@ OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed
              "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
              "adamw": ("adamw_flat", "sq_norm", "adamw_tensors"), "router": ("route_topk",),
              "lowrank": ("low_rank_merge",), "quant4": ("quant4_linear", "quant4_routed_experts"),
-             "fp8": ("fp8_linear", "fp8_routed_experts")}
+             "fp8": ("fp8_linear", "fp8_routed_experts", "fp8_pack_rows", "fp8_unpack_rows")}
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,8 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
              "adamw_flat": (1024,), "sq_norm": (1024,), "adamw_tensors": (1024,),
              "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "low_rank_merge": (1536, 7168),
              "lora_routed_experts": (1, 1024), "low_rank_linear": (1, 7168), "quant4_linear": (1, 2048),
-             "quant4_routed_experts": (1, 2048), "fp8_linear": (1, 7168), "fp8_routed_experts": (1, 1024)}
+             "quant4_routed_experts": (1, 2048), "fp8_linear": (1, 7168), "fp8_routed_experts": (1, 1024),
+             "fp8_pack_rows": (1, 2048)}
     return torch.empty(shape.get(op, (1, 16)), device=device, dtype=dtype)
 
 
@@ -311,6 +315,13 @@ def _register_defaults() -> None:
                                            _lazy_check("anyseek.kernels.triton.check.fp8_available"), ("cuda",)))
     register("fp8_routed_experts", Backend("reference", _lazy("anyseek.kernels.fp8.fp8_routed_experts_reference"),
                                            _always("pure PyTorch emulation (a loop over experts)")))
+    # expert parallelism's FP8 dispatch (distributed/expert_parallel.py): rows to E4M3 bytes and power-of-two scales
+    for op in ("fp8_pack_rows", "fp8_unpack_rows"):
+        fn = op.removeprefix("fp8_")
+        register(op, Backend("triton", _lazy(f"anyseek.kernels.triton.fp8_quant.{fn}"),
+                             _lazy_check("anyseek.kernels.triton.check.fp8_available"), ("cuda",)))
+        register(op, Backend("reference", _lazy(f"anyseek.kernels.reference.fp8.{fn}"),
+                             _always("pure PyTorch (E4M3 casts)")))
     register("mla_decode", Backend("triton", _lazy("anyseek.kernels.triton.mla_decode.mla_decode"),
                                    _lazy_check("anyseek.kernels.triton.mla_decode.available"), ("cuda",)))
     register("mla_decode", Backend("reference", _lazy("anyseek.kernels.reference.decode.mla_decode"),

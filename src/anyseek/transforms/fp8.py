@@ -15,8 +15,8 @@ stacked Parameters) through `kernels.fp8_routed_experts` (grouped FP8 GEMMs with
 scatter, the weighted SwiGLU between them in fp32).
 
 What stays in train.dtype (bf16 on a GPU): the embedding, the output head, the router, the norms and attention
-itself; under expert parallelism the routed experts too (its module replaces them and calls
-`kernels.routed_experts`: FP8 dispatch is not built). The weights stay fp32 masters (or the trainer's bf16
+itself. Under expert parallelism the routed experts stay FP8 and their rows travel in FP8 (power-of-two 1x128
+scales; outputs and gradients in bf16: distributed/expert_parallel.py). The weights stay fp32 masters (or the trainer's bf16
 working copy of them), quantized afresh at every forward: checkpoints and export do not change.
 
 FP8 needs E4M3 tensor cores (compute capability 8.9+). Elsewhere an explicit request raises, unless the FP8 ops'
@@ -60,7 +60,10 @@ class FP8Linear(nn.Linear):
 
 
 class FP8Experts(Experts):
-    """The routed experts (same stacked Parameters, same names) through `kernels.fp8_routed_experts`."""
+    """The routed experts (same stacked Parameters, same names) through `kernels.fp8_routed_experts`. `fp8`: expert
+    parallelism, which replaces this module, keeps them in FP8 and sends their rows in FP8."""
+
+    fp8 = True
 
     @classmethod
     def from_experts(cls, experts: Experts) -> FP8Experts:

@@ -129,7 +129,7 @@ def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     T, K = topk_ids_TK.shape
     E, D = gate_up_EFD.shape[0], gate_up_EFD.shape[2]
     plan = build_plan(topk_ids_TK, E, BLOCK_M)
-    q_x, s_x = fp8_quant.quantize_rows(x_TD)
+    q_x, s_x = fp8_quant.quantize_rows(x_TD, pow2=True)  # power-of-two scales: as expert parallelism sends x
     q_gu, s_gu, q_gut, s_gut = _expert_blocks(gate_up_EFD)
     q_dn, s_dn, q_dnt, s_dnt = _expert_blocks(down_EDI)
     h = fp8_grouped.grouped_gemm(q_x, s_x, q_gu, s_gu, plan, BLOCK_M, x_TD.dtype, gather=True)

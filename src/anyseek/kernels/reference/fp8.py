@@ -4,6 +4,8 @@
   tensor (amax / 448 per tile, no delayed scaling); a tile whose values are all zero gets scale 1;
 - activations and gradients are quantized per 1x128 tile (one row, 128 consecutive elements along the reduction
   dim; the last tile of a row may be shorter), weights per 128x128 block;
+- the routed experts' input has power-of-two scales (the paper's for the activations expert parallelism sends:
+  `pack_rows` / `unpack_rows`), so that the rows an expert receives quantize to what they were sent as;
 - an FP8 GEMM sums each 128-wide K-block of products in fp32 and applies the two operands' scales there, adding
   the scaled block into an fp32 accumulator (the "promotion every 128 K-elements" that makes up for the tensor
   cores' ~14-bit FP8 accumulation);
@@ -49,11 +51,21 @@ def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, pad)
 
 
-def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 tiles: x [M, K] (any float dtype) -> (q [M, K] E4M3, scales [M, KB] fp32), x ~ q * scale."""
+def pow2_up(s: torch.Tensor) -> torch.Tensor:
+    """The least power of two >= s (fp32, s > 0), from its bits: the exponent raised by one unless the mantissa is
+    zero (an exact power of two stays)."""
+    return ((s.view(torch.int32) + 0x7FFFFF) & -0x800000).view(torch.float32)
+
+
+def quantize_rows(x_MK: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles: x [M, K] (any float dtype) -> (q [M, K] E4M3, scales [M, KB] fp32), x ~ q * scale. pow2: each
+    scale rounded up to a power of two (`pow2_up`; the paper's scales for the rows expert parallelism sends), so
+    that q * scale is exact in bf16 and quantizing those values again gives them back."""
     M, K = x_MK.shape
     xp = _pad_to(x_MK.float(), 1).view(M, -1, TILE)
     s_MB = _scale(xp.abs().amax(dim=-1))
+    if pow2:
+        s_MB = pow2_up(s_MB)
     q = (xp / s_MB[..., None]).to(E4M3).view(M, -1)[:, :K]
     return q, s_MB
 
@@ -83,6 +95,19 @@ def quantize_blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_rows(q_MK: torch.Tensor, s_MB: torch.Tensor) -> torch.Tensor:
     """The fp32 values q * scale of a 1x128-tiled tensor (exact: an E4M3 value times an fp32 scale)."""
     return q_MK.float() * s_MB.repeat_interleave(TILE, dim=1)[:, :q_MK.shape[1]]
+
+
+def pack_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as expert parallelism sends them: x [M, K] -> (E4M3 codes as bytes [M, K] uint8, power-of-two 1x128
+    scales [M, KB] fp32); `unpack_rows` gives back the quantized values exactly."""
+    q, s = quantize_rows(x_MK, pow2=True)
+    return q.contiguous().view(torch.uint8), s
+
+
+def unpack_rows(q_MK: torch.Tensor, s_MB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`pack_rows`' codes and scales -> the values q * scale in `dtype` (exact in bf16 and fp32: an E4M3 value times a
+    power of two)."""
+    return dequantize_rows(q_MK.view(E4M3), s_MB).to(dtype)
 
 
 def dequantize_blocks(q_NK: torch.Tensor, s_NBKB: torch.Tensor) -> torch.Tensor:
@@ -235,14 +260,14 @@ def _routing(topk_ids_TK: torch.Tensor, E: int):
 
 
 def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
-    """The routed experts in FP8 (see `kernels.fp8_routed_experts`): x in 1x128 tiles (per token, before the
-    gather), each expert's weights in 128x128 blocks, gate|up by the promoted grouped GEMM (h in x's dtype), the
+    """The routed experts in FP8 (see `kernels.fp8_routed_experts`): x in 1x128 tiles with power-of-two scales (per
+    token, before the gather; the values expert parallelism's FP8 dispatch sends, `pack_rows`, come out the same), each expert's weights in 128x128 blocks, gate|up by the promoted grouped GEMM (h in x's dtype), the
     weighted SwiGLU in fp32 quantized per 1x128 tile, down likewise, the K rows of a token summed in fp32.
     -> (y [T, D] in x's dtype, saved: what `experts_backward` reads)."""
     T, K = topk_ids_TK.shape
     E = gate_up_EFD.shape[0]
     slot, tok, expert = _routing(topk_ids_TK, E)
-    q_x, s_x = quantize_rows(x_TD)
+    q_x, s_x = quantize_rows(x_TD, pow2=True)
     q_gu, s_gu = quantize_expert_blocks(gate_up_EFD)
     q_dn, s_dn = quantize_expert_blocks(down_EDI)
     h = grouped_gemm(q_x, s_x, q_gu, s_gu, expert, tok, x_TD.dtype)

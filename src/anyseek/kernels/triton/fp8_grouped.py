@@ -231,7 +231,7 @@ def _swiglu_quant_kernel(H, W, Q, S, M, I, stride_h, stride_q, stride_s, BR: tl.
     GEMM's FP8 input without a bf16 copy of act or a pass of its own."""
     rows, cols, mask, g, u = _swiglu_tile(H, M, I, stride_h, BR, TILE)
     w = tl.load(W + rows, mask=rows < M, other=0.0).to(tl.float32)
-    q, s = _quantize_rows(g * tl.sigmoid(g) * u * w[:, None])
+    q, s = _quantize_rows(g * tl.sigmoid(g) * u * w[:, None], False)
     tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rows * stride_s + tl.program_id(1), s, mask=rows < M)
 

@@ -1,6 +1,7 @@
 """E4M3 quantization for FP8 training, DeepSeek-V3's tiles (twin: `kernels.reference.fp8`):
 
-- `quantize_rows`: x [M, K] -> q [M, K], scales [M, KB]: 1x128 tiles (activations, output gradients);
+- `quantize_rows`: x [M, K] -> q [M, K], scales [M, KB]: 1x128 tiles (activations, output gradients), the scales
+  rounded up to powers of two where asked (the routed experts' input, the rows expert parallelism sends: `pack_rows`);
 - `quantize_rows_t`: x [M, K] -> x^T's q [K, M], scales [K, MB]: 1x128 tiles along M, written transposed so that
   Wgrad's GEMM reads both operands K-contiguous (Hopper's FP8 MMA wants K-major operands). The same kernel does
   Wgrad's re-tiling of the forward's FP8 x (`requantize_t`): it dequantizes with the 1x128 scales as it loads;
@@ -48,9 +49,17 @@ def _scale_of(amax):
 
 
 @triton.jit
-def _quantize_rows(x):
-    """A fp32 tile -> (its E4M3 values, one scale per row: amax / 448)."""
+def _pow2_up(s):
+    """The least power of two >= s (s > 0 fp32): twin `reference.fp8.pow2_up`."""
+    return ((s.to(tl.uint32, bitcast=True) + 0x7FFFFF) & 0xFF800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows(x, POW2: tl.constexpr):
+    """A fp32 tile -> (its E4M3 values, one scale per row: amax / 448, or with POW2 the power of two above it)."""
     s = _scale_of(tl.max(tl.abs(x), axis=1))
+    if POW2:
+        s = _pow2_up(s)
     return _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))), s
 
 
@@ -69,9 +78,9 @@ def _tile(X, rows, cols, M, K, stride_x):
 
 
 @triton.jit
-def _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s):
+def _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s, POW2: tl.constexpr):
     """A tile's 1x128 rows quantized: q at [rows, cols], one scale per row at column kb of S."""
-    q, s = _quantize_rows(x)
+    q, s = _quantize_rows(x, POW2)
     tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rows * stride_s + kb, s, mask=rows < M)
 
@@ -86,12 +95,13 @@ def _store_cols_t(x, mask, QT, ST, rows, cols, mb, K, stride_qt, stride_st):
 
 
 @triton.jit
-def _rows_kernel(X, Q, S, M, K, stride_x, stride_q, stride_s, BR: tl.constexpr, TILE: tl.constexpr):
+def _rows_kernel(X, Q, S, M, K, stride_x, stride_q, stride_s, BR: tl.constexpr, TILE: tl.constexpr,
+                 POW2: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     kb = tl.program_id(1)
     cols = kb * TILE + tl.arange(0, TILE)
     x, mask = _tile(X, rows, cols, M, K, stride_x)
-    _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s)
+    _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s, POW2)
 
 
 @triton.jit
@@ -117,7 +127,7 @@ def _both_kernel(X, Q, S, QT, ST, M, K, stride_x, stride_q, stride_s, stride_qt,
     rows = mb.to(tl.int64) * TILE + tl.arange(0, TILE)
     cols = kb * TILE + tl.arange(0, TILE)
     x, mask = _tile(X, rows, cols, M, K, stride_x)
-    _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s)
+    _store_rows(x, mask, Q, S, rows, cols, kb, M, stride_q, stride_s, False)
     _store_cols_t(x, mask, QT, ST, rows, cols, mb, K, stride_qt, stride_st)
 
 
@@ -141,15 +151,15 @@ def _check(x: torch.Tensor, what: str) -> None:
                          f"(strides {x.stride()})")
 
 
-def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 tiles: x [M, K] -> (q [M, K] E4M3, scales [M, KB] fp32)."""
+def quantize_rows(x_MK: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles: x [M, K] -> (q [M, K] E4M3, scales [M, KB] fp32); pow2: power-of-two scales (twin's)."""
     _check(x_MK, "quantize_rows")
     M, K = x_MK.shape
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x_MK.device)
     s = torch.empty(M, triton.cdiv(K, TILE), dtype=torch.float32, device=x_MK.device)
     if M and K:
         _rows_kernel[(triton.cdiv(M, BR), s.shape[1])](x_MK, q, s, M, K, x_MK.stride(0), q.stride(0), s.stride(0),
-                                                       BR=BR, TILE=TILE, num_warps=4)
+                                                       BR=BR, TILE=TILE, POW2=pow2, num_warps=4)
     return q, s
 
 
@@ -206,3 +216,24 @@ def quantize_blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         _blocks_kernel[s.shape](w_NK, q, qt, s, N, K, w_NK.stride(0), q.stride(0), qt.stride(0), s.stride(0),
                                 TILE=TILE, num_warps=8)
     return q, s, qt
+
+
+def pack_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as expert parallelism sends them (twin `reference.fp8.pack_rows`): x [M, K] -> (E4M3 codes as bytes
+    [M, K] uint8, power-of-two 1x128 scales [M, KB] fp32)."""
+    q, s = quantize_rows(x_MK.contiguous(), pow2=True)
+    return q.view(torch.uint8), s
+
+
+def unpack_rows(q_MK: torch.Tensor, s_MB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`pack_rows`' bytes and scales -> the values in `dtype`, exactly (an E4M3 value times a power of two), in
+    `dtype` throughout where it holds them exactly (bf16, fp32: no fp32 temporary for bf16 rows)."""
+    M, K = q_MK.shape
+    KB = s_MB.shape[1]
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    pad = KB * TILE - K
+    q = q_MK.view(torch.float8_e4m3fn).to(work)
+    if pad:
+        q = torch.nn.functional.pad(q, (0, pad))
+    out = (q.view(M, KB, TILE) * s_MB.to(work)[:, :, None]).view(M, KB * TILE)
+    return (out[:, :K] if pad else out).to(dtype)
