@@ -87,6 +87,31 @@ def test_rows_are_amax_scaled_and_rounded_to_nearest(shape):
             assert torch.equal(q[r, kb * 128:(kb + 1) * 128].float(), _nearest_e4m3(tile / want)), (r, kb)
 
 
+@pytest.mark.parametrize("shape", [(5, 300), (3, 7)])
+def test_pow2_scales_are_the_power_of_two_above_and_survive_a_round_trip(shape):
+    """The rows expert parallelism sends: scale = the least power of two >= amax / 448 (frexp, independently of the
+    bit trick), the codes x / scale rounded; unpacked in bf16 they are exact, and quantizing them again (what the
+    FP8 experts do on arrival) gives the same values."""
+    x = _spread(*shape, seed=3)
+    q, s = ref.quantize_rows(x, pow2=True)
+    for r in range(shape[0]):
+        for kb in range(s.shape[1]):
+            tile = x[r, kb * 128:(kb + 1) * 128]
+            amax = tile.abs().max()
+            if amax == 0:
+                assert s[r, kb] == 1
+                continue
+            m, e = math.frexp((amax / 448).item())  # amax/448 (fp32) = m * 2^e, m in [0.5, 1)
+            want = 2.0 ** (e - 1 if m == 0.5 else e)
+            assert s[r, kb].item() == want, (r, kb, s[r, kb].item(), want)
+            assert torch.equal(q[r, kb * 128:(kb + 1) * 128].float(), _nearest_e4m3(tile / want)), (r, kb)
+    codes, scales = ref.pack_rows(x)
+    assert codes.dtype == torch.uint8 and torch.equal(scales, s)
+    values = ref.unpack_rows(codes, scales, torch.bfloat16)
+    assert torch.equal(values.float(), ref.dequantize_rows(q, s))
+    assert torch.equal(ref.dequantize_rows(*ref.quantize_rows(values, pow2=True)), values.float())
+
+
 def test_ties_round_to_even():
     x = _ties()
     q, s = ref.quantize_rows(x)
@@ -275,6 +300,10 @@ def _worker() -> None:
                  "rows_t": (fp8_quant.quantize_rows_t(x), ref.quantize_rows_t(x)),
                  "requantize_t": (fp8_quant.requantize_t(q0, s0), ref.requantize_t(q0, s0)),
                  "both": (fp8_quant.quantize_both(x), ref.quantize_both(x)),
+                 "rows_pow2": (fp8_quant.quantize_rows(x, pow2=True), ref.quantize_rows(x, pow2=True)),
+                 "pack": (fp8_quant.pack_rows(x), ref.pack_rows(x)),
+                 "unpack": ([fp8_quant.unpack_rows(*ref.pack_rows(x), d) for d in (torch.bfloat16, torch.float32)],
+                            [ref.unpack_rows(*ref.pack_rows(x), d) for d in (torch.bfloat16, torch.float32)]),
                  "blocks": (fp8_quant.quantize_blocks(x), (*ref.quantize_blocks(x), ref.quantize_blocks(x)[0].t()))}
         for name, (got, want) in cases.items():
             ok = all(same(g, w) if g.dtype == torch.float8_e4m3fn else torch.equal(g, w) for g, w in zip(got, want))
@@ -315,7 +344,7 @@ def _worker() -> None:
 
 
 INTERP_CASES = ([f"{n}{s}" for s in [(130, 300), (5, 40), "ties"]
-                 for n in ("rows", "rows_t", "requantize_t", "both", "blocks")]
+                 for n in ("rows", "rows_t", "requantize_t", "both", "blocks", "rows_pow2", "pack", "unpack")]
                 + [f"gemm_{d}_{b}" for d in ("float32", "bfloat16") for b in ("rows", "blocks")]
                 + ["gemm_bn128_blocks_strided", "gemm_bn128_blocks_t", "gemm_bn128_rows_strided"]
                 + ["gemm_dot_scaled", "linear_vs_reference", "compile", "grouped_gathered", "grouped_scattered_bf16", "grouped_plan_rows",
@@ -358,6 +387,9 @@ def test_cuda_quantizers_give_the_twins_bits():
             assert bad == 0, f"{what} output {i}: {bad} of {a.numel()} differ"
 
     same(tq.quantize_rows(x), ref.quantize_rows(x), "quantize_rows")
+    same(tq.quantize_rows(x, pow2=True), ref.quantize_rows(x, pow2=True), "quantize_rows pow2")
+    same([tq.unpack_rows(*tq.pack_rows(x), torch.bfloat16)], [ref.unpack_rows(*ref.pack_rows(x), torch.bfloat16)],
+         "pack_rows, unpack_rows")
     same(tq.quantize_rows_t(x), ref.quantize_rows_t(x), "quantize_rows_t")
     same(tq.quantize_both(x), ref.quantize_both(x), "quantize_both")
     q, sc = ref.quantize_rows(x)
