@@ -12,6 +12,8 @@ Timed, forward only, median of `--reps` after a warm-up, every rank in lockstep 
                     fp32 combine. What EP adds to a step beyond the expert matmuls.
   fixed shapes      the same through `dispatch_combine_fixed` (parallel.ep_dispatch=fixed: no host sync; C = twice
                     a pair's fair share of rows, so each exchange moves ep*C rows whatever the routing)
+  FP8 dispatch      both of the above as FP8 training sends the rows (fp8=True: E4M3 bytes and power-of-two 1x128
+                    scales out, packed and unpacked; the outputs back in bf16)
   a2a floor         two raw `all_to_all_single` of the same [T*K, D] rows in even splits (no counts, no sort, no
                     combine): the bytes the dispatch must move, at NCCL's speed.
   all-gather        the alternative without all-to-all: all-gather every rank's tokens [N*T, D], then
@@ -71,8 +73,9 @@ def one_case(shape: str, T: int, routing: str, reps: int, device: torch.device, 
     e_loc = E // n
     gate_up, down = torch.empty(e_loc, 2, D, device=device, dtype=dtype), torch.empty(e_loc, D, 1, device=device,
                                                                                      dtype=dtype)
-    real = kernels.routed_experts
+    real, real8 = kernels.routed_experts, kernels.fp8_routed_experts
     expert_parallel.kernels.routed_experts = lambda rows, i, wt, gu, dn: rows * wt.to(rows.dtype)  # no expert maths
+    expert_parallel.kernels.fp8_routed_experts = expert_parallel.kernels.routed_experts
     try:
         with torch.no_grad():  # passthrough experts: every token comes back as sum_k w[t, k] * x[t]
             y = expert_parallel.dispatch_combine(x, ids, w, gate_up, down, None)
@@ -86,8 +89,15 @@ def one_case(shape: str, T: int, routing: str, reps: int, device: torch.device, 
                 torch.testing.assert_close(y, want, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
             t_fixed = _time(lambda: expert_parallel.dispatch_combine_fixed(x, ids, w, gate_up, down, None, C, flag),
                             reps, device)  # fmt: skip
+            # FP8 dispatch: the rows arrive as their E4M3 values (at most 1/16 off each, relative)
+            y8 = expert_parallel.dispatch_combine(x, ids, w, gate_up, down, None, fp8=True)
+            torch.testing.assert_close(y8, want, rtol=0.07, atol=1e-2)
+            t_ep8 = _time(lambda: expert_parallel.dispatch_combine(x, ids, w, gate_up, down, None, fp8=True), reps,
+                          device)  # fmt: skip
+            t_fixed8 = _time(lambda: expert_parallel.dispatch_combine_fixed(x, ids, w, gate_up, down, None, C, flag,
+                                                                            fp8=True), reps, device)  # fmt: skip
     finally:
-        expert_parallel.kernels.routed_experts = real
+        expert_parallel.kernels.routed_experts, expert_parallel.kernels.fp8_routed_experts = real, real8
     M = T * K
     rows = torch.randn(M, D, generator=g).to(device, dtype)
     back = torch.empty_like(rows)
@@ -106,7 +116,7 @@ def one_case(shape: str, T: int, routing: str, reps: int, device: torch.device, 
     t_floor, t_ag = _time(floor, reps, device), _time(all_gather, reps, device)
     moved = 2 * M * D * rows.element_size() * (n - 1) / n
     return {"shape": shape, "E": E, "K": K, "D": D, "tokens": T, "routing": routing, "ranks": n,
-            "ep_ms": t_ep * 1e3, "fixed_ms": t_fixed * 1e3, "overflow": bool(flag), "floor_ms": t_floor * 1e3, "allgather_ms": t_ag * 1e3,
+            "ep_ms": t_ep * 1e3, "fixed_ms": t_fixed * 1e3, "ep8_ms": t_ep8 * 1e3, "fixed8_ms": t_fixed8 * 1e3, "overflow": bool(flag), "floor_ms": t_floor * 1e3, "allgather_ms": t_ag * 1e3,
             "ep_GBps": moved / t_ep / 1e9, "floor_GBps": moved / t_floor / 1e9, "ratio": t_ep / t_floor}
 
 
@@ -135,12 +145,13 @@ def run(args) -> None:
         print(f"\n{dist.get_world_size()} x {name}, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d')}, {dtype}, forward only, median of {args.reps}\n")
         print("| shape | tokens/GPU | routing | dispatch+combine ms (GB/s) | fixed shapes, factor 2: ms | "
-              "a2a floor ms (GB/s) | vs floor | all-gather + reduce-scatter ms |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+              "FP8 dispatch: exact / fixed ms | a2a floor ms (GB/s) | vs floor | all-gather + reduce-scatter ms |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             print(f"| {r['shape']} (E {r['E']}, K {r['K']}, D {r['D']}) | {r['tokens']} | {r['routing']} | "
                   f"{r['ep_ms']:.3f} ({r['ep_GBps']:.0f}) | {r['fixed_ms']:.3f}"
-                  f"{' (overflowed)' if r['overflow'] else ''} | {r['floor_ms']:.3f} ({r['floor_GBps']:.0f}) | "
+                  f"{' (overflowed)' if r['overflow'] else ''} | {r['ep8_ms']:.3f} / {r['fixed8_ms']:.3f} | "
+                  f"{r['floor_ms']:.3f} ({r['floor_GBps']:.0f}) | "
                   f"{r['ratio']:.2f}x | {r['allgather_ms']:.3f} |")
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
