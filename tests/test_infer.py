@@ -297,6 +297,51 @@ def test_scheduler_admits_by_pages_and_budget_and_cancels(monkeypatch):
     assert waiting == [2, 0]  # 20 prompt tokens, then 20 + 3
 
 
+def test_prefill_share_admits_arrivals_together():
+    """`prefill_share`: while sequences decode, arrivals wait until the time since the last prefill reaches
+    (1 - share) / share times its duration (a clock the test moves: each prefill takes 2 s, share 0.4: 3 s), or
+    until they would fill every free slot; with nothing decoding, at once. Greedy tokens are those of admitting
+    everything at once (scheduling never changes a sequence's tokens)."""
+    model = make_model("no_qlora_halfsplit")
+    greedy = SamplingParams(temperature=0)
+    gen = Generator(model, max_batch=4, max_len=60, prefill_share=0.4)
+    now = [100.0]
+    gen.clock = lambda: now[0]
+    real = gen.engine.prefill
+
+    def prefill(*args):  # a prefill takes 2 s on the test's clock
+        now[0] += 2.0
+        return real(*args)
+
+    gen.engine.prefill = prefill
+    prompts = [[5, 9, 2], list(range(40, 52)), [3, 4], [8] * 7, [11, 12, 13]]
+    reqs = [Request(p, 20, id=i, key=i, params=greedy) for i, p in enumerate(prompts)]
+    gen.submit(reqs[0])
+    gen.step()  # nothing decoding: at once (ends at 102)
+    assert [r.id for r in gen.running] == [0]
+    gen.submit(reqs[1])
+    for t in (102.0, 104.9):  # 3 s after the last prefill's end are not up
+        now[0] = t
+        gen.step()
+        assert [r.id for r in gen.waiting] == [1], t
+    now[0] = 105.0
+    gen.step()  # due: admitted (ends at 107)
+    assert [r.id for r in gen.running] == [0, 1] and not gen.waiting
+    gen.submit(reqs[2])
+    gen.submit(reqs[3])  # 2 waiting = the 2 free slots: at once although not due
+    gen.step()
+    assert [r.id for r in gen.running] == [0, 1, 2, 3]
+    gen.submit(reqs[4])  # no free slot: waits until one finishes
+    while gen.waiting or gen.running:
+        gen.step()
+        now[0] += 1.0
+    assert gen.prefill_share == 0.4 and Generator(model, max_batch=2, prefill_share=1).prefill_share == 1
+    for r, p in zip(reqs, prompts):
+        assert r.tokens == anyseek.generate(model, p, max_new_tokens=20, temperature=0), r.id
+    with pytest.raises(GenerationError, match="prefill_share"):
+        Generator(model, prefill_share=0)
+
+
 def test_eos_and_single_prompt_and_errors():
     model = make_model("no_qlora_halfsplit")
     out = anyseek.generate(model, PROMPTS[0], max_new_tokens=10, temperature=0)

@@ -78,11 +78,16 @@ class Generator:
 
     max_len: the longest sequence (prompt + new tokens; default and at most the model's context). cache_tokens: the
     page pool in tokens (default max_batch * max_len). prefill_tokens: at most this many prompt tokens are prefilled
-    in one step (at least one request; None: no limit), so arrivals do not stall the running sequences for long."""
+    in one step (at least one request; None: no limit), so arrivals do not stall the running sequences for long.
+    prefill_share (a server under load; None: admit at once): while sequences decode, waiting requests are admitted
+    together once the time since the last prefill is at least (1 - share) / share times what that prefill took, or
+    at once when they would fill every free slot or nothing decodes. A prefill costs about the same for one prompt
+    as for several where it is launch-bound (a large model's eager forward on a GPU), so arrivals that each got a
+    prefill of their own would hold the decoding batch up far more often: the share bounds that time."""
 
     def __init__(self, model, max_batch: int = 32, max_len: int | None = None, cuda_graphs: bool = True,
                  speculative: str | None = None, cache_tokens: int | None = None,
-                 prefill_tokens: int | None = None):  # fmt: skip
+                 prefill_tokens: int | None = None, prefill_share: float | None = None):  # fmt: skip
         if speculative not in (None, "mtp"):
             raise GenerationError(f"speculative must be None or 'mtp', got {speculative!r}")
         if speculative == "mtp" and not len(model.mtp):
@@ -90,7 +95,11 @@ class Generator:
         self.model, self.speculative = model, speculative
         self.context = model.config.max_position_embeddings
         self.max_batch, self.max_len = max_batch, min(max_len or self.context, self.context) + 2
-        self.prefill_tokens = prefill_tokens
+        if prefill_share is not None and not 0 < prefill_share <= 1:
+            raise GenerationError(f"prefill_share must be in (0, 1] or None, got {prefill_share}")
+        self.prefill_tokens, self.prefill_share = prefill_tokens, prefill_share
+        self.clock = time.perf_counter  # (a test's clock may replace it)
+        self._last_prefill = (0.0, 0.0)  # the last prefill's end (clock) and its seconds
         self.engine = Engine(model, max_batch, self.max_len, cuda_graphs=cuda_graphs, cache_tokens=cache_tokens)
         self.sampler = Sampler(SamplingParams(), model.config.vocab_size, max_batch, self.engine.device)
         self.waiting: deque[Request] = deque()
@@ -170,14 +179,16 @@ class Generator:
         (their pages freed). Returns the requests that got tokens or finished in it. on_prefill(admitted) is called
         between the prefill and the decode step (a server hands out first tokens there)."""
         self._retire()  # cancelled since the last step
-        admit = self._admit()
+        admit = self._admit() if self._due() else []
         if admit:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             for r in admit:
                 r.slot = self.free_slots.pop()
                 self.sampler.reset(r.slot, r.prompt, r.params)
             self._prefill(admit)
-            self.stats.prefill_seconds += time.perf_counter() - t0
+            end = self.clock()
+            self._last_prefill = (end, end - t0)
+            self.stats.prefill_seconds += end - t0
             self.running += admit
             if on_prefill is not None:
                 on_prefill(admit)
@@ -195,6 +206,15 @@ class Generator:
         self.stats.decode_rows += len(stepped)
         self._retire()
         return stepped if not admit else list({id(r): r for r in admit + stepped}.values())
+
+    def _due(self) -> bool:
+        """Whether waiting requests may be admitted in this step (`prefill_share`)."""
+        if self.prefill_share is None or not self.running or not self.waiting:
+            return True
+        if len(self.waiting) >= self.max_batch - len(self.running):  # they would fill every free slot
+            return True
+        end, took = self._last_prefill
+        return self.clock() - end >= took * (1 - self.prefill_share) / self.prefill_share
 
     def _admit(self) -> list[Request]:
         """The waiting requests (in order) that fit: a batch slot, the pages of their longest length beside every
