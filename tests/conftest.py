@@ -31,6 +31,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# the Triton interpreter's workers, longest first (seconds on the 2-core CI machine, stop 48)
+INTERPRETER_WORKERS = ["test_moe_triton.py", "test_attention_triton.py", "test_quant4.py", "test_fp8.py",
+                       "test_fused_kernels.py", "test_decode_kernel.py", "test_fused_router_merge.py",
+                       "test_fused_adamw.py"]  # fmt: skip
+
+
+def pytest_collection_finish(session):
+    """Start the interpreter workers of the modules this session runs in a background thread (`interpreter.prefetch`):
+    each is one single-threaded child of ~0.5-2 min that would otherwise leave the second core idle."""
+    import interpreter
+
+    wanted = {Path(item.fspath).name: str(item.fspath) for item in session.items
+              if "interp_results" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("skip")}
+    interpreter.prefetch([wanted[name] for name in INTERPRETER_WORKERS if name in wanted])
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """A prepared corpus of 400 generated documents with a 512-token BPE (the training tests' `tiny_cfg` data)."""

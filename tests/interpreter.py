@@ -23,24 +23,98 @@ functions are the ones its GPU tests use. A test module follows this shape:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 PREFIX = "RESULTS "
+TIMEOUT_S = 600
 
 
-def run_worker(path: str, timeout: float = 600) -> dict[str, dict]:
-    """Run the test module at `path` as a script under the interpreter -> the results its worker reported. A child
-    that fails or reports nothing fails the calling fixture (every test of the module) with its output's tail."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=timeout,
-                          check=False)  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PREFIX)]
-    assert proc.returncode == 0 and lines, (
-        f"interpreter worker {Path(path).name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+def _child(path: str, threads: int) -> subprocess.Popen:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=str(threads))
+    return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err += f"\n(killed after {TIMEOUT_S} s)"
+    return proc.returncode, out, err
+
+
+class _Ahead:
+    """The workers `prefetch` runs one after another in a thread of the test process, on the CPU's second core, while
+    the tests go on: path -> its outcome once done. A worker its test module asks for before the thread took it
+    is run by the module itself (`run_worker`), so the two never wait on each other's queue."""
+
+    def __init__(self, paths: list[str]):
+        self.lock = threading.Lock()
+        self.queue = list(paths)
+        self.done: dict[str, tuple[int, str, str]] = {}
+        self.events = {p: threading.Event() for p in paths}
+        self.running: subprocess.Popen | None = None
+        self.thread = threading.Thread(target=self._run, name="interpreter-workers", daemon=True)
+        atexit.register(self.stop)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                if not self.queue:
+                    return
+                path = self.queue.pop(0)
+                self.running = _child(path, threads=1)
+            self.done[path] = _finish(self.running)
+            self.events[path].set()
+
+    def claim(self, path: str) -> tuple[int, str, str] | None:
+        """The outcome of `path` (waiting for it if the thread runs it); None when the caller must run it."""
+        with self.lock:
+            if path in self.queue:
+                self.queue.remove(path)
+                return None
+        if path not in self.events:
+            return None
+        self.events[path].wait()
+        return self.done[path]
+
+    def stop(self) -> None:
+        with self.lock:
+            self.queue.clear()
+            if self.running is not None and self.running.poll() is None:
+                self.running.kill()
+
+
+_ahead: _Ahead | None = None
+
+
+def prefetch(paths: list[str]) -> None:
+    """Start the interpreter workers of these test modules now, in the background, in this order (conftest.py does,
+    for the modules a session will run: on 2 cores the single-threaded interpreter leaves one idle)."""
+    global _ahead
+    if _ahead is None and paths:
+        _ahead = _Ahead([str(Path(p).resolve()) for p in paths])
+
+
+def run_worker(path: str) -> dict[str, dict]:
+    """Run the test module at `path` as a script under the interpreter (or take what `prefetch` ran) -> the results
+    its worker reported. A child that fails or reports nothing fails the calling fixture (every test of the module)
+    with its output's tail."""
+    outcome = _ahead.claim(str(Path(path).resolve())) if _ahead is not None else None
+    if outcome is None:
+        outcome = _finish(_child(path, threads=2))
+    code, out, err = outcome
+    lines = [ln for ln in out.splitlines() if ln.startswith(PREFIX)]
+    assert code == 0 and lines, f"interpreter worker {Path(path).name} failed:\n{out[-3000:]}\n{err[-3000:]}"
     return json.loads(lines[-1][len(PREFIX):])
 
 
