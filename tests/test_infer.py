@@ -297,49 +297,52 @@ def test_scheduler_admits_by_pages_and_budget_and_cancels(monkeypatch):
     assert waiting == [2, 0]  # 20 prompt tokens, then 20 + 3
 
 
-def test_prefill_share_admits_arrivals_together():
-    """`prefill_share`: while sequences decode, arrivals wait until the time since the last prefill reaches
-    (1 - share) / share times its duration (a clock the test moves: each prefill takes 2 s, share 0.4: 3 s), or
-    until they would fill every free slot; with nothing decoding, at once. Greedy tokens are those of admitting
-    everything at once (scheduling never changes a sequence's tokens)."""
+def test_batched_arrivals_wait_while_waiting_costs_less_than_a_prefill():
+    """`batch_arrivals`: while sequences decode, arrivals wait until the decoding they lost waiting (each waiting
+    request with a free slot loses every step's time) reaches what a prefill stalls (R running x P, the last
+    prefill's seconds), or the oldest has waited 2 P, or they fill every free slot; with nothing decoding, at once.
+    On the test's clock a prefill takes 2 s and a decode step 1 s. Greedy tokens are those of admitting everything
+    at once (scheduling never changes a sequence's tokens)."""
     model = make_model("no_qlora_halfsplit")
     greedy = SamplingParams(temperature=0)
-    gen = Generator(model, max_batch=4, max_len=60, prefill_share=0.4)
+    gen = Generator(model, max_batch=7, max_len=60, batch_arrivals=True)
     now = [100.0]
     gen.clock = lambda: now[0]
-    real = gen.engine.prefill
+    prefill, decode = gen.engine.prefill, gen.engine.decode
 
-    def prefill(*args):  # a prefill takes 2 s on the test's clock
+    def slow_prefill(*args):
         now[0] += 2.0
-        return real(*args)
+        return prefill(*args)
 
-    gen.engine.prefill = prefill
-    prompts = [[5, 9, 2], list(range(40, 52)), [3, 4], [8] * 7, [11, 12, 13]]
-    reqs = [Request(p, 20, id=i, key=i, params=greedy) for i, p in enumerate(prompts)]
-    gen.submit(reqs[0])
-    gen.step()  # nothing decoding: at once (ends at 102)
-    assert [r.id for r in gen.running] == [0]
-    gen.submit(reqs[1])
-    for t in (102.0, 104.9):  # 3 s after the last prefill's end are not up
-        now[0] = t
-        gen.step()
-        assert [r.id for r in gen.waiting] == [1], t
-    now[0] = 105.0
-    gen.step()  # due: admitted (ends at 107)
-    assert [r.id for r in gen.running] == [0, 1] and not gen.waiting
-    gen.submit(reqs[2])
-    gen.submit(reqs[3])  # 2 waiting = the 2 free slots: at once although not due
-    gen.step()
-    assert [r.id for r in gen.running] == [0, 1, 2, 3]
-    gen.submit(reqs[4])  # no free slot: waits until one finishes
-    while gen.waiting or gen.running:
-        gen.step()
+    def slow_decode(*args):
         now[0] += 1.0
-    assert gen.prefill_share == 0.4 and Generator(model, max_batch=2, prefill_share=1).prefill_share == 1
+        return decode(*args)
+
+    gen.engine.prefill, gen.engine.decode = slow_prefill, slow_decode
+    prompts = [[5, 9, 2], list(range(40, 52)), [3, 4], [8] * 7, [11, 12, 13], [20, 21], [30] * 4, [6]]
+    reqs = [Request(p, 30, id=i, key=i, params=greedy) for i, p in enumerate(prompts)]
+
+    def admitted_after(*new: Request) -> list[int]:
+        for r in new:
+            gen.submit(r)
+        running = []
+        while gen.waiting:
+            gen.step()
+            running.append(len(gen.running))
+        return running
+
+    assert admitted_after(*reqs[:2]) == [2]  # nothing decoding: at once
+    # 2 running, P = 2 s: a prefill stalls 4 sequence-seconds; 3 waiting lose 3 a step: admitted at the third step
+    assert admitted_after(*reqs[2:5]) == [2, 2, 5]
+    # 5 running: 10 sequence-seconds; 1 waiting loses 1 a step, but the oldest's 2 P = 4 s are up at the fifth
+    assert admitted_after(reqs[5]) == [5, 5, 5, 5, 6]
+    assert admitted_after(reqs[6]) == [7]  # it fills the one free slot: at once
+    assert len(admitted_after(reqs[7])) > 5  # no free slot: waits until the first ones finish (their 30 tokens)
+    while gen.running:
+        gen.step()
     for r, p in zip(reqs, prompts):
-        assert r.tokens == anyseek.generate(model, p, max_new_tokens=20, temperature=0), r.id
-    with pytest.raises(GenerationError, match="prefill_share"):
-        Generator(model, prefill_share=0)
+        assert r.tokens == anyseek.generate(model, p, max_new_tokens=30, temperature=0), r.id
+    assert not Generator(model, max_batch=2).batch_arrivals
 
 
 def test_eos_and_single_prompt_and_errors():

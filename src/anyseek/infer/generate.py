@@ -79,15 +79,17 @@ class Generator:
     max_len: the longest sequence (prompt + new tokens; default and at most the model's context). cache_tokens: the
     page pool in tokens (default max_batch * max_len). prefill_tokens: at most this many prompt tokens are prefilled
     in one step (at least one request; None: no limit), so arrivals do not stall the running sequences for long.
-    prefill_share (a server under load; None: admit at once): while sequences decode, waiting requests are admitted
-    together once the time since the last prefill is at least (1 - share) / share times what that prefill took, or
-    at once when they would fill every free slot or nothing decodes. A prefill costs about the same for one prompt
-    as for several where it is launch-bound (a large model's eager forward on a GPU), so arrivals that each got a
-    prefill of their own would hold the decoding batch up far more often: the share bounds that time."""
+    batch_arrivals (a server under load; False: admit at once): while sequences decode, arrivals wait to be
+    prefilled together, as long as waiting costs less than a prefill would. A prefill stalls every decoding
+    sequence for its duration P (about the same for one prompt as for several where it is launch-bound: a large
+    model's eager forward on a GPU), R running sequences losing R * P of decoding; each step the waiting requests
+    do not decode costs them that step's time each. They are admitted once what they lost waiting reaches R * P
+    (the rent-or-buy rule, at most twice the best choice in hindsight), once the oldest has waited 2 P, when they
+    would fill every free slot, or when nothing decodes; P is the last prefill's duration."""
 
     def __init__(self, model, max_batch: int = 32, max_len: int | None = None, cuda_graphs: bool = True,
                  speculative: str | None = None, cache_tokens: int | None = None,
-                 prefill_tokens: int | None = None, prefill_share: float | None = None):  # fmt: skip
+                 prefill_tokens: int | None = None, batch_arrivals: bool = False):  # fmt: skip
         if speculative not in (None, "mtp"):
             raise GenerationError(f"speculative must be None or 'mtp', got {speculative!r}")
         if speculative == "mtp" and not len(model.mtp):
@@ -95,11 +97,11 @@ class Generator:
         self.model, self.speculative = model, speculative
         self.context = model.config.max_position_embeddings
         self.max_batch, self.max_len = max_batch, min(max_len or self.context, self.context) + 2
-        if prefill_share is not None and not 0 < prefill_share <= 1:
-            raise GenerationError(f"prefill_share must be in (0, 1] or None, got {prefill_share}")
-        self.prefill_tokens, self.prefill_share = prefill_tokens, prefill_share
+        self.prefill_tokens, self.batch_arrivals = prefill_tokens, batch_arrivals
         self.clock = time.perf_counter  # (a test's clock may replace it)
-        self._last_prefill = (0.0, 0.0)  # the last prefill's end (clock) and its seconds
+        self._prefill_s = 0.0  # the last prefill's seconds (P)
+        self._waiting_since: float | None = None  # when the oldest waiting request began to wait (its queue's turn)
+        self._wait_cost = 0.0  # the decoding the waiting requests lost since the last admission (sequence-seconds)
         self.engine = Engine(model, max_batch, self.max_len, cuda_graphs=cuda_graphs, cache_tokens=cache_tokens)
         self.sampler = Sampler(SamplingParams(), model.config.vocab_size, max_batch, self.engine.device)
         self.waiting: deque[Request] = deque()
@@ -151,6 +153,8 @@ class Generator:
         if self.pages_needed(r) > self.engine.num_pages:
             raise GenerationError(f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens needs more than the "
                                   f"{self.engine.num_pages * self.engine.cache.page}-token cache")  # fmt: skip
+        if not self.waiting:
+            self._waiting_since = self.clock()
         self.waiting.append(r)
 
     def cancel(self, r: Request) -> None:
@@ -168,6 +172,7 @@ class Generator:
             self.engine.free(sid)
         self.running, self.waiting = [], deque()
         self.free_slots = list(range(self.max_batch - 1, -1, -1))
+        self._waiting_since, self._wait_cost = None, 0.0
 
     def pages_needed(self, r: Request) -> int:
         """Cache pages `r` holds at its longest (its prompt, max_new_tokens, a draft)."""
@@ -187,7 +192,8 @@ class Generator:
                 self.sampler.reset(r.slot, r.prompt, r.params)
             self._prefill(admit)
             end = self.clock()
-            self._last_prefill = (end, end - t0)
+            self._prefill_s, self._wait_cost = end - t0, 0.0
+            self._waiting_since = end if self.waiting else None
             self.stats.prefill_seconds += end - t0
             self.running += admit
             if on_prefill is not None:
@@ -197,24 +203,28 @@ class Generator:
             return admit
         self.stats.steps += 1
         stepped = list(self.running)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if self.speculative:
             self._spec_step(stepped)
         else:
             self._step(stepped)
-        self.stats.decode_seconds += time.perf_counter() - t0
+        took = self.clock() - t0
+        self.stats.decode_seconds += took
         self.stats.decode_rows += len(stepped)
+        if self.waiting:  # the waiting ones that had a free slot lost this step's decoding
+            self._wait_cost += min(len(self.waiting), self.max_batch - len(stepped)) * took
         self._retire()
         return stepped if not admit else list({id(r): r for r in admit + stepped}.values())
 
     def _due(self) -> bool:
-        """Whether waiting requests may be admitted in this step (`prefill_share`)."""
-        if self.prefill_share is None or not self.running or not self.waiting:
+        """Whether waiting requests may be admitted in this step (`batch_arrivals`)."""
+        if not self.batch_arrivals or not self.running or not self.waiting:
             return True
         if len(self.waiting) >= self.max_batch - len(self.running):  # they would fill every free slot
             return True
-        end, took = self._last_prefill
-        return self.clock() - end >= took * (1 - self.prefill_share) / self.prefill_share
+        P = self._prefill_s
+        since = self._waiting_since if self._waiting_since is not None else self.clock()
+        return self._wait_cost >= len(self.running) * P or self.clock() - since >= 2 * P
 
     def _admit(self) -> list[Request]:
         """The waiting requests (in order) that fit: a batch slot, the pages of their longest length beside every

@@ -40,9 +40,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, help="prompt + output of one request (default: the model's context)")
     parser.add_argument("--prefill-tokens", type=int, default=4096,
                         help="prompt tokens prefilled per step beside the decoding sequences")  # fmt: skip
-    parser.add_argument("--prefill-share", type=float, default=0.25,
-                        help="at most about this share of the time goes to prefills while sequences decode: arrivals "
-                             "wait to be prefilled together (1: each at once)")  # fmt: skip
+    parser.add_argument("--admit", choices=["now", "batched"], default="now",
+                        help="now: each arrival is prefilled at the next step; batched: while sequences decode, "
+                             "arrivals wait to be prefilled together as long as waiting costs less than a prefill's "
+                             "stall (for large models, whose prefill is launch-bound)")  # fmt: skip
     parser.add_argument("--max-queue", type=int, default=256, help="sequences waiting beyond the batch; then 503")
     parser.add_argument("--speculative", choices=["mtp"], help="draft with the model's MTP module (same output)")
     parser.add_argument("--served-model-name", help="the `model` clients name (default: CHECKPOINT as given)")
@@ -75,8 +76,6 @@ def _run(args: argparse.Namespace) -> int:
     for flag in ("max_batch", "max_tokens_in_flight", "max_len", "prefill_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise CLIError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if not 0 < args.prefill_share <= 1:
-        raise CLIError(f"--prefill-share must be in (0, 1], got {args.prefill_share}")
     if args.max_queue < 0:
         raise CLIError(f"--max-queue must be >= 0, got {args.max_queue}")
     folder = loading.resolve(args.checkpoint)
@@ -120,7 +119,7 @@ def _build(model, folder, args: argparse.Namespace):
     try:
         gen = Generator(model, max_batch=args.max_batch, max_len=args.max_len, speculative=args.speculative,
                         cache_tokens=args.max_tokens_in_flight, prefill_tokens=args.prefill_tokens,
-                        prefill_share=args.prefill_share)  # fmt: skip
+                        batch_arrivals=args.admit == "batched")  # fmt: skip
     except GenerationError as e:
         raise CLIError(str(e)) from e
     gen.engine.warm_up()
