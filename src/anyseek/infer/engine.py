@@ -95,10 +95,11 @@ class Engine:
     # ---- the stack --------------------------------------------------------------------------------------------
     def _trunk(self, ids_T: torch.Tensor, step: Step) -> torch.Tensor:
         """ids [T] -> the final-normed hidden state h [T, D] (MTP's h^0)."""
-        h_TD = self.model.model.embed_tokens(ids_T)
-        for i, layer in enumerate(self.model.model.layers):
-            h_TD = layer_forward(layer, h_TD, step, self.cache, i)
-        return self.model.model.norm(h_TD)
+        h_TD, y_TD = self.model.model.embed_tokens(ids_T), None
+        for i, layer in enumerate(self.model.model.layers):  # each FFN's residual add in the next norm
+            h_TD, y_TD = layer_forward(layer, h_TD, step, self.cache, i, y_TD)
+        norm = self.model.model.norm
+        return norm(h_TD) if y_TD is None else norm.add_forward(h_TD, y_TD)[1]
 
     @torch.no_grad()
     def prefill(self, seq_ids: list[int], prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, Step]:
@@ -234,8 +235,8 @@ class Engine:
         mtp = self.model.mtp[0]
         emb_TD = self.model.model.embed_tokens(next_ids_T)
         h_TD = mtp.eh_proj(torch.cat([mtp.enorm(emb_TD), mtp.hnorm(h_prev_TD)], dim=-1))
-        h_TD = layer_forward(mtp, h_TD, step, self.cache, self.n_main)
-        return self.model.lm_head(mtp.shared_head.norm(h_TD)).float()
+        h_TD, y_TD = layer_forward(mtp, h_TD, step, self.cache, self.n_main)
+        return self.model.lm_head(mtp.shared_head.norm.add_forward(h_TD, y_TD)[1]).float()
 
     @torch.no_grad()
     def mtp_prefill(self, h_TD: torch.Tensor, step: Step, prompts: list[list[int]], first: list[int]) -> torch.Tensor:

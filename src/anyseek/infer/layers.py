@@ -97,8 +97,10 @@ def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
         return mlp(x_TD)
     _, ids_TK, w_TK = mlp.gate(x_TD)
     T, K = ids_TK.shape
+    shared = mlp.shared_experts if hasattr(mlp, "shared_experts") else None
     if _kernel_experts(x_TD) or (T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS):
-        y_TD = mlp.experts(x_TD, ids_TK, w_TK)
+        # the shared experts' output summed inside the routed experts' combine (no add of its own)
+        return mlp.experts(x_TD, ids_TK, w_TK, add_TD=None if shared is None else shared(x_TD))
     elif T * K * 2 > mlp.n_experts:
         y_TD = _dense_experts(mlp, x_TD, ids_TK, w_TK)
     else:
@@ -111,9 +113,7 @@ def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
         act_MI = (act_MI * w_TK.reshape(-1, 1)).to(act_MI.dtype)
         y_MD = torch.bmm(down_MDI, act_MI[:, :, None])[..., 0]
         y_TD = y_MD.float().view(T, K, -1).sum(dim=1).to(x_TD.dtype)
-    if hasattr(mlp, "shared_experts"):
-        y_TD = y_TD + mlp.shared_experts(x_TD)
-    return y_TD
+    return y_TD if shared is None else y_TD + shared(x_TD)
 
 
 def _kernel_experts(x_TD: torch.Tensor) -> bool:
@@ -136,7 +136,16 @@ def _dense_experts(mlp: MoE, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: tor
     return y_ETD.float().sum(dim=0).to(x_TD.dtype)
 
 
-def layer_forward(layer, h_TD: torch.Tensor, step: Step, cache: PagedLatentCache, index: int) -> torch.Tensor:
-    """One decoder layer (main or an MTP module's trunk) on the new tokens; `index` is its attention-cache layer."""
-    h_TD = h_TD + mla_forward(layer.self_attn, layer.input_layernorm(h_TD), step, cache, index)
-    return h_TD + ffn_forward(layer.mlp, layer.post_attention_layernorm(h_TD))
+def layer_forward(layer, h_TD: torch.Tensor, step: Step, cache: PagedLatentCache, index: int,
+                  pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer (main or an MTP module's trunk) on the new tokens; `index` is its attention-cache layer.
+    As the training forward (`DecoderLayer.forward`), each residual add runs inside the norm after it
+    (`RMSNorm.add_forward`, one kernel on GPUs): `pending` is the previous layer's FFN output still to be added to
+    h, and the result is (h, y) with this layer's FFN output y not yet added (the caller's next norm adds it)."""
+    if pending is None:
+        x_TD = layer.input_layernorm(h_TD)
+    else:
+        h_TD, x_TD = layer.input_layernorm.add_forward(h_TD, pending)
+    a_TD = mla_forward(layer.self_attn, x_TD, step, cache, index)
+    h_TD, x_TD = layer.post_attention_layernorm.add_forward(h_TD, a_TD)
+    return h_TD, ffn_forward(layer.mlp, x_TD)
