@@ -37,6 +37,33 @@ def router_errors(T, E, G, TG, K, top2, strided, device, seed=0):
     return [("ids", wrong, 0)]
 
 
+# the router's whole decision from its logits (decoding): (name, T, E, n_group, topk_group, top_k, top2, sigmoid,
+# norm_topk_prob, scale)
+WEIGHTS_CASES = [
+    ("v3_sigmoid_norm", 37, 64, 8, 4, 6, True, True, True, 2.5),
+    ("v2_softmax", 23, 160, 8, 3, 6, False, False, False, 1.0),
+    ("softmax_norm_not_pow2", 11, 24, 1, 1, 5, True, False, True, 16.0),
+    ("one_token_top1", 1, 64, 8, 1, 1, True, True, True, 1.0),
+]
+
+
+def weights_errors(T, E, G, TG, K, top2, sigmoid, norm, scale, device, seed=0):
+    """[(what, err, 0)]: the fused router's experts per token against the twin's (as sets), and their weights
+    (matched by expert) relative to the largest."""
+    from anyseek.kernels.reference.router import route_weights as ref
+    from anyseek.kernels.triton.router import route_weights as fused
+
+    g = torch.Generator().manual_seed(seed)
+    logits, bias = torch.randn(T, E, generator=g) * 2, (torch.rand(E, generator=g) - 0.5) * 0.2
+    want_ids, want_w = ref(logits, bias, K, G, TG, top2, sigmoid, norm, scale)
+    got_ids, got_w = fused(logits.to(device), bias.to(device), K, G, TG, top2, sigmoid, norm, scale)
+    assert got_ids.shape == got_w.shape == (T, K) and got_w.dtype == torch.float32
+    (want_ids, o1), (got_ids, o2) = want_ids.sort(dim=1), got_ids.cpu().sort(dim=1)
+    wrong = (got_ids != want_ids).any(dim=1).sum().item()
+    err = ((got_w.cpu().gather(1, o2) - want_w.gather(1, o1)).abs().max() / want_w.abs().max()).item()
+    return [("ids", wrong, 0), ("weights", err if err > 1e-6 else 0, 0)]
+
+
 # (name, O, I, r, dtype, out: None | "slice" (rows of a bigger buffer) | "strip" (rows of [W + s B A | B]: the merge
 # in the first I columns of a wider buffer, B in columns 3 .. 3 + r of the strip after them, zeros elsewhere in it))
 MERGE_CASES = [
@@ -89,6 +116,9 @@ def _worker() -> None:
     for name, *case in ROUTER_CASES:
         table = router_errors(*case, "cpu")
         results[f"router_{name}"] = {"pass": all(err == 0 for _, err, _ in table), "table": table}
+    for name, *case in WEIGHTS_CASES:
+        table = weights_errors(*case, "cpu")
+        results[f"weights_{name}"] = {"pass": all(err == 0 for _, err, _ in table), "table": table}
     from anyseek.kernels.triton.router import route_topk
 
     ids = route_topk(torch.full((5, 32), float("nan")), torch.zeros(32), 4, 4, 2, True)  # a non-finite step
@@ -103,9 +133,39 @@ def interp_results():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [f"router_{c[0]}" for c in ROUTER_CASES] + ["router_nan_rows_stay_valid"]
-                         + [f"merge_{c[0]}" for c in MERGE_CASES])
+                         + [f"weights_{c[0]}" for c in WEIGHTS_CASES] + [f"merge_{c[0]}" for c in MERGE_CASES])
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err, err_torch)")
+
+
+@pytest.mark.parametrize("flavor", ["16B", "tiny"])
+def test_route_weights_twin_is_the_models_router(flavor):
+    """`kernels.route_weights` (the decode step's router) on the Router's own logits gives the Router's experts and
+    weights: sigmoid, groups, normalization and scale as the flavor sets them (the model's code as the yardstick)."""
+    from anyseek.kernels.reference.router import route_weights
+    from anyseek.model.config import ModelConfig
+    from anyseek.model.matmul import linear_fp32
+    from anyseek.model.moe import Router
+
+    cfg = ModelConfig.from_name(flavor, vocab_size=64)
+    torch.manual_seed(0)
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight, std=0.05)
+    router.e_score_correction_bias.uniform_(-0.05, 0.05)
+    x = torch.randn(13, cfg.hidden_size)
+    _, ids, w = router(x)
+    got_ids, got_w = route_weights(linear_fp32(x, router.weight), router.e_score_correction_bias, router.top_k,
+                                   router.n_group, router.topk_group, router.scoring_func == "sigmoid",
+                                   router.scoring_func == "sigmoid", router.norm_topk_prob,
+                                   router.routed_scaling_factor)  # fmt: skip
+    assert torch.equal(got_ids, ids) and torch.allclose(got_w, w, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", WEIGHTS_CASES, ids=[c[0] for c in WEIGHTS_CASES])
+def test_gpu_route_weights(case):
+    table = weights_errors(*case[1:], "cuda")
+    assert all(err == 0 for _, err, _ in table), table
 
 
 def test_router_reference_is_the_models_old_routing():

@@ -95,7 +95,7 @@ def ffn_forward(mlp: torch.nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(mlp, MoE):
         return mlp(x_TD)
-    _, ids_TK, w_TK = mlp.gate(x_TD)
+    ids_TK, w_TK = mlp.gate.choose(x_TD)
     T, K = ids_TK.shape
     shared = mlp.shared_experts if hasattr(mlp, "shared_experts") else None
     if _kernel_experts(x_TD) or (T * K * 2 > mlp.n_experts and T > DENSE_MOE_TOKENS):

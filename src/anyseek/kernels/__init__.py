@@ -246,6 +246,24 @@ def route_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_grou
     return registry.get("route_topk", scores_TE)(scores_TE, bias_E, top_k, n_group, topk_group, top2_groups)
 
 
+def route_weights(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  top2_groups: bool, sigmoid: bool, norm_topk_prob: bool, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The router's whole decision for inference (no gradient), from its logits fp32 [T, E]: scores (sigmoid, or
+    softmax over the experts), ids as `route_topk` on them, and each chosen expert's weight, its score (normalized
+    over the K when norm_topk_prob) times `scale` (routed_scaling_factor) -> (ids [T, K] int64, weights [T, K]
+    fp32). What `model.moe.Router.forward` computes after its linear, in one kernel on GPUs (the decode step)."""
+    if logits_TE.dim() != 2 or bias_E.shape != logits_TE.shape[1:]:
+        raise ValueError(f"route_weights: logits must be [T, E] and bias [E], got {tuple(logits_TE.shape)} and "
+                         f"{tuple(bias_E.shape)}")
+    E = logits_TE.shape[1]
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or not 1 <= top_k <= topk_group * (E // n_group):
+        raise ValueError(f"route_weights: {E} experts in {n_group} groups, {topk_group} groups kept and top_k "
+                         f"{top_k} do not fit")
+    return registry.get("route_weights", logits_TE)(logits_TE, bias_E, top_k, n_group, topk_group, top2_groups,
+                                                    sigmoid, norm_topk_prob, scale)  # fmt: skip
+
+
 def set_grad_destination(param: torch.Tensor, buffer: torch.Tensor | None, start: int = 0) -> None:
     """Where a backend may write `param`'s gradient itself: `buffer[start:start + numel]` (same dtype as the
     parameter while the gradient is computed), or None to forget it. The trainer's working copy points each weight
@@ -421,5 +439,5 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
 __all__ = ["adamw_flat", "adamw_tensors", "add_rms_norm", "cross_entropy_rows", "dequantize4", "describe",
            "fp8_linear", "fp8_pack_rows", "fp8_routed_experts", "fp8_unpack_rows", "grad_destination", "in_features4",
            "lora_routed_experts", "low_rank_linear", "low_rank_merge", "mla_attention", "mla_decode", "quantize4",
-           "registry", "rms_norm", "rope_rotate", "route_topk", "routed_experts", "set_backend",
+           "registry", "rms_norm", "rope_rotate", "route_topk", "route_weights", "routed_experts", "set_backend",
            "set_grad_destination", "sq_norm", "swiglu", "varlen_attention"]

@@ -3,17 +3,16 @@
 Each op has backends in priority order. A backend is a name, a loader (imports lazily, returns the function),
 an availability check `available(example) -> (ok, reason)` and the device types it is meant for. Choice:
 
-- explicit: a run's context `with using(attention="sdpa", moe="reference"):` (the trainer enters one built from
-  its config around everything it runs), `set_backend(op, name)` (process-wide, for interactive use), or the
-  environment, `ANYSEEK_ATTENTION=name` for both attention ops, `ANYSEEK_MOE=name` for routed_experts and
-  lora_routed_experts (whose backends bear the same names), `ANYSEEK_DECODE=name` for mla_decode,
-  `ANYSEEK_NORM=name` for rms_norm and add_rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_SWIGLU=name`
-  for swiglu, `ANYSEEK_XENT=name` for
+- explicit: a run's context `with using(attention="sdpa", moe="reference"):` (the trainer enters one built from its
+  config around everything it runs), `set_backend(op, name)` (process-wide, for interactive use), or the environment,
+  `ANYSEEK_ATTENTION=name` for both attention ops, `ANYSEEK_MOE=name` for routed_experts and lora_routed_experts
+  (whose backends bear the same names), `ANYSEEK_DECODE=name` for mla_decode, `ANYSEEK_NORM=name` for rms_norm and
+  add_rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_SWIGLU=name` for swiglu, `ANYSEEK_XENT=name` for
   cross_entropy_rows, `ANYSEEK_ADAMW=name` for the optimizer steps (adamw_flat, sq_norm, adamw_tensors),
-  `ANYSEEK_ROUTER=name` for route_topk, `ANYSEEK_LOWRANK=name` for low_rank_merge, `ANYSEEK_LOWRANK_LINEAR=name`
-  for low_rank_linear, `ANYSEEK_QUANT4=name` for quant4_linear and quant4_routed_experts (the two seams above given
-  4-bit frozen weights), `ANYSEEK_FP8=name` for fp8_linear, fp8_routed_experts and the rows FP8 dispatch sends (fp8_pack_rows,
-  fp8_unpack_rows).
+  `ANYSEEK_ROUTER=name` for route_topk and route_weights, `ANYSEEK_LOWRANK=name` for low_rank_merge,
+  `ANYSEEK_LOWRANK_LINEAR=name` for low_rank_linear, `ANYSEEK_QUANT4=name` for quant4_linear and quant4_routed_experts
+  (the two seams above given 4-bit frozen weights), `ANYSEEK_FP8=name` for fp8_linear, fp8_routed_experts and the rows
+  FP8 dispatch sends (fp8_pack_rows, fp8_unpack_rows).
   A backend requested explicitly that cannot run raises RuntimeError with its reason; an unknown name raises
   ValueError listing the known ones.
 - automatic (no request, or "auto"): the first available backend in priority order. A backend meant for this
@@ -52,6 +51,7 @@ ENV_VARS = {
     "sq_norm": "ANYSEEK_ADAMW",
     "adamw_tensors": "ANYSEEK_ADAMW",
     "route_topk": "ANYSEEK_ROUTER",
+    "route_weights": "ANYSEEK_ROUTER",
     "low_rank_merge": "ANYSEEK_LOWRANK",
     "low_rank_linear": "ANYSEEK_LOWRANK_LINEAR",  # (its backends are not low_rank_merge's: a variable of its own)
     "quant4_linear": "ANYSEEK_QUANT4",
@@ -65,7 +65,7 @@ ENV_VARS = {
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts", "lora_routed_experts"),
              "norm": ("rms_norm", "add_rms_norm"), "rope": ("rope_rotate",), "swiglu": ("swiglu",),
              "xent": ("cross_entropy_rows",), "decode": ("mla_decode",),
-             "adamw": ("adamw_flat", "sq_norm", "adamw_tensors"), "router": ("route_topk",),
+             "adamw": ("adamw_flat", "sq_norm", "adamw_tensors"), "router": ("route_topk", "route_weights"),
              "lowrank": ("low_rank_merge",), "quant4": ("quant4_linear", "quant4_routed_experts"),
              "fp8": ("fp8_linear", "fp8_routed_experts", "fp8_pack_rows", "fp8_unpack_rows")}
 
@@ -238,7 +238,8 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
              "mla_decode": (1, 16, 576), "rms_norm": (1, 1024), "add_rms_norm": (1, 1024), "swiglu": (1, 4096),
              "cross_entropy_rows": (1, 129280),
              "adamw_flat": (1024,), "sq_norm": (1024,), "adamw_tensors": (1024,),
-             "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "low_rank_merge": (1536, 7168),
+             "rope_rotate": (1, 16, 64), "route_topk": (1, 256), "route_weights": (1, 256),
+             "low_rank_merge": (1536, 7168),
              "lora_routed_experts": (1, 1024), "low_rank_linear": (1, 7168), "quant4_linear": (1, 2048),
              "quant4_routed_experts": (1, 2048), "fp8_linear": (1, 7168), "fp8_routed_experts": (1, 1024),
              "fp8_pack_rows": (1, 2048)}
@@ -337,6 +338,7 @@ def _register_defaults() -> None:
              "sq_norm": ("adamw", "adamw", "foreach-free flat ops"),
              "adamw_tensors": ("adamw", "adamw", "the flat twin, tensor by tensor"),
              "route_topk": ("router", "router", "three topk calls"),
+             "route_weights": ("router", "router", "softmax or sigmoid, three topk calls, gather, normalize"),
              "low_rank_merge": ("lowrank", "lowrank", "addmm")}
     for op, (mod, ref, what) in fused.items():
         register(op, Backend("triton", _lazy(f"anyseek.kernels.triton.{mod}.{op}"),

@@ -261,9 +261,10 @@ def _routing(topk_ids_TK: torch.Tensor, E: int):
 
 def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     """The routed experts in FP8 (see `kernels.fp8_routed_experts`): x in 1x128 tiles with power-of-two scales (per
-    token, before the gather; the values expert parallelism's FP8 dispatch sends, `pack_rows`, come out the same), each expert's weights in 128x128 blocks, gate|up by the promoted grouped GEMM (h in x's dtype), the
-    weighted SwiGLU in fp32 quantized per 1x128 tile, down likewise, the K rows of a token summed in fp32.
-    -> (y [T, D] in x's dtype, saved: what `experts_backward` reads)."""
+    token, before the gather; the values expert parallelism's FP8 dispatch sends, `pack_rows`, come out the same),
+    each expert's weights in 128x128 blocks, gate|up by the promoted grouped GEMM (h in x's dtype), the weighted
+    SwiGLU in fp32 quantized per 1x128 tile, down likewise, the K rows of a token summed in fp32. -> (y [T, D] in x's
+    dtype, saved: what `experts_backward` reads)."""
     T, K = topk_ids_TK.shape
     E = gate_up_EFD.shape[0]
     slot, tok, expert = _routing(topk_ids_TK, E)

@@ -1,4 +1,5 @@
-"""Pure-PyTorch twin of the routing top-k kernel (`kernels.route_topk`): DeepSeek's group-limited top-k."""
+"""Pure-PyTorch twins of the routing kernels: `kernels.route_topk` (DeepSeek's group-limited top-k) and
+`kernels.route_weights` (the router's whole decision from its logits, for inference)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,19 @@ def route_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_grou
         keep_TG.scatter_(1, group_TG.topk(topk_group, dim=-1, sorted=False)[1], True)
         choice_TE = choice_TGX.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, E)
     return choice_TE.topk(top_k, dim=-1, sorted=False)[1]
+
+
+@torch.no_grad()
+def route_weights(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  top2_groups: bool, sigmoid: bool, norm_topk_prob: bool, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`model.moe.Router.forward` after its logits: scores (sigmoid or softmax in fp32), ids by `route_topk`, the
+    weights the chosen experts' scores (normalized to sum 1 when norm_topk_prob) times scale -> (ids [T, K] int64,
+    weights [T, K] fp32)."""
+    logits_TE = logits_TE.float()
+    scores_TE = logits_TE.sigmoid() if sigmoid else logits_TE.softmax(dim=-1)
+    ids_TK = route_topk(scores_TE, bias_E, top_k, n_group, topk_group, top2_groups)
+    weights_TK = scores_TE.gather(1, ids_TK)
+    if norm_topk_prob:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids_TK, weights_TK * scale

@@ -1,4 +1,5 @@
-"""DeepSeek's group-limited routing top-k in one Triton kernel.
+"""DeepSeek's group-limited routing top-k in one Triton kernel (`route_topk`), and the router's whole decision from
+its logits for inference (`route_weights`: the scores, the top-k and the chosen experts' weights in the same kernel).
 
 PyTorch's path is an add (the selection bias), three `topk` calls (each group's best two, the best groups, the best
 experts among them; each a radix sort, ~27 us at 8,192 tokens on an H100), a scatter and a masked fill: ~8 kernels
@@ -20,14 +21,24 @@ ELEMENTS = 2048  # scores per program (BLOCK_T * BE): ~16 per thread at 4 warps
 
 
 @triton.jit
-def _route_topk_kernel(S, BIAS, IDS, T, stride_s, E, X, G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr,
-                       TOP2: tl.constexpr, BLOCK_T: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):  # fmt: skip
+def _route_topk_kernel(S, BIAS, IDS, W, scale, T, stride_s, E, X, G: tl.constexpr, TOPG: tl.constexpr,
+                       K: tl.constexpr, TOP2: tl.constexpr, BLOCK_T: tl.constexpr, BE: tl.constexpr,
+                       BG: tl.constexpr, SCORE: tl.constexpr, WEIGHTS: tl.constexpr, NORM: tl.constexpr,
+                       BK: tl.constexpr):  # fmt: skip
+    """SCORE: what S holds: 0 the scores, 1 logits whose sigmoid, 2 logits whose softmax over E are the scores.
+    WEIGHTS: also each chosen expert's score into W (normalized over the K with NORM) times scale."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     cols = tl.arange(0, BE)
     cmask = cols < E
     s = tl.load(S + rows.to(tl.int64)[:, None] * stride_s + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)  # fmt: skip
+    if SCORE == 1:
+        s = 1.0 / (1.0 + tl.exp(-s))
+    elif SCORE == 2:
+        s = tl.where(cmask[None, :], s, float("-inf"))
+        s = tl.exp(s - tl.max(s, axis=1)[:, None])
+        s = s / tl.sum(s, axis=1)[:, None]
     b = tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)
     choice = s + b[None, :]
     choice = tl.where(cmask[None, :] & (choice == choice), choice, float("-inf"))  # padding and NaN: never chosen
@@ -48,10 +59,20 @@ def _route_topk_kernel(S, BIAS, IDS, T, stride_s, E, X, G: tl.constexpr, TOPG: t
             keep = tl.where(grp[None, :] == g[:, None], 1, keep)
             gscore = tl.where(gcols[None, :] == g[:, None], float("-inf"), gscore)
         choice = tl.where(keep > 0, choice, float("-inf"))
+    kcols = tl.arange(0, BK)
+    w = tl.zeros([BLOCK_T, BK], dtype=tl.float32)
     for k in tl.static_range(K):
         e = tl.minimum(tl.argmax(choice, axis=1), E - 1)
         tl.store(IDS + rows.to(tl.int64) * K + k, e.to(tl.int64), mask=rmask)
+        if WEIGHTS:
+            w_k = tl.sum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)
+            w = tl.where(kcols[None, :] == k, w_k[:, None], w)
         choice = tl.where(cols[None, :] == e[:, None], float("-inf"), choice)
+    if WEIGHTS:
+        if NORM:
+            w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
+        tl.store(W + rows.to(tl.int64)[:, None] * K + kcols[None, :], w * scale,
+                 mask=rmask[:, None] & (kcols[None, :] < K))  # fmt: skip
 
 
 @torch.no_grad()
@@ -62,18 +83,38 @@ def route_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_grou
         from anyseek.kernels.reference.router import route_topk as reference
 
         return reference(scores_TE, bias_E, top_k, n_group, topk_group, top2_groups)
-    T, E = scores_TE.shape
-    s = scores_TE if scores_TE.stride(-1) == 1 else scores_TE.contiguous()
+    return _launch(scores_TE, bias_E, top_k, n_group, topk_group, top2_groups)[0]
+
+
+def _launch(s_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int, top2_groups: bool,
+            score: int = 0, weights: bool = False, norm: bool = False, scale: float = 1.0):  # fmt: skip
+    T, E = s_TE.shape
+    s = s_TE if s_TE.stride(-1) == 1 else s_TE.contiguous()
     ids = torch.empty(T, top_k, dtype=torch.int64, device=s.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=s.device) if weights else ids
     if T == 0:
-        return ids
+        return ids, w
     BE = triton.next_power_of_2(E)
     block_t = max(1, min(128, ELEMENTS // BE))
     _route_topk_kernel[(triton.cdiv(T, block_t),)](
-        s, bias_E.contiguous(), ids, T, s.stride(0), E, E // n_group, G=n_group, TOPG=topk_group, K=top_k,
-        TOP2=top2_groups, BLOCK_T=block_t, BE=BE, BG=triton.next_power_of_2(n_group), num_warps=4,
+        s, bias_E.contiguous(), ids, w, float(scale), T, s.stride(0), E, E // n_group, G=n_group, TOPG=topk_group,
+        K=top_k, TOP2=top2_groups, BLOCK_T=block_t, BE=BE, BG=triton.next_power_of_2(n_group), SCORE=score,
+        WEIGHTS=weights, NORM=norm, BK=triton.next_power_of_2(top_k), num_warps=4,
     )  # fmt: skip
-    return ids
+    return ids, w
+
+
+@torch.no_grad()
+def route_weights(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  top2_groups: bool, sigmoid: bool, norm_topk_prob: bool, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """As `kernels.reference.router.route_weights`, in one kernel: the scores, the selection and the weights."""
+    if torch.compiler.is_compiling():
+        from anyseek.kernels.reference.router import route_weights as reference
+
+        return reference(logits_TE, bias_E, top_k, n_group, topk_group, top2_groups, sigmoid, norm_topk_prob, scale)
+    return _launch(logits_TE, bias_E, top_k, n_group, topk_group, top2_groups, 1 if sigmoid else 2, True,
+                   norm_topk_prob, scale)  # fmt: skip
 
 
 def available(example: torch.Tensor) -> tuple[bool, str]:
