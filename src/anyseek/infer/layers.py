@@ -23,7 +23,6 @@ from anyseek.kernels import registry
 from anyseek.infer.cache import PagedLatentCache
 from anyseek.model.mla import MLA
 from anyseek.model.moe import MoE
-from anyseek.model.rope import apply_rope
 
 
 @dataclass
@@ -52,10 +51,11 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
         q_TQ = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x_TD)))
         kv_a_TX = m.kv_a_proj_with_mqa(x_TD)
     q_nope_THN, q_pe_THR = q_TQ.view(T, H, N + R).split([N, R], dim=-1)
-    q_pe_THR = apply_rope(q_pe_THR, step.cos, step.sin, m.rope_interleave)
+    # `apply_rope`'s rotation (and output layout) in one kernel each on GPUs, read from the projections in place
+    q_pe_THR = kernels.rope_rotate(q_pe_THR, step.cos, step.sin, interleaved_in=m.rope_interleave)
     latent_TL, k_pe_TR = kv_a_TX.split([L, R], dim=-1)
     latent_TL = m.kv_a_layernorm(latent_TL)
-    k_pe_TR = apply_rope(k_pe_TR, step.cos, step.sin, m.rope_interleave)
+    k_pe_TR = kernels.rope_rotate(k_pe_TR, step.cos, step.sin, interleaved_in=m.rope_interleave)
     cache.write(layer, step.slots, latent_TL, k_pe_TR)
 
     if step.cu_seqlens is not None:  # prefill: the training path
