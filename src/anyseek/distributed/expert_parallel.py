@@ -59,9 +59,9 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, out_splits: list[int], in_splits: list[int], group, fp8: bool, *tensors: torch.Tensor):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         ctx.shapes = [(t.shape[1:], t.dtype, t.device) for t in tensors]
-        first = _exchange_fp8(tensors[0], out_splits, in_splits, group) if fp8 else None
-        return tuple(first if i == 0 and fp8 else _exchange(t, out_splits, in_splits, group)
-                     for i, t in enumerate(tensors))  # fmt: skip
+        first = _exchange_fp8 if fp8 else _exchange
+        return (first(tensors[0], out_splits, in_splits, group),
+                *(_exchange(t, out_splits, in_splits, group) for t in tensors[1:]))  # fmt: skip
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):

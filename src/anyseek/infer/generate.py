@@ -50,6 +50,7 @@ class Request:
     finish_reason: str | None = None  # "eos", "stop", "length", "cancelled"
     draft: int | None = None
     slot: int = -1
+    queued_at: float = 0.0  # when it was submitted (the Generator's clock)
 
 
 @dataclass
@@ -100,7 +101,6 @@ class Generator:
         self.prefill_tokens, self.batch_arrivals = prefill_tokens, batch_arrivals
         self.clock = time.perf_counter  # (a test's clock may replace it)
         self._prefill_s = 0.0  # the last prefill's seconds (P)
-        self._waiting_since: float | None = None  # when the oldest waiting request began to wait (its queue's turn)
         self._wait_cost = 0.0  # the decoding the waiting requests lost since the last admission (sequence-seconds)
         self.engine = Engine(model, max_batch, self.max_len, cuda_graphs=cuda_graphs, cache_tokens=cache_tokens)
         self.sampler = Sampler(SamplingParams(), model.config.vocab_size, max_batch, self.engine.device)
@@ -153,8 +153,7 @@ class Generator:
         if self.pages_needed(r) > self.engine.num_pages:
             raise GenerationError(f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens needs more than the "
                                   f"{self.engine.num_pages * self.engine.cache.page}-token cache")  # fmt: skip
-        if not self.waiting:
-            self._waiting_since = self.clock()
+        r.queued_at = self.clock()
         self.waiting.append(r)
 
     def cancel(self, r: Request) -> None:
@@ -172,7 +171,7 @@ class Generator:
             self.engine.free(sid)
         self.running, self.waiting = [], deque()
         self.free_slots = list(range(self.max_batch - 1, -1, -1))
-        self._waiting_since, self._wait_cost = None, 0.0
+        self._wait_cost = 0.0
 
     def pages_needed(self, r: Request) -> int:
         """Cache pages `r` holds at its longest (its prompt, max_new_tokens, a draft)."""
@@ -193,7 +192,6 @@ class Generator:
             self._prefill(admit)
             end = self.clock()
             self._prefill_s, self._wait_cost = end - t0, 0.0
-            self._waiting_since = end if self.waiting else None
             self.stats.prefill_seconds += end - t0
             self.running += admit
             if on_prefill is not None:
@@ -223,8 +221,7 @@ class Generator:
         if len(self.waiting) >= self.max_batch - len(self.running):  # they would fill every free slot
             return True
         P = self._prefill_s
-        since = self._waiting_since if self._waiting_since is not None else self.clock()
-        return self._wait_cost >= len(self.running) * P or self.clock() - since >= 2 * P
+        return self._wait_cost >= len(self.running) * P or self.clock() - self.waiting[0].queued_at >= 2 * P
 
     def _admit(self) -> list[Request]:
         """The waiting requests (in order) that fit: a batch slot, the pages of their longest length beside every

@@ -230,19 +230,26 @@ def adamw_tensors(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     fn(params, grads, exp_avgs, exp_avg_sqs, steps, scale, lr, beta1, beta2, eps, weight_decay, skip=skip, lows=lows)
 
 
+def _check_routing(op: str, what: str, x_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int,
+                   topk_group: int) -> None:  # fmt: skip
+    """The routing seams' contract: x [T, E], bias [E], E experts in n_group equal groups, topk_group of them kept,
+    top_k within those."""
+    if x_TE.dim() != 2 or bias_E.shape != x_TE.shape[1:]:
+        raise ValueError(f"{op}: {what} must be [T, E] and bias [E], got {tuple(x_TE.shape)} and "
+                         f"{tuple(bias_E.shape)}")
+    E = x_TE.shape[1]
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or not 1 <= top_k <= topk_group * (E // n_group):
+        raise ValueError(f"{op}: {E} experts in {n_group} groups, {topk_group} groups kept and top_k {top_k} "
+                         "do not fit (E divisible by n_group, 1 <= topk_group <= n_group, 1 <= top_k <= "
+                         "topk_group * E / n_group)")
+
+
 def route_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                top2_groups: bool) -> torch.Tensor:  # fmt: skip
     """The router's choice (no gradient): for each token the top_k experts by scores + bias (scores fp32 [T, E], bias
     [E]) among the topk_group best of n_group equal groups, a group scored by the sum of its best two (top2_groups:
     V3's noaux_tc) or its best (V2's group_limited_greedy) -> ids [T, top_k] int64, in no particular order."""
-    if scores_TE.dim() != 2 or bias_E.shape != scores_TE.shape[1:]:
-        raise ValueError(f"route_topk: scores must be [T, E] and bias [E], got {tuple(scores_TE.shape)} and "
-                         f"{tuple(bias_E.shape)}")
-    E = scores_TE.shape[1]
-    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or not 1 <= top_k <= topk_group * (E // n_group):
-        raise ValueError(f"route_topk: {E} experts in {n_group} groups, {topk_group} groups kept and top_k {top_k} "
-                         "do not fit (E divisible by n_group, 1 <= topk_group <= n_group, 1 <= top_k <= "
-                         "topk_group * E / n_group)")
+    _check_routing("route_topk", "scores", scores_TE, bias_E, top_k, n_group, topk_group)
     return registry.get("route_topk", scores_TE)(scores_TE, bias_E, top_k, n_group, topk_group, top2_groups)
 
 
@@ -253,13 +260,7 @@ def route_weights(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_g
     softmax over the experts), ids as `route_topk` on them, and each chosen expert's weight, its score (normalized
     over the K when norm_topk_prob) times `scale` (routed_scaling_factor) -> (ids [T, K] int64, weights [T, K]
     fp32). What `model.moe.Router.forward` computes after its linear, in one kernel on GPUs (the decode step)."""
-    if logits_TE.dim() != 2 or bias_E.shape != logits_TE.shape[1:]:
-        raise ValueError(f"route_weights: logits must be [T, E] and bias [E], got {tuple(logits_TE.shape)} and "
-                         f"{tuple(bias_E.shape)}")
-    E = logits_TE.shape[1]
-    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or not 1 <= top_k <= topk_group * (E // n_group):
-        raise ValueError(f"route_weights: {E} experts in {n_group} groups, {topk_group} groups kept and top_k "
-                         f"{top_k} do not fit")
+    _check_routing("route_weights", "logits", logits_TE, bias_E, top_k, n_group, topk_group)
     return registry.get("route_weights", logits_TE)(logits_TE, bias_E, top_k, n_group, topk_group, top2_groups,
                                                     sigmoid, norm_topk_prob, scale)  # fmt: skip
 

@@ -67,8 +67,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> scores fp32 [T, E] (unbiased; for the balance loss), topk_ids [T, K], weights fp32 [T, K]."""
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):  # routing stays fp32 under autocast
-            logits_TE = linear_fp32(x_TD, self.weight)  # = F.linear(x.float(), w.float()); tensor cores for bf16
+        logits_TE = self._logits(x_TD)
         scores_TE = logits_TE.sigmoid() if self.scoring_func == "sigmoid" else logits_TE.softmax(dim=-1)
         topk_ids_TK = kernels.route_topk(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.n_group,
                                          self.topk_group, self.scoring_func == "sigmoid")  # group-limited top-k
@@ -81,12 +80,16 @@ class Router(nn.Module):
     def choose(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s topk_ids and weights for inference (no scores, no gradient): the linear, then the rest in one
         kernel on GPUs (`kernels.route_weights`) where `forward` runs about seven."""
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = linear_fp32(x_TD, self.weight)
         sigmoid = self.scoring_func == "sigmoid"
-        return kernels.route_weights(logits_TE, self.e_score_correction_bias, self.top_k, self.n_group,
+        return kernels.route_weights(self._logits(x_TD), self.e_score_correction_bias, self.top_k, self.n_group,
                                      self.topk_group, sigmoid, sigmoid, self.norm_topk_prob,
                                      self.routed_scaling_factor)  # fmt: skip
+
+    def _logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> fp32 [T, E]; routing stays fp32 under autocast (F.linear(x.float(), w.float()), on tensor
+        cores for bf16: `linear_fp32`)."""
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            return linear_fp32(x_TD, self.weight)
 
 
 def addend(add_TD: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor | None:

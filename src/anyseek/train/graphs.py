@@ -71,6 +71,12 @@ def unavailable(device: torch.device, compiled: bool, *, torchrun: bool = False,
     return None
 
 
+def _free_bytes(device: torch.device) -> int:
+    """Bytes free on the GPU once the allocator's unused cache is given back."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 class StepGraphs:
     """Captured forward+backward of micro-batches, keyed by shape bucket.
 
@@ -205,8 +211,7 @@ class StepGraphs:
         argument`) on every rank (16B EP4 on 4 H200s, stops 46 and 47), so all ranks decide together and, where
         one lacks the room, the run goes on eagerly, saying so. (A collective: every rank gets here in the same
         step, since every rank starts without a graph, and `forget` runs on all of them together.)"""
-        torch.cuda.empty_cache()
-        free = torch.cuda.mem_get_info(self.device)[0]
+        free = _free_bytes(self.device)
         mine = free > CAPTURE_MARGIN * warm
         every = self.agree(mine) if self.agree is not None else mine
         if not every:
@@ -219,8 +224,7 @@ class StepGraphs:
     def room(self) -> bool:
         """Whether the GPU has memory for one more graph: its warm-up and its pool (`cost`, as the first one took)
         in what is free once the allocator's unused cache is given back."""
-        torch.cuda.empty_cache()
-        return self.cost is None or torch.cuda.mem_get_info(self.device)[0] > 1.1 * self.cost
+        return self.cost is None or _free_bytes(self.device) > CAPTURE_MARGIN * self.cost
 
     def _covering(self, key: tuple) -> _Graph | None:
         """A captured graph whose buckets hold a batch of `key` (as many tokens, at least its document slots and
