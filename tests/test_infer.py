@@ -367,12 +367,31 @@ def test_eos_and_single_prompt_and_errors():
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
+class _Recording:
+    """Records the experts a router picks (sorted per token) through `forward` (training path) and `choose` (the
+    decode path); `remove()` undoes both."""
+
+    def __init__(self, router, into: list):
+        self.router, pick = router, router.choose
+
+        def choose(x_TD):
+            ids_TK, w_TK = pick(x_TD)
+            into.append(ids_TK.sort(-1).values)
+            return ids_TK, w_TK
+
+        router.choose = choose
+        self.hook = router.register_forward_hook(lambda mod, inp, out: into.append(out[1].sort(-1).values))
+
+    def remove(self) -> None:
+        del self.router.choose
+        self.hook.remove()
+
+
 def _record_routing(model: DeepSeekV3, into: list) -> list:
-    """Forward hooks on every router of `model` that append (layer order) the experts it chose, sorted per token."""
+    """Records, in layer order, the experts every router of `model` chooses."""
     from anyseek.model.moe import Router
 
-    return [m.register_forward_hook(lambda mod, inp, out: into.append(out[1].sort(-1).values))
-            for m in model.modules() if isinstance(m, Router)]  # fmt: skip
+    return [_Recording(m, into) for m in model.modules() if isinstance(m, Router)]
 
 
 @pytest.mark.cuda
@@ -415,6 +434,7 @@ def test_gpu_bf16_decode_within_2x_of_pytorch(case):
                     h.remove()
                 e = (logits[b].float() - r).abs().max().item()
                 err_pt = max(err_pt, (low(ids).logits[-1].float() - r).abs().max().item())
+                assert len(chosen) == len(chosen_ref) > 0, "a router's choice was not recorded"
                 if any(not torch.equal(d[b], f[-1]) for d, f in zip(chosen, chosen_ref)):
                     flips.append((step, b, e))
                     continue
