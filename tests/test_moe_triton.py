@@ -48,6 +48,30 @@ def _lora_case(inputs, rank: int, scale: float, seed: int):
     return run
 
 
+def _inference_case(inputs, dtype, device) -> tuple[list[str], float, float]:
+    """The forward without gradients (decoding), where few rows take the "small_" launch settings and a plan of
+    their row tile: -> (the launch settings the experts asked for, err, err_pt) of y against the fp32 reference,
+    next to the reference in `dtype`; an addend (the shared experts' output) summed in the combine."""
+    from anyseek.kernels.ops import moe
+    from anyseek.kernels.reference.moe import routed_experts as ref_fn
+    from anyseek.kernels.triton import moe as tri
+
+    x, ids, w, gu, dn, _ = (t.to(device) for t in inputs)
+    add = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(device)
+    asked, config = [], tri._config
+    tri._config = lambda dev, kind: asked.append(kind) or config(dev, kind)
+    try:
+        with torch.no_grad():  # weights that require gradients, as a model's parameters do while it decodes
+            gu_p, dn_p = gu.to(dtype).requires_grad_(), dn.to(dtype).requires_grad_()
+            y = moe.routed_experts(x.to(dtype), ids, w, gu_p, dn_p, add_TD=add.to(dtype)).float()
+    finally:
+        tri._config = config
+    with torch.no_grad():
+        ref = ref_fn(x, ids, w, gu, dn) + add
+        pt = ref_fn(x.to(dtype), ids, w, gu.to(dtype), dn.to(dtype)).float() + add.to(dtype).float()
+    return asked, (y - ref).abs().max().item(), (pt - ref).abs().max().item()
+
+
 def _worker() -> None:
     """Runs in the subprocess: every case, determinism, torch.compile, the registry; prints one JSON line."""
     from anyseek.kernels import accuracy
@@ -59,6 +83,16 @@ def _worker() -> None:
         dt = getattr(torch, dtype)
         table = accuracy.moe_error_table(moe.routed_experts, accuracy.moe_inputs(T, D, I, E, K, routing, 1), dt, "cpu")
         results[name] = {"pass": accuracy.passes(table, dt), "table": table}
+    # decoding (no gradients, few rows): the "small_" settings, whose row tile (32 here) differs from the plan's
+    # usual one (16): a plan built for a wider tile would leave rows out (45 tokens over 3 experts: more rows an
+    # expert than one tile)
+    rows = []
+    for T, E, K, routing, dt in [(1, 6, 4, "balanced", torch.float16), (45, 3, 2, "skewed", torch.float16),
+                                 (13, 9, 3, "sparse", torch.float32)]:  # fmt: skip
+        asked, err, err_pt = _inference_case(accuracy.moe_inputs(T, 40, 24, E, K, routing, 3), dt, "cpu")
+        rows.append((asked, err, err_pt, err <= 2 * err_pt + 1e-4))
+    ok = all(r[-1] and r[0] == ["small_gemm", "small_swiglu", "small_gemm"] for r in rows)
+    results["inference_small"] = {"pass": ok, "table": rows}
     # the routing plan: rows grouped by expert, stable, tiles inside one expert, every row in exactly one tile
     ids = accuracy.moe_routing(40, 7, 3, "skewed", torch.Generator().manual_seed(2))
     slot, tok, offs, tile_e, tile_row = moe_plan.build_plan(ids, 7, 16)
@@ -226,7 +260,7 @@ def interp_results():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in INTERP_CASES]
-                         + ["plan", "plan_is_stable_sort", "no_expert_rows", "grad_destination", "lora_grad_destination", "lora", "lora_rank20", "lora_addend",
+                         + ["inference_small", "plan", "plan_is_stable_sort", "no_expert_rows", "grad_destination", "lora_grad_destination", "lora", "lora_rank20", "lora_addend",
                             "deterministic",
                             "compile", "addend", "registry"])
 def test_interpreter(interp_results, name):
@@ -283,6 +317,22 @@ def test_gpu_plan_is_stable_sort(shape, routing):
     ids = accuracy.moe_routing(T, E, K, routing, torch.Generator().manual_seed(T)).cuda()
     got, want = moe_plan.build_plan(ids, E, bm), moe_plan.build_plan_torch(ids, E, bm)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 2048, 1408, 64, 6), (64, 2048, 1408, 64, 6), (170, 2048, 1408, 64, 6),
+                                   (3, 200, 136, 16, 6), (40, 256, 96, 8, 2)])  # fmt: skip
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+def test_gpu_inference_small(shape, routing, dtype):
+    """Decoding's forward (no gradients, at most SMALL_ROWS rows: narrow row tiles) against the fp32 reference:
+    the 16B expert shapes at batch 1, 64 and 170 (1,020 rows), and widths no multiple of the tiles."""
+    from anyseek.kernels import accuracy
+
+    T, D, I, E, K = shape
+    asked, err, err_pt = _inference_case(accuracy.moe_inputs(T, D, I, E, K, routing, 2), dtype, "cuda")
+    assert asked == ["small_gemm", "small_swiglu", "small_gemm"], asked
+    assert err <= 2 * err_pt + 1e-3, (err, err_pt)
 
 
 @pytest.mark.cuda

@@ -14,13 +14,9 @@ import triton
 
 from anyseek import kernels
 from anyseek.kernels.reference.moe import effective_weights
-from anyseek.kernels.triton.moe import _config, experts_bwd, experts_fwd
+from anyseek.kernels.triton.moe import block_m, experts_bwd, experts_fwd, small
 from anyseek.kernels.triton.moe_lora import experts_bwd_lora, experts_fwd_lora
 from anyseek.kernels.triton.moe_plan import build_plan
-
-
-def _block_m(device: torch.device) -> int:
-    return _config(device, "gemm")["BLOCK_M"]
 
 
 @torch.library.custom_op("anyseek::moe_plan", mutates_args=())
@@ -40,13 +36,14 @@ def _(topk_ids, num_experts, block_m):
 def _fwd_op(
     x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slot: torch.Tensor,
     tok: torch.Tensor, offs: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, save: bool,
-    add: torch.Tensor | None = None,
+    add: torch.Tensor | None = None, small_: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return experts_fwd(x, w, gate_up, down, (slot, tok, offs, tile_expert, tile_row), save, add_TD=add)
+    return experts_fwd(x, w, gate_up, down, (slot, tok, offs, tile_expert, tile_row), save, add_TD=add,
+                       small_=small_)  # fmt: skip
 
 
 @_fwd_op.register_fake
-def _(x, w, gate_up, down, slot, tok, offs, tile_expert, tile_row, save, add=None):
+def _(x, w, gate_up, down, slot, tok, offs, tile_expert, tile_row, save, add=None, small_=False):
     M, F = slot.shape[0], gate_up.shape[1]
     return x.new_empty(x.shape), x.new_empty(M if save else 0, F), x.new_empty(M, F // 2)
 
@@ -84,12 +81,15 @@ def _(dy, x, w, gate_up, down, h, act, slot, tok, offs, tile_expert, tile_row, d
 
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, params, add_TD=None):
+    def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI, params, add_TD=None, grad=True):
+        """grad: whether grad mode was on at the call (inside `forward` it is off; needs_input_grad is not)."""
         ctx.params = params  # the weights as parameters, for their gradient destinations (or None)
-        plan = torch.ops.anyseek.moe_plan(topk_ids_TK, gate_up_EFD.shape[0], _block_m(x_TD.device))
+        save = grad and any(ctx.needs_input_grad[:5])
+        few = small(topk_ids_TK.numel(), save)  # decoding: narrow row tiles (their own plan)
+        plan = torch.ops.anyseek.moe_plan(topk_ids_TK, gate_up_EFD.shape[0], block_m(x_TD.device, few))
         w_M = topk_weights_TK.reshape(-1)
-        save = any(ctx.needs_input_grad[:5])
-        y_TD, h_MF, act_MI = torch.ops.anyseek.moe_experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, *plan, save, add_TD)
+        y_TD, h_MF, act_MI = torch.ops.anyseek.moe_experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, *plan, save, add_TD,
+                                                               few)  # fmt: skip
         ctx.save_for_backward(x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan)
         ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
         return y_TD
@@ -109,7 +109,7 @@ class _RoutedExperts(torch.autograd.Function):
                 dy_TD.contiguous(), x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan
             )
         d_add = dy_TD if ctx.needs_input_grad[6] else None  # the addend's gradient is dy itself
-        return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn, None, d_add
+        return dx, None, dw_M.view(ctx.w_shape).to(ctx.w_dtype), dgu, ddn, None, d_add, None
 
 
 def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
@@ -131,7 +131,7 @@ class _LoRARoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, topk_ids_TK, topk_weights_TK, W_gu, W_dn, A_gu, B_gu, A_dn, B_dn, add_TD, scale, dtype,
                 params):  # fmt: skip
-        plan = torch.ops.anyseek.moe_plan(topk_ids_TK, W_gu.shape[0], _block_m(x_TD.device))
+        plan = torch.ops.anyseek.moe_plan(topk_ids_TK, W_gu.shape[0], block_m(x_TD.device))
         w_M = topk_weights_TK.reshape(-1)
         adapters = (A_gu, _scaled(B_gu, scale, dtype), A_dn, _scaled(B_dn, scale, dtype))
         y_TD, h_MF, _, u_gu, u_dn = experts_fwd_lora(x_TD, w_M, W_gu, W_dn, adapters, plan, True, add_TD)
@@ -249,7 +249,7 @@ def routed_experts(
         params = (gate_up_proj_EFD, down_proj_EDI) if same else None
         folded = _foldable(add_TD, dtype, out_dtype)  # (the seam checked its shape)
         y = _RoutedExperts.apply(x, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), gu, dn, params,
-                                 folded)  # fmt: skip
+                                 folded, torch.is_grad_enabled())  # fmt: skip
     return _with_addend(y, add_TD, folded, out_dtype)
 
 

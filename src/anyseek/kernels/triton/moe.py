@@ -64,16 +64,25 @@ from anyseek.kernels.triton.quant4_dq import dq_mode, nf4_lut
 # or B_gu as it lies, [E, F, r], gain nothing). Kept in the loop: given by a narrow pass over dh first, as the other
 # three LoRA GEMMs get theirs, the dx GEMM took 180-189 us plus 28 for the pass against 194-200 (H100, small, 8k).
 # Elsewhere "gemm"'s settings (not measured).
+# "small_swiglu" and "small_gemm" are the forward's two GEMMs without gradients at few rows (decoding: at most
+# SMALL_ROWS routed rows, a handful per expert). There the weights' bytes are the whole cost (the 16B shape at batch
+# 64 reads every expert: 1.1 GB a layer), and 128-row tiles leave most SMs idle at batch 1 (6 experts x 11 column
+# blocks: 66 programs), so narrow row tiles and more column blocks. BLOCK_M equal in both (their own plan).
 _TABLE = {
     "hopper": {"gemm": (128, 256, 64, 16, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 6),
-               "dswiglu": (128, 128, 64, 16, 4), "lora_dx": (128, 256, 64, 8, 4)},
+               "dswiglu": (128, 128, 64, 16, 4), "lora_dx": (128, 256, 64, 8, 4),
+               "small_swiglu": (16, 32, 256, 4, 4), "small_gemm": (16, 64, 256, 4, 4)},
     "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4),
-                  "dswiglu": (128, 64, 32, 8, 4), "lora_dx": (128, 128, 32, 8, 4)},
+                  "dswiglu": (128, 64, 32, 8, 4), "lora_dx": (128, 128, 32, 8, 4),
+                  "small_swiglu": (16, 32, 128, 4, 4), "small_gemm": (16, 64, 128, 4, 4)},
     "consumer": {"gemm": (128, 64, 32, 4, 3), "swiglu": (128, 32, 32, 4, 3), "wgrad": (64, 128, 32, 4, 3),
-                 "dswiglu": (128, 32, 32, 4, 3), "lora_dx": (128, 64, 32, 4, 3)},
+                 "dswiglu": (128, 32, 32, 4, 3), "lora_dx": (128, 64, 32, 4, 3),
+                 "small_swiglu": (16, 32, 64, 4, 3), "small_gemm": (16, 64, 64, 4, 3)},
     "interpreter": {"gemm": (16, 16, 16, 1, 1), "swiglu": (16, 16, 16, 1, 1), "wgrad": (16, 16, 16, 1, 1),
-                    "dswiglu": (16, 16, 16, 1, 1), "lora_dx": (16, 16, 16, 1, 1)},
+                    "dswiglu": (16, 16, 16, 1, 1), "lora_dx": (16, 16, 16, 1, 1),
+                    "small_swiglu": (32, 16, 16, 1, 1), "small_gemm": (32, 32, 16, 1, 1)},
 }
+SMALL_ROWS = 1024  # routed rows (T*K) up to which a forward without gradients takes the "small_" settings
 GROUP_M = 8  # row tiles side by side in the launch order, so that they share each weight tile in L2
 
 
@@ -231,12 +240,23 @@ def _nk(t):
     return t.stride(0), t.stride(2), t.stride(1)
 
 
+def small(M: int, save: bool) -> bool:
+    """Whether the forward of M routed rows takes the "small_" launch settings (and a plan of their BLOCK_M)."""
+    return not save and M <= SMALL_ROWS
+
+
+def block_m(device: torch.device, small_: bool = False) -> int:
+    """The row tile the routing plan is built for: the grouped GEMMs' (all equal), or the "small_" ones'."""
+    return _config(device, "small_gemm" if small_ else "gemm")["BLOCK_M"]
+
+
 def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None, low_dn=None, add_TD=None,
-                l_token_gu=None):  # fmt: skip
+                l_token_gu=None, small_: bool = False):  # fmt: skip
     """-> y [T, D] (+ add_TD, a contiguous [T, D] addend, when given), h [M, F] (pre-activations, empty unless
     save), act [M, I] (weighted SwiGLU output). low_gu / low_dn: the two GEMMs' rank-r terms (see `_gemm`; LoRA,
     `experts_fwd_lora`); l_token_gu: the first one's products per token (`_gemm`'s l_token); the second one's are
-    made by a narrow pass first (`_narrow`)."""
+    made by a narrow pass first (`_narrow`). small_: the "small_" settings (`small`; the plan built for their
+    `block_m`)."""
     T, D = x_TD.shape
     F = gate_up_EFD.shape[1]
     I = F // 2
@@ -245,13 +265,14 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None,
     h_MF = x_TD.new_empty(M if save else 0, F)
     if M == 0:
         return (x_TD.new_zeros(T, D) if add_TD is None else add_TD.clone()), h_MF, act_MI
-    _gemm(x_TD, gate_up_EFD, _nk(gate_up_EFD), act_MI, plan, I, D, _config(x_TD.device, "swiglu"), gather=True,
+    pre = "small_" if small_ else ""
+    _gemm(x_TD, gate_up_EFD, _nk(gate_up_EFD), act_MI, plan, I, D, _config(x_TD.device, pre + "swiglu"), gather=True,
           epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=low_gu,
           l_token=l_token_gu)  # fmt: skip
     y_slot_MD = x_TD.new_empty(M, D)
     if low_dn is not None:
         _narrow(act_MI, low_dn[1], low_dn[2], plan, I, low_dn[0])
-    _gemm(act_MI, down_EDI, _nk(down_EDI), y_slot_MD, plan, D, I, _config(x_TD.device, "gemm"), scatter=True,
+    _gemm(act_MI, down_EDI, _nk(down_EDI), y_slot_MD, plan, D, I, _config(x_TD.device, pre + "gemm"), scatter=True,
           low_rank=low_dn, l_rows=low_dn is not None)  # fmt: skip
     return _sum_k(y_slot_MD, T, x_TD.dtype, add_TD), h_MF, act_MI
 
