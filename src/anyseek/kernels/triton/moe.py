@@ -67,11 +67,16 @@ from anyseek.kernels.triton.quant4_dq import dq_mode, nf4_lut
 # "small_swiglu" and "small_gemm" are the forward's two GEMMs without gradients at few rows (decoding: at most
 # SMALL_ROWS routed rows, a handful per expert). There the weights' bytes are the whole cost (the 16B shape at batch
 # 64 reads every expert: 1.1 GB a layer), and 128-row tiles leave most SMs idle at batch 1 (6 experts x 11 column
-# blocks: 66 programs), so narrow row tiles and more column blocks. BLOCK_M equal in both (their own plan).
+# blocks: 66 programs), so narrow row tiles and more column blocks. BLOCK_M equal in both (their own plan). Swept
+# on an H200 (benchmarks/moe_decode.py --sweep, 16B experts, one layer of 8 in a CUDA graph, plan included): us a
+# layer at batch 1 / 8 / 64 / 170, training settings 98.9 / 264.1 / 383.2 / 377.5 -> these 51.4 / 177.4 / 285.2 /
+# 322.3 (floor 21.6 / 137 / 231 / 231: the chosen experts' bytes at 4.8 TB/s). With 16-row tiles the other
+# candidates (32-128 columns, K steps of 128-256, 3-6 stages, 4 or 8 warps) were within 10%; 64-row tiles 25-70%
+# slower. Elsewhere not measured (the same shape of settings, smaller K steps).
 _TABLE = {
     "hopper": {"gemm": (128, 256, 64, 16, 4), "swiglu": (128, 128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 6),
                "dswiglu": (128, 128, 64, 16, 4), "lora_dx": (128, 256, 64, 8, 4),
-               "small_swiglu": (16, 32, 256, 4, 4), "small_gemm": (16, 64, 256, 4, 4)},
+               "small_swiglu": (16, 32, 256, 4, 3), "small_gemm": (16, 128, 128, 4, 4)},
     "ampere_dc": {"gemm": (128, 128, 32, 8, 4), "swiglu": (128, 64, 32, 8, 4), "wgrad": (128, 128, 32, 8, 4),
                   "dswiglu": (128, 64, 32, 8, 4), "lora_dx": (128, 128, 32, 8, 4),
                   "small_swiglu": (16, 32, 128, 4, 4), "small_gemm": (16, 64, 128, 4, 4)},
