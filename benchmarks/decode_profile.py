@@ -23,6 +23,7 @@ p.add_argument("flavor", nargs="?", default="16B")
 p.add_argument("--batches", default="1,64")
 p.add_argument("--context", type=int, default=256)
 p.add_argument("--top", type=int, default=25)
+p.add_argument("--max-len", type=int, default=None, help="the engine's longest sequence (default context + 64)")
 p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200: 4.8 TB/s)")
 p.add_argument("--moe-small", default=None, help="JSON of the experts' small_ launch settings (moe_decode.py --out)")
 a = p.parse_args()
@@ -51,7 +52,7 @@ for B in [int(b) for b in a.batches.split(",")]:
     ids = list(range(B))
     row = {}
     for graphs in (True, False):
-        eng = Engine(model, max_batch=B, max_len=a.context + 64, cuda_graphs=graphs)
+        eng = Engine(model, max_batch=B, max_len=a.max_len or a.context + 64, cuda_graphs=graphs)
         eng.prefill(ids, [rand(a.context) for _ in ids])
         toks = [rand(B) for _ in range(40)]
         for t in toks[:5]:
