@@ -272,6 +272,30 @@ def _experts_mode_results(results: dict) -> None:
         table = _experts_table(quant4_moe.lora_routed_experts, case, torch.float32)
         results[f"experts_{name}"] = {"pass": interpreter.passes(table, 1e-4), "table": table}
     os.environ.pop("ANYSEEK_QUANT4_DQ", None)
+    # the pre-pass route (ANYSEEK_QUANT4_EXPERTS): experts dequantized a chunk at a time (here at most 2 a chunk:
+    # the chunks' tiles renumbered, the offsets, adapters and per-token products read from the chunk's first
+    # expert on), then the plain grouped GEMMs in the activations' dtype (fp32 and fp16 here); empty experts
+    from anyseek.kernels.triton import moe
+
+    chunks, dequantize, limit = [], moe.dequantize, moe.QUANT4_CHUNK_BYTES
+    moe.dequantize = lambda packed, dtype: chunks.append(packed.shape[0]) or dequantize(packed, dtype)
+    os.environ["ANYSEEK_QUANT4_EXPERTS"] = "prepass"
+    try:
+        case = _experts_case(T=13, E=5, kind="sparse")
+        moe.QUANT4_CHUNK_BYTES = 2 * case[3].shape[1] * quant4.in_features(case[3]) * 4  # 2 gate|up experts in fp32
+        rows = [_experts_table(quant4_moe.lora_routed_experts, case, dt) for dt in (torch.float32, torch.float16)]
+    finally:
+        moe.dequantize, moe.QUANT4_CHUNK_BYTES = dequantize, limit
+        del os.environ["ANYSEEK_QUANT4_EXPERTS"]
+    ok = interpreter.passes(rows[0], 1e-4) and interpreter.passes(rows[1], 1e-4) and 2 in chunks and 1 in chunks
+    results["experts_prepass"] = {"pass": ok, "table": [rows, chunks]}
+    os.environ["ANYSEEK_QUANT4_EXPERTS"] = "bogus"
+    try:
+        moe._prepass(1, 1)
+        results["experts_env"] = {"pass": False, "table": "no error"}
+    except ValueError as e:
+        results["experts_env"] = {"pass": "auto, fused or prepass" in str(e), "table": str(e)}
+    del os.environ["ANYSEEK_QUANT4_EXPERTS"]
 
 
 def _worker() -> None:
@@ -303,7 +327,7 @@ def interp_results():
 
 @pytest.mark.parametrize("name", ["linear_float32", "linear_float16", "experts_sparse_float32",
                                   "experts_sparse_float16", "matmuls", "dq_legacy", "dq_select", "dq_gather", "dq_env",
-                                  "dense_prepass", "experts_select"])  # fmt: skip
+                                  "dense_prepass", "experts_select", "experts_prepass", "experts_env"])  # fmt: skip
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err kernel, err torch)")
 
@@ -339,6 +363,21 @@ def test_gpu_every_lookup_form(form, monkeypatch):
     ex = _experts_case(T=200, D=256, I=128, E=8, K=3, kind="skewed", rank=16)
     ex = [t.cuda() if torch.is_tensor(t) else [a.cuda() for a in t] for t in ex]
     assert interpreter.passes(_experts_table(quant4_moe.lora_routed_experts, ex, torch.bfloat16), 1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_experts_prepass(dtype, monkeypatch):
+    """The routed experts' pre-pass route (4-bit stacks dequantized a chunk of experts at a time, then the bf16
+    grouped GEMMs) within the 2x rule, with chunks of 3 experts (the last one short) and a skewed routing."""
+    from anyseek.kernels.triton import moe, quant4_moe
+
+    monkeypatch.setenv("ANYSEEK_QUANT4_EXPERTS", "prepass")
+    ex = _experts_case(T=300, D=256, I=128, E=8, K=3, kind="skewed", rank=16)
+    monkeypatch.setattr(moe, "QUANT4_CHUNK_BYTES", 3 * 256 * 256 * 2)
+    ex = [t.cuda() if torch.is_tensor(t) else [a.cuda() for a in t] for t in ex]
+    assert interpreter.passes(_experts_table(quant4_moe.lora_routed_experts, ex, dtype), 1e-3)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ Shape legend: T tokens, K experts per token, M = T*K routed rows, E experts, D h
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +36,7 @@ from anyseek.kernels.triton.moe_gemm import (
     _grouped_gemm_kernel,
     _grouped_wgrad_kernel,
 )
-from anyseek.kernels.triton.quant4_dq import dq_mode, nf4_lut
+from anyseek.kernels.triton.quant4_dq import dequantize, dq_mode, nf4_lut
 
 # Launch settings per GPU family: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). "gemm" serves the plain and
 # the dSwiGLU epilogues, "swiglu" the forward GEMM with two accumulators (gate and up), "wgrad" the weight
@@ -111,12 +113,52 @@ def _prec(dtype: torch.dtype) -> str:
 # launchers
 
 
+QUANT4_CHUNK_BYTES = 96 << 20  # the 4-bit experts' pre-pass: at most this much of them in bf16 at once
+PREPASS_ROWS_PER_EXPERT = 128  # ... taken from this many routed rows an expert on average (ANYSEEK_QUANT4_EXPERTS)
+
+
+def _prepass(M: int, E: int) -> bool:
+    """Whether a grouped GEMM over 4-bit experts (M routed rows, E experts) dequantizes them first, a chunk of experts
+    at a time (`_gemm_prepass`), or inside the GEMM. ANYSEEK_QUANT4_EXPERTS: `auto` (default): the pre-pass from
+    PREPASS_ROWS_PER_EXPERT rows an expert on average; `fused`, `prepass`: always that route; anything else is an
+    error naming the choices. Why: the fused GEMM dequantizes each weight tile once per row tile of its expert, the
+    pre-pass once. On an H200 (stop 47, benchmarks/quant4_gemm.py, 16B experts at 4,096 tokens: 384 rows an
+    expert) dequantize + the bf16 grouped GEMM took 0.39-0.73x the best fused kernel's time on all four GEMMs."""
+    route = os.environ.get("ANYSEEK_QUANT4_EXPERTS", "auto")
+    if route not in ("auto", "fused", "prepass"):
+        raise ValueError(f"ANYSEEK_QUANT4_EXPERTS={route!r}: choose auto, fused or prepass")
+    return route == "prepass" or (route == "auto" and M >= PREPASS_ROWS_PER_EXPERT * E)
+
+
+def _gemm_prepass(a, b_e, strides_b, c, plan, N, K_red, cfg, low_rank=None, l_token=None, **kw):
+    """`_gemm` over a packed 4-bit stack b_e, a chunk of experts at a time: the chunk dequantized to A's dtype (at
+    most QUANT4_CHUNK_BYTES), then the bf16 GEMM over the tiles of its experts (the tile map renumbered from the
+    chunk's first expert; the offsets, the LoRA terms and the per-token products read from there on)."""
+    slot, tok, offs, tile_expert, tile_row = plan
+    E, k_in = b_e.shape[0], strides_b[1] == 1  # (k along the packed rows: the forward's B^T)
+    per = max(1, QUANT4_CHUNK_BYTES // (b_e.shape[1] * in_features(b_e) * a.element_size()))
+    r = 0 if low_rank is None else low_rank[0].shape[1]
+    for lo in range(0, E, per):
+        hi = min(E, lo + per)
+        W = dequantize(b_e[lo:hi], a.dtype)
+        tiles = torch.where((tile_expert >= lo) & (tile_expert < hi), tile_expert - lo, -1)
+        low = None if low_rank is None else (low_rank[0], low_rank[1][lo:hi], low_rank[2], low_rank[3][lo:hi],
+                                             low_rank[4])  # fmt: skip
+        _gemm(a, W, _nk(W) if k_in else _kn(W), c, (slot, tok, offs[lo:], tiles, tile_row), N, K_red, cfg,
+              low_rank=low, l_token=None if l_token is None else l_token[:, lo * r:], **kw)  # fmt: skip
+
+
 def _gemm(a, b_e, strides_b, c, plan, N, K_red, cfg, *, gather=False, scatter=False, epi=EPI_PLAIN, h=None,
           w=None, dw=None, save_h=False, up_cols=0, low_rank=None, l_token=None, l_rows=False):  # fmt: skip
     """C[r] = A[row(r)] @ B_e over the plan's row tiles (see `_grouped_gemm_kernel`). low_rank = (L [M, r], P [E, ...],
     P's strides as (expert, k, n), R [E, ...], R's strides): C[r] = A[row(r)] @ (B_e + P_e R_e), and L (row order)
     receives A[row(r)] @ P_e. Or, instead of forming that product in the loop (P then unread): l_token (gathered A
-    only), A @ P_e for every token and expert, [T, E*r] (`_per_token`); l_rows, L already holds it (`_narrow`)."""
+    only), A @ P_e for every token and expert, [T, E*r] (`_per_token`); l_rows, L already holds it (`_narrow`).
+    A packed 4-bit b_e: dequantized in the loop over K, or first, a chunk of experts at a time (`_prepass`)."""
+    if b_e.dtype == torch.uint8 and _prepass(plan[0].numel(), b_e.shape[0]):
+        return _gemm_prepass(a, b_e, strides_b, c, plan, N, K_red, cfg, gather=gather, scatter=scatter, epi=epi,
+                             h=h, w=w, dw=dw, save_h=save_h, up_cols=up_cols, low_rank=low_rank, l_token=l_token,
+                             l_rows=l_rows)  # fmt: skip
     slot, tok, offs, tile_expert, tile_row = plan
     n_m = tile_expert.numel()
     h = c if h is None else h
