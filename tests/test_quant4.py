@@ -198,6 +198,22 @@ def test_lora_routed_experts_seam_takes_packed_stacks_and_matches_fp64():
         assert torch.allclose(a, t, rtol=1e-4, atol=1e-4)
 
 
+def test_experts_prepass_route_is_taken_while_capturing_from_128_rows_an_expert(monkeypatch):
+    """ANYSEEK_QUANT4_EXPERTS=auto: the 4-bit experts are dequantized first only inside a CUDA-graph capture (eager,
+    its extra launches cost more host time than they save) and from 128 routed rows an expert on average."""
+    from anyseek.kernels.triton import moe
+
+    monkeypatch.delenv("ANYSEEK_QUANT4_EXPERTS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capturing in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        assert [moe._prepass(M, 64) for M in (24576, 8192, 8191, 6)] == [capturing, capturing, False, False]
+    monkeypatch.setenv("ANYSEEK_QUANT4_EXPERTS", "fused")
+    assert not moe._prepass(24576, 64)
+    monkeypatch.setenv("ANYSEEK_QUANT4_EXPERTS", "prepass")
+    assert moe._prepass(6, 64)
+
+
 # ---------------------------------------------------------------- the Triton kernels, in the interpreter
 
 

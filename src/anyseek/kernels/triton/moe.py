@@ -119,15 +119,21 @@ PREPASS_ROWS_PER_EXPERT = 128  # ... taken from this many routed rows an expert 
 
 def _prepass(M: int, E: int) -> bool:
     """Whether a grouped GEMM over 4-bit experts (M routed rows, E experts) dequantizes them first, a chunk of experts
-    at a time (`_gemm_prepass`), or inside the GEMM. ANYSEEK_QUANT4_EXPERTS: `auto` (default): the pre-pass from
-    PREPASS_ROWS_PER_EXPERT rows an expert on average; `fused`, `prepass`: always that route; anything else is an
-    error naming the choices. Why: the fused GEMM dequantizes each weight tile once per row tile of its expert, the
-    pre-pass once. On an H200 (stop 47, benchmarks/quant4_gemm.py, 16B experts at 4,096 tokens: 384 rows an
-    expert) dequantize + the bf16 grouped GEMM took 0.39-0.73x the best fused kernel's time on all four GEMMs."""
+    at a time (`_gemm_prepass`), or inside the GEMM. ANYSEEK_QUANT4_EXPERTS: `auto` (default): the pre-pass while a
+    CUDA graph is being captured, from PREPASS_ROWS_PER_EXPERT rows an expert on average; `fused`, `prepass`: always
+    that route; anything else is an error naming the choices.
+
+    Why: the fused GEMM dequantizes each weight tile once per row tile of its expert, the pre-pass once, but it
+    launches ~3 kernels a chunk. On an H200 (16B experts at 4,096 tokens: 384 rows an expert) dequantize + the bf16
+    grouped GEMM took 0.39-0.73x the best fused kernel's time on all four GEMMs (stop 47, quant4_gemm.py), and the
+    16B LoRA trainer step with its forward and backward in one CUDA graph 338 -> 248 ms (bf16 base: 187). Eager,
+    where every launch costs host time, the same step went 555 -> 811 ms: there the fused kernel stays."""
     route = os.environ.get("ANYSEEK_QUANT4_EXPERTS", "auto")
     if route not in ("auto", "fused", "prepass"):
         raise ValueError(f"ANYSEEK_QUANT4_EXPERTS={route!r}: choose auto, fused or prepass")
-    return route == "prepass" or (route == "auto" and M >= PREPASS_ROWS_PER_EXPERT * E)
+    if route != "auto":
+        return route == "prepass"
+    return M >= PREPASS_ROWS_PER_EXPERT * E and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _gemm_prepass(a, b_e, strides_b, c, plan, N, K_red, cfg, low_rank=None, l_token=None, **kw):
