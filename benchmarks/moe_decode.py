@@ -79,6 +79,8 @@ batches = [int(b) for b in a.batches.split(",")]
 ref = {T: time_us(T, False) for T in batches}
 if a.sweep:
     results = []
+    print("| GEMM, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) | batch 1 us | batch 64 us | max diff |")
+    print("| --- | --- | --- | --- |")
     for bm in (16, 64):
         sw, gm = (bm, 32, 256, 4, 4), (bm, 64, 256, 4, 4)
         for kind in ("swiglu", "gemm"):
