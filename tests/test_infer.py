@@ -297,6 +297,53 @@ def test_scheduler_admits_by_pages_and_budget_and_cancels(monkeypatch):
     assert waiting == [2, 0]  # 20 prompt tokens, then 20 + 3
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_lookahead_steps_give_the_tokens_of_plain_steps(paged, monkeypatch):
+    """`lookahead`: each decode step launched before the previous step's tokens are read back (its inputs taking them
+    on the device) gives every request exactly the tokens and finish reason of plain stepping: greedy and sampled
+    rows in one batch, requests admitted while others run, ends by eos, by a stop rule, by max_new_tokens (1 too)
+    and by the context; a cancelled one keeps a prefix of its tokens; every page comes back. The paged step and the
+    CPU's block step (which reads the previous tokens back itself)."""
+    if paged:
+        monkeypatch.setattr(engine_module, "supports", lambda model: False)
+    model = make_model("no_qlora_halfsplit")
+    hot = SamplingParams(temperature=0.9, top_k=20, seed=3)
+    greedy = SamplingParams(temperature=0)
+    prompts = [list(range(1, 21)), [7, 8, 9], list(range(30, 50)), [5], list(range(60, 80)), list(range(2, 70))]
+    new = [12, 1, 30, 9, 7, 40]  # the last one meets the context (max_len 80) first
+
+    def run(lookahead: bool, eos=frozenset(), cancel_at=None):
+        gen = Generator(model, max_batch=3, max_len=80, lookahead=lookahead)
+        reqs = [Request(p, n, id=i, key=i, params=hot if i % 2 else greedy, eos=eos,
+                        stop=(lambda toks: len(toks) >= 5 and toks[-1] % 2 == 0) if i == 2 else None)
+                for i, (p, n) in enumerate(zip(prompts, new))]  # fmt: skip
+        for r in reqs:
+            gen.submit(r)
+        calls, seen = 0, []
+        while gen.waiting or gen.running:
+            gen.step()
+            calls += 1
+            seen.append(len(reqs[0].tokens))
+            if calls == cancel_at:
+                gen.cancel(reqs[2])
+        assert gen._pending is None and not gen.engine.cache.seqs
+        assert gen.engine.cache.num_free_pages == gen.engine.num_pages
+        return [(r.tokens, r.finish_reason) for r in reqs], seen
+
+    plain, seen_plain = run(False)
+    ahead, seen_ahead = run(True)
+    assert ahead == plain
+    assert [f for _, f in plain] == ["length", "length", "stop", "length", "length", "length"]
+    assert len(plain[5][0]) == 80 - 68 < new[5]  # the context (max_len 80) ended it
+    assert seen_ahead[:3] == [1, 2, 3] and seen_plain[:3] == [2, 3, 4]  # a step's tokens one call later
+    eos = frozenset({plain[0][0][3], plain[3][0][2]})  # ends request 0 (and maybe others) part-way
+    plain, _ = run(False, eos)
+    assert run(True, eos)[0] == plain and "eos" in [f for _, f in plain]
+    cancelled, _ = run(True, cancel_at=4)
+    assert cancelled[2][1] == "cancelled" and plain[2][0][: len(cancelled[2][0])] == cancelled[2][0]
+    assert [c for i, c in enumerate(cancelled) if i != 2] == [c for i, c in enumerate(run(False)[0]) if i != 2]
+
+
 def test_batched_arrivals_wait_while_waiting_costs_less_than_a_prefill():
     """`batch_arrivals`: while sequences decode, arrivals wait until the decoding they lost waiting (each waiting
     request with a free slot loses every step's time) reaches what a prefill stalls (R running x P, the last
@@ -392,6 +439,29 @@ def _record_routing(model: DeepSeekV3, into: list) -> list:
     from anyseek.model.moe import Router
 
     return [_Recording(m, into) for m in model.modules() if isinstance(m, Router)]
+
+
+@pytest.mark.cuda
+def test_gpu_lookahead_equals_plain_steps():
+    """On a GPU with CUDA graphs (the default there), each step's inputs take the previous step's sampled tokens on
+    the device (no host sync): the same tokens as plain stepping, greedy and sampled, with admissions and ends."""
+    model = make_model("qlora_yarn_interleave").cuda()
+    prompts = [list(range(1, 21)), [7, 8, 9], list(range(30, 50)), [5], list(range(60, 80))]
+    new = [14, 1, 25, 9, 7]
+
+    def run(lookahead):
+        gen = Generator(model, max_batch=3, max_len=80, lookahead=lookahead)
+        reqs = [Request(p, n, id=i, key=i, params=SamplingParams(temperature=0.9 * (i % 2), top_k=20, seed=3))
+                for i, (p, n) in enumerate(zip(prompts, new))]  # fmt: skip
+        for r in reqs:
+            gen.submit(r)
+        while gen.waiting or gen.running:
+            gen.step()
+        assert gen.engine._graphs and not gen.engine.cache.seqs
+        return gen.lookahead, [(r.tokens, r.finish_reason) for r in reqs]
+
+    default, ahead = run(None)
+    assert default and ahead == run(False)[1]
 
 
 @pytest.mark.cuda

@@ -48,6 +48,7 @@ class Engine:
         self.width = per_seq
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
+        self._turn = 0  # which of a graph's two host input buffers the next step fills
         self.cpu = CpuDecoder(model, self.cache, max_len, per_seq) if cpu else None  # few-op CPU steps
 
     def pages_needed(self, n_tokens: int) -> int:
@@ -144,10 +145,16 @@ class Engine:
 
     # ---- one-token decode, graph-captured on CUDA -------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, seq_ids: list[int], ids: list[int]) -> torch.Tensor:
+    def decode(self, seq_ids: list[int], ids: list[int], prev: tuple[torch.Tensor, list[int]] | None = None
+               ) -> torch.Tensor:  # fmt: skip
         """One new token per sequence -> logits fp32 [B, V] (a view into a static buffer when graph-replayed: read it
-        before the next call)."""
+        before the next call). prev = (tokens [B'] on the device, src [B]): row b's token is tokens[src[b]] where
+        src[b] >= 0, else ids[b]; so a step can be launched before the previous one's sampled tokens reach the host
+        (`Generator`'s lookahead; with graphs no host sync, elsewhere they are read back first)."""
         B = len(seq_ids)
+        if prev is not None and not (self.use_graphs and self.cpu is None):
+            got = prev[0].tolist()
+            ids, prev = [got[j] if j >= 0 else t for t, j in zip(ids, prev[1])], None
         if self.cpu is not None:
             return self._cpu_decode(seq_ids, ids)
         if not self.use_graphs:
@@ -162,14 +169,27 @@ class Engine:
             table += self.cache.table_row(sid, self.width)
             lens.append(s + 1)
         pad = bucket - B  # padded rows read and write the scratch page 0
+        if prev is not None:  # -(j + 1) marks "the previous step's token j" (resolved on the device below)
+            ids = [-j - 1 if j >= 0 else t for t, j in zip(ids, prev[1])]
         row = [ids + [0] * pad, pos + [0] * pad, slots + [0] * pad, table + [0] * (pad * self.width),
                lens + [1] * pad]  # fmt: skip
         graph = self._graphs.get(bucket) or self._capture(bucket)
         if graph is None:
-            return self.extend(seq_ids, [[t] for t in ids])[0]
+            if prev is not None:
+                got = prev[0].tolist()
+                ids = [got[-t - 1] if t < 0 else t for t in ids[:B]]
+            return self.extend(seq_ids, [[t] for t in ids[:B]])[0]
         g, static_in, logits, host_in = graph
-        host_in.copy_(torch.tensor([v for r in row for v in r], dtype=torch.int64))  # the previous copy is done:
-        static_in.copy_(host_in, non_blocking=True)  # the caller read the last step's sampled ids
+        # two host buffers in turn: this one's last copy (two steps ago) is done, as the caller has read that step's
+        # sampled ids since; the previous step's copy may still be in flight (lookahead)
+        buf = host_in[self._turn % 2]
+        self._turn += 1
+        buf.copy_(torch.tensor([v for r in row for v in r], dtype=torch.int64))
+        static_in.copy_(buf, non_blocking=True)
+        if prev is not None:
+            tok = static_in[:B]
+            got = prev[0].index_select(0, (-tok - 1).clamp(0, prev[0].numel() - 1))
+            tok.copy_(torch.where(tok < 0, got, tok))
         g.replay()
         for sid, s in zip(seq_ids, starts):
             self.cache.seqs[sid].length = s + 1
@@ -226,7 +246,8 @@ class Engine:
                           stacklevel=3)  # fmt: skip
             self.use_graphs = False
             return None
-        self._graphs[bucket] = (g, static_in, logits, torch.empty_like(static_in, device="cpu").pin_memory())
+        self._graphs[bucket] = (g, static_in, logits, [torch.empty_like(static_in, device="cpu").pin_memory()
+                                                       for _ in range(2)])  # fmt: skip
         return self._graphs[bucket]
 
     # ---- MTP drafting -----------------------------------------------------------------------------------------

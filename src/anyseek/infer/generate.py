@@ -86,11 +86,19 @@ class Generator:
     model's eager forward on a GPU), R running sequences losing R * P of decoding; each step the waiting requests
     do not decode costs them that step's time each. They are admitted once what they lost waiting reaches R * P
     (the rent-or-buy rule, at most twice the best choice in hindsight), once the oldest has waited 2 P, when they
-    would fill every free slot, or when nothing decodes; P is the last prefill's duration."""
+    would fill every free slot, or when nothing decodes; P is the last prefill's duration.
+
+    lookahead (default: where decode steps are CUDA graphs, without speculation): each decode step is launched
+    before the previous step's sampled tokens are read back, its inputs taking them on the device, so the GPU runs
+    it while the host accepts those tokens, streams them and prepares the next step (that host time otherwise
+    leaves the GPU idle every step). A sequence that turns out finished (eos, a stop string, a cancel) has had one
+    step computed for nothing; one that ends by length is not launched again. The tokens are those of plain
+    stepping (each draw's noise is keyed by its request and index, never by its batch)."""
 
     def __init__(self, model, max_batch: int = 32, max_len: int | None = None, cuda_graphs: bool = True,
                  speculative: str | None = None, cache_tokens: int | None = None,
-                 prefill_tokens: int | None = None, batch_arrivals: bool = False):  # fmt: skip
+                 prefill_tokens: int | None = None, batch_arrivals: bool = False,
+                 lookahead: bool | None = None):  # fmt: skip
         if speculative not in (None, "mtp"):
             raise GenerationError(f"speculative must be None or 'mtp', got {speculative!r}")
         if speculative == "mtp" and not len(model.mtp):
@@ -103,6 +111,10 @@ class Generator:
         self._prefill_s = 0.0  # the last prefill's seconds (P)
         self._wait_cost = 0.0  # the decoding the waiting requests lost since the last admission (sequence-seconds)
         self.engine = Engine(model, max_batch, self.max_len, cuda_graphs=cuda_graphs, cache_tokens=cache_tokens)
+        if lookahead and speculative:
+            raise GenerationError("lookahead decoding does not combine with speculative='mtp'")
+        self.lookahead = self.engine.use_graphs and not speculative if lookahead is None else lookahead
+        self._pending: tuple[list[Request], torch.Tensor] | None = None  # the step in flight and its sampled ids
         self.sampler = Sampler(SamplingParams(), model.config.vocab_size, max_batch, self.engine.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -171,7 +183,7 @@ class Generator:
             self.engine.free(sid)
         self.running, self.waiting = [], deque()
         self.free_slots = list(range(self.max_batch - 1, -1, -1))
-        self._wait_cost = 0.0
+        self._wait_cost, self._pending = 0.0, None
 
     def pages_needed(self, r: Request) -> int:
         """Cache pages `r` holds at its longest (its prompt, max_new_tokens, a draft)."""
@@ -197,6 +209,9 @@ class Generator:
             if on_prefill is not None:
                 on_prefill(admit)
         self._retire()  # finished at their first token
+        if self.lookahead:
+            stepped = self._step_ahead()
+            return stepped if not admit else list({id(r): r for r in admit + stepped}.values())
         if not self.running:
             return admit
         self.stats.steps += 1
@@ -258,6 +273,39 @@ class Generator:
         ids = self.sampler(logits_BV, [r.slot for r in running], self._keys(running)).tolist()  # host sync
         for r, t in zip(running, ids):
             self._accept(r, t)
+
+    def _step_ahead(self) -> list[Request]:
+        """A decode step for the running sequences launched before the previous step's tokens are read back
+        (`lookahead`); then those tokens accepted while the GPU runs it. -> the requests of the previous step."""
+        prev = self._pending
+        rows = {id(r): j for j, r in enumerate(prev[0])} if prev is not None else {}
+        launch = [r for r in self.running if not self._ends_by_length(r, id(r) in rows)]
+        t0 = self.clock()
+        self._pending = None
+        if launch:
+            src = [rows.get(id(r), -1) for r in launch]  # its token: the previous step's row j, or its last one
+            last = [r.tokens[-1] if j < 0 else 0 for r, j in zip(launch, src)]
+            logits_BV = self.engine.decode([r.id for r in launch], last, None if prev is None else (prev[1], src))
+            keys = [(r.key, len(r.tokens) + (j >= 0)) for r, j in zip(launch, src)]
+            self._pending = (launch, self.sampler(logits_BV, [r.slot for r in launch], keys))
+            self.stats.steps += 1
+            self.stats.decode_rows += len(launch)
+        if prev is not None:
+            for r, t in zip(prev[0], prev[1].tolist()):  # host sync: the GPU has the next step already
+                self._accept(r, t)
+        took = self.clock() - t0
+        self.stats.decode_seconds += took
+        if self.waiting:
+            self._wait_cost += min(len(self.waiting), self.max_batch - len(launch)) * took
+        self._retire()
+        if not self.running:  # (a step launched for sequences that all turned out finished: nothing to read)
+            self._pending = None
+        return prev[0] if prev is not None else []
+
+    def _ends_by_length(self, r: Request, pending: bool) -> bool:
+        """Whether `r` is done once its pending token (if any) is accepted, whatever that token: its length limit."""
+        n = len(r.tokens) + pending
+        return r.finish_reason is not None or n >= r.max_new_tokens or len(r.prompt) + n >= self.max_len - 2
 
     def _spec_step(self, running: list[Request]) -> None:
         eng, stats = self.engine, self.stats

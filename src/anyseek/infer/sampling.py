@@ -67,11 +67,11 @@ class Sampler:
             self._track()
         if self.seen is not None:
             self.seen[slot] = False
-            self.seen[slot, torch.tensor(tokens, device=self.seen.device)] = True
+            self.seen[slot, _h2d(tokens, self.seen.device)] = True
 
     def mark(self, slots: list[int], ids_B: torch.Tensor) -> None:
         if self.seen is not None:
-            self.seen[torch.tensor(slots, device=ids_B.device), ids_B] = True
+            self.seen[_h2d(slots, ids_B.device), ids_B] = True
 
     def __call__(self, logits_BV: torch.Tensor, slots: list[int], keys: list[tuple[int, int]]) -> torch.Tensor:
         """fp32 logits [B, V] of the sequences in `slots`; keys[b] = (request number, index of the token drawn)
@@ -87,7 +87,7 @@ class Sampler:
                 groups.setdefault(p.knobs, []).append(b)
             ids_B = torch.empty(len(slots), dtype=torch.int64, device=logits_BV.device)
             for rows in groups.values():
-                idx = torch.tensor(rows, device=logits_BV.device)
+                idx = _h2d(rows, logits_BV.device)
                 ids_B[idx] = self._group(logits_BV.index_select(0, idx), [ps[b] for b in rows],
                                          [slots[b] for b in rows], [keys[b] for b in rows])  # fmt: skip
         self.mark(slots, ids_B)
@@ -98,7 +98,7 @@ class Sampler:
         """Rows whose parameters share their knobs (ps[b]: row b's, seeds may differ) -> ids [B]."""
         p = ps[0]
         if self.seen is not None and p.repetition_penalty != 1:
-            seen_BV = self.seen[torch.tensor(slots, device=logits_BV.device)]
+            seen_BV = self.seen[_h2d(slots, logits_BV.device)]
             penalized = torch.where(logits_BV > 0, logits_BV / p.repetition_penalty, logits_BV * p.repetition_penalty)
             logits_BV = torch.where(seen_BV, penalized, logits_BV)
         if p.greedy:
@@ -116,8 +116,15 @@ class Sampler:
             drop_BV[:, 0] = False
             logits_BV = logits_BV.scatter(1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
         row_keys = [_mix(_mix(seed * 0x9E3779B9 + r) + i) for seed, r, i in keys]
-        u_BV = uniform(torch.tensor(row_keys, dtype=torch.int64, device=logits_BV.device), logits_BV.shape[-1])
+        u_BV = uniform(_h2d(row_keys, logits_BV.device), logits_BV.shape[-1])
         return (logits_BV - torch.log(-torch.log(u_BV))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(logits)
+
+
+def _h2d(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints -> int64 on `device` without waiting for the device's queue (pinned memory, an asynchronous copy:
+    `Generator`'s lookahead reads nothing back until the step's tokens)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
 _M64 = (1 << 64) - 1
