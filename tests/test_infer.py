@@ -342,6 +342,9 @@ def test_lookahead_steps_give_the_tokens_of_plain_steps(paged, monkeypatch):
     cancelled, _ = run(True, cancel_at=4)
     assert cancelled[2][1] == "cancelled" and plain[2][0][: len(cancelled[2][0])] == cancelled[2][0]
     assert [c for i, c in enumerate(cancelled) if i != 2] == [c for i, c in enumerate(run(False)[0]) if i != 2]
+    assert not Generator(model, max_batch=2).lookahead  # by default only where decode steps are CUDA graphs
+    with pytest.raises(GenerationError, match="lookahead"):
+        Generator(model, max_batch=2, lookahead=True, speculative="mtp")
 
 
 def test_batched_arrivals_wait_while_waiting_costs_less_than_a_prefill():

@@ -105,9 +105,9 @@ def folder(base_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(folder):
-    """Two servers, started together: the tests' (3 sequences at once, 2 more may wait) and one to stop with
-    SIGTERM (with MTP speculation)."""
-    both = [Server(folder, "--max-batch", "3", "--max-queue", "2"),
+    """Two servers, started together: the tests' (3 sequences at once, 2 more may wait; lookahead decoding, as on a
+    GPU by default) and one to stop with SIGTERM (with MTP speculation)."""
+    both = [Server(folder, "--max-batch", "3", "--max-queue", "2", "--lookahead", "on"),
             Server(folder, "--speculative", "mtp", "--drain-timeout", "60")]  # fmt: skip
     try:
         yield [s.ready() for s in both]

@@ -44,6 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="now: each arrival is prefilled at the next step; batched: while sequences decode, "
                              "arrivals wait to be prefilled together as long as waiting costs less than a prefill's "
                              "stall (for large models, whose prefill is launch-bound)")  # fmt: skip
+    parser.add_argument("--lookahead", choices=["auto", "on", "off"], default="auto",
+                        help="launch each decode step before the previous one's tokens are read back (auto: where "
+                             "decode steps are CUDA graphs and --speculative is off)")  # fmt: skip
     parser.add_argument("--max-queue", type=int, default=256, help="sequences waiting beyond the batch; then 503")
     parser.add_argument("--speculative", choices=["mtp"], help="draft with the model's MTP module (same output)")
     parser.add_argument("--served-model-name", help="the `model` clients name (default: CHECKPOINT as given)")
@@ -119,7 +122,8 @@ def _build(model, folder, args: argparse.Namespace):
     try:
         gen = Generator(model, max_batch=args.max_batch, max_len=args.max_len, speculative=args.speculative,
                         cache_tokens=args.max_tokens_in_flight, prefill_tokens=args.prefill_tokens,
-                        batch_arrivals=args.admit == "batched")  # fmt: skip
+                        batch_arrivals=args.admit == "batched",
+                        lookahead={"auto": None, "on": True, "off": False}[args.lookahead])  # fmt: skip
     except GenerationError as e:
         raise CLIError(str(e)) from e
     gen.engine.warm_up()
