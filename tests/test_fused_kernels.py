@@ -1,6 +1,6 @@
-"""Fused elementwise kernels (`kernels.rms_norm`, `add_rms_norm`, `swiglu`, `cross_entropy_rows`, `rope_rotate`): the
-Triton backends against their pure-PyTorch twins, on CPU under TRITON_INTERPRET=1 (in a subprocess: the variable
-never leaks; tests/interpreter.py) and on a GPU (marked cuda). The fused optimizer is in test_fused_adamw.py, the
+"""Fused elementwise kernels (`kernels.rms_norm`, `add_rms_norm`, `swiglu`, `cross_entropy_rows`, `rope_rotate`,
+`mla_cache_write`): the Triton backends against their pure-PyTorch twins, on CPU under TRITON_INTERPRET=1 (in a
+subprocess: the variable never leaks; tests/interpreter.py) and on a GPU (marked cuda). The fused optimizer is in test_fused_adamw.py, the
 router and the low-rank merge in test_fused_router_merge.py.
 
 The rule: max|kernel - fp32 reference| <= 2 * max|PyTorch at the same precision - fp32 reference| + a small atol,
@@ -209,6 +209,41 @@ def rope_errors(T, H, R, dtype, inter_in, inter_out, conj, inplace, strided, dev
     return [("out", (got.cpu().float() - want.float()).abs().max().item(), ulp * 4 * want.abs().max().item() + 1e-6)]
 
 
+# (name, T, L, R, dtype, weight dtype, pairs interleaved in, kv_a rows strided): the latent-cache write
+CACHE_CASES = [
+    ("fp16_pairs", 37, 40, 16, "float16", "float16", True, False),
+    ("fp32_halves_strided", 5, 48, 8, "float32", "float32", False, True),
+    ("one_token_v3_widths", 1, 512, 64, "float16", "float16", True, False),
+    ("fp16_x_fp32_w_twin", 9, 32, 16, "float16", "float32", True, True),  # other roundings: the twin runs
+]
+
+
+def cache_write_errors(T, L, R, dtype, w_dtype, inter_in, strided, device, seed=0):
+    """[(what, max |kernel - twin|, allowed)] for `mla_cache_write` into scattered rows of a cache filled with 7s:
+    the written rows within 2 ulps of the twin (the norm's reciprocal square root may round apart), every other row
+    untouched."""
+    from anyseek.kernels.reference.cache import mla_cache_write as ref
+    from anyseek.kernels.triton.cache import mla_cache_write as fused
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(T, L + R + (5 if strided else 0), generator=g).to(dtype)
+    kv = base[:, : L + R]
+    w = (torch.rand(L, generator=g) + 0.5).to(w_dtype)
+    ang = torch.randn(T, R // 2, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    slots = torch.randperm(3 * T, generator=g)[:T]
+    want = torch.full((3 * T, L + R), 7.0, dtype=dtype)
+    ref(want, slots, kv, w, 1e-6, cos, sin, inter_in)
+    got = torch.full((3 * T, L + R), 7.0, dtype=dtype, device=device)
+    fused(got, slots.to(device), kv.to(device), w.to(device), 1e-6, cos.to(device), sin.to(device), inter_in)
+    got = got.cpu().float()
+    ulp = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
+    rest = torch.ones(3 * T, dtype=torch.bool)
+    rest[slots] = False
+    return [("rows", (got[slots] - want[slots].float()).abs().max().item(), 2 * ulp * want[slots].abs().max().item()),
+            ("others", (got[rest] - 7.0).abs().max().item() if rest.any() else 0.0, 0.0)]
+
+
 def _worker() -> None:
     """Runs in the subprocess: every case of this module; reports one JSON line."""
     results = {}
@@ -228,6 +263,9 @@ def _worker() -> None:
     for name, *case in ROPE_CASES:
         table = rope_errors(*case[:3], getattr(torch, case[3]), *case[4:], "cpu")
         results[f"rope_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
+    for name, *case in CACHE_CASES:
+        table = cache_write_errors(*case[:3], getattr(torch, case[3]), getattr(torch, case[4]), *case[5:], "cpu")
+        results[f"cache_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
     interpreter.report(results)
 
 
@@ -239,7 +277,7 @@ def interp_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES]
                          + [f"rope_{c[0]}" for c in ROPE_CASES] + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES]
-                         + [f"swiglu_{c[0]}" for c in SWIGLU_CASES])
+                         + [f"swiglu_{c[0]}" for c in SWIGLU_CASES] + [f"cache_{c[0]}" for c in CACHE_CASES])
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err, err_torch)")
 
@@ -317,6 +355,15 @@ def test_gpu_rope_rotate(case, dtype):
     table = rope_errors(T * 97, H, R, dtype, *flags, "cuda")
     if dtype == torch.bfloat16:  # one bf16 ulp (2^-8 relative) where the fp32 results round differently
         table = [(w, e, max(t, 2.0 ** -7 * 4)) for w, e, t in table]
+    assert all(err <= tol for _, err, tol in table), table
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CACHE_CASES, ids=[c[0] for c in CACHE_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_mla_cache_write(case, dtype):
+    name, T, L, R, _, w_dtype, *flags = case
+    table = cache_write_errors(T * 13, L, R, dtype, getattr(torch, w_dtype), *flags, "cuda")
     assert all(err <= tol for _, err, tol in table), table
 
 

@@ -87,7 +87,11 @@ class PagedLatentCache:
         """The cache of attention layer i: [pages, page, L + R]."""
         return self.kv[i]
 
+    def flat(self, i: int) -> torch.Tensor:
+        """The cache of attention layer i as rows: [pages * page, L + R] (a view)."""
+        return self.kv[i].view(-1, self.kv.shape[-1])
+
     def write(self, i: int, slots_T: torch.Tensor, latent_TL: torch.Tensor, k_pe_TR: torch.Tensor) -> None:
         """Store the normalized latents and rotated k_pe of T tokens at flat rows `slots_T` of layer i."""
-        flat = self.kv[i].view(-1, self.kv.shape[-1])
+        flat = self.flat(i)
         flat.index_copy_(0, slots_T, torch.cat([latent_TL, k_pe_TR], dim=-1).to(flat.dtype))

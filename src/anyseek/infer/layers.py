@@ -53,17 +53,19 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
     q_nope_THN, q_pe_THR = q_TQ.view(T, H, N + R).split([N, R], dim=-1)
     # `apply_rope`'s rotation (and output layout) in one kernel each on GPUs, read from the projections in place
     q_pe_THR = kernels.rope_rotate(q_pe_THR, step.cos, step.sin, interleaved_in=m.rope_interleave)
-    latent_TL, k_pe_TR = kv_a_TX.split([L, R], dim=-1)
-    latent_TL = m.kv_a_layernorm(latent_TL)
-    k_pe_TR = kernels.rope_rotate(k_pe_TR, step.cos, step.sin, interleaved_in=m.rope_interleave)
-    cache.write(layer, step.slots, latent_TL, k_pe_TR)
-
-    if step.cu_seqlens is not None:  # prefill: the training path
+    if step.cu_seqlens is not None:  # prefill: the training path (which also needs the latent and k_pe)
+        latent_TL, k_pe_TR = kv_a_TX.split([L, R], dim=-1)
+        latent_TL = m.kv_a_layernorm(latent_TL)
+        k_pe_TR = kernels.rope_rotate(k_pe_TR, step.cos, step.sin, interleaved_in=m.rope_interleave)
+        cache.write(layer, step.slots, latent_TL, k_pe_TR)
         k_nope_THN, v_THV = m.kv_b_proj(latent_TL).view(T, H, N + m.v_dim).split([N, m.v_dim], dim=-1)
         q_THC = torch.cat([q_nope_THN, q_pe_THR], dim=-1)
         out_THV = kernels.mla_attention(q_THC, k_nope_THN, k_pe_TR.contiguous(), v_THV, step.cu_seqlens,
                                         step.max_seqlen, m.softmax_scale, True)  # fmt: skip
-    else:
+    else:  # the cache rows written by one kernel (the norm, the rope, the row copy), read by the absorbed attention
+        norm = m.kv_a_layernorm
+        kernels.mla_cache_write(cache.flat(layer), step.slots, kv_a_TX, norm.weight, norm.eps, step.cos, step.sin,
+                                m.rope_interleave)  # fmt: skip
         w_HXL = m.kv_b_proj.weight.view(H, N + m.v_dim, L)
         w_uk_HNL, w_uv_HVL = w_HXL[:, :N], w_HXL[:, N:]
         q_lat_HTL = torch.bmm(q_nope_THN.transpose(0, 1), w_uk_HNL.to(q_nope_THN.dtype))

@@ -168,6 +168,25 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
     return registry.get("rope_rotate", x)(x, cos, sin, out, interleaved_in, interleaved_out, conj)
 
 
+def mla_cache_write(cache_NX: torch.Tensor, slots_T: torch.Tensor, kv_a_TX: torch.Tensor, weight_L: torch.Tensor,
+                    eps: float, cos: torch.Tensor, sin: torch.Tensor, interleaved_in: bool) -> None:  # fmt: skip
+    """The latent cache rows of T new tokens, in place: row slots[t] of the flat cache [N, L+R] gets the token's
+    normalized latent, `rms_norm(kv_a[t, :L], weight_L, eps)`, then its rotated k_pe, `rope_rotate(kv_a[t, L:], cos,
+    sin, interleaved_in=interleaved_in)` (pairs out interleaved), both in the cache's dtype. kv_a [T, L+R] (the
+    MLA's kv_a projection; last dim contiguous), slots int64 [T], cos/sin fp32 [T, R/2]. One kernel on GPUs where the
+    decode step ran four (the norm, the rope, a concatenation, the row copy)."""
+    T, X = kv_a_TX.shape if kv_a_TX.dim() == 2 else (-1, -1)
+    L = weight_L.shape[0] if weight_L.dim() == 1 else -1
+    if (T < 0 or L < 0 or X - L <= 0 or (X - L) % 2 or kv_a_TX.stride(-1) != 1 or cache_NX.dim() != 2
+            or cache_NX.shape[1] != X or cache_NX.stride(-1) != 1 or slots_T.shape != (T,)
+            or cos.shape != (T, (X - L) // 2) or sin.shape != cos.shape):  # fmt: skip
+        raise ValueError(f"mla_cache_write: cache [N, L+R], slots [T], kv_a [T, L+R] (last dims contiguous), weight "
+                         f"[L], cos/sin [T, R/2] with R even; got cache {tuple(cache_NX.shape)}, slots "
+                         f"{tuple(slots_T.shape)}, kv_a {tuple(kv_a_TX.shape)}, weight {tuple(weight_L.shape)}, cos "
+                         f"{tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    registry.get("mla_cache_write", kv_a_TX)(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in)
+
+
 def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor | None,
                scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                skip: torch.Tensor | None = None, seed: int = 0) -> None:

@@ -1,0 +1,66 @@
+"""The latent-cache write of a decode step in one Triton kernel (`kernels.mla_cache_write`): per new token, the
+RMSNorm of its latent and the rotary embedding of its k_pe, stored straight into its cache row. The decode step ran
+four kernels for it per layer (the norm, the rope, a concatenation, an index copy), each a launch-bound few
+microseconds at decoding's few rows. The maths is `kernels.reference.cache`'s (the norm as `triton/rmsnorm.py`'s,
+the rotation as `triton/rope.py`'s); where the dtypes would round differently than that twin, the twin runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _cache_write_kernel(KV, W, COS, SIN, SLOTS, OUT, stride_kv, stride_out, L, eps, BL: tl.constexpr,
+                        R2: tl.constexpr, IN_INTER: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    kv = KV + t * stride_kv
+    row = OUT + tl.load(SLOTS + t).to(tl.int64) * stride_out
+    cols = tl.arange(0, BL)
+    mask = cols < L
+    x_raw = tl.load(kv + cols, mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
+    y = (x * rstd).to(x_raw.dtype).to(tl.float32)  # rounded to x's dtype before the scale, as the reference
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(row + cols, (w * y).to(OUT.dtype.element_ty), mask=mask)
+    i = tl.arange(0, R2)
+    if IN_INTER:  # (re, im) pairs side by side
+        j = tl.arange(0, 2 * R2)
+        re, im = tl.split(tl.reshape(tl.load(kv + L + j).to(tl.float32), (R2, 2)))
+    else:  # two halves
+        re = tl.load(kv + L + i).to(tl.float32)
+        im = tl.load(kv + L + R2 + i).to(tl.float32)
+    c = tl.load(COS + t * R2 + i)
+    s = tl.load(SIN + t * R2 + i)
+    out_re = (re * c - im * s).to(OUT.dtype.element_ty)
+    out_im = (re * s + im * c).to(OUT.dtype.element_ty)
+    j = tl.arange(0, 2 * R2)
+    tl.store(row + L + j, tl.reshape(tl.join(out_re, out_im), (2 * R2,)))  # interleaved, as rope_rotate writes
+
+
+def mla_cache_write(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in):
+    """As `anyseek.kernels.mla_cache_write`."""
+    T, L = kv_a_TX.shape[0], weight_L.shape[0]
+    R = kv_a_TX.shape[1] - L
+    same = kv_a_TX.dtype == cache_NX.dtype == torch.promote_types(kv_a_TX.dtype, weight_L.dtype)
+    if not same or R // 2 & (R // 2 - 1):  # other roundings, or a rope width that is not a power of two
+        from anyseek.kernels.reference.cache import mla_cache_write as reference
+
+        return reference(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in)
+    if T == 0:
+        return None
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    BL = triton.next_power_of_2(L)
+    _cache_write_kernel[(T,)](kv_a_TX, weight_L, cos, sin, slots_T, cache_NX, kv_a_TX.stride(0), cache_NX.stride(0),
+                              L, eps, BL=BL, R2=R // 2, IN_INTER=interleaved_in,
+                              num_warps=min(8, max(1, BL // 256)))  # fmt: skip
+    return None
+
+
+def available(example: torch.Tensor) -> tuple[bool, str]:
+    from anyseek.kernels.triton.check import available as triton_available
+
+    return triton_available(example[..., :1])
