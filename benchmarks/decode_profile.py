@@ -25,6 +25,7 @@ p.add_argument("--context", type=int, default=256)
 p.add_argument("--top", type=int, default=25)
 p.add_argument("--max-len", type=int, default=None, help="the engine's longest sequence (default context + 64)")
 p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200: 4.8 TB/s)")
+p.add_argument("--no-join", action="store_true", help="leave the weights as built (no `infer.layers.join_weights`)")
 p.add_argument("--moe-small", default=None, help="JSON of the experts' small_ launch settings (moe_decode.py --out)")
 a = p.parse_args()
 if a.moe_small:
@@ -36,6 +37,10 @@ if a.moe_small:
 cfg = ModelConfig.from_name(a.flavor)
 torch.manual_seed(0)
 model = DeepSeekV3(cfg, device="cuda").to(device="cuda", dtype=torch.bfloat16).eval()
+if not a.no_join:  # as `anyseek serve` and `generate` load a model
+    from anyseek.infer.layers import join_weights
+
+    join_weights(model)
 V = cfg.vocab_size
 g = torch.Generator().manual_seed(1)
 rand = lambda n: torch.randint(0, V, (n,), generator=g).tolist()

@@ -297,6 +297,40 @@ def test_scheduler_admits_by_pages_and_budget_and_cancels(monkeypatch):
     assert waiting == [2, 0]  # 20 prompt tokens, then 20 + 3
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_join_weights_lays_out_pairs_and_keeps_the_logits(case, monkeypatch):
+    """`join_weights` (what loading a model for serving does): every pair multiplied side by side (gate|up, q_a|kv_a,
+    or q_proj|kv_a where there is no q LoRA) lies in one buffer, the weights' values unchanged, the q|kv_a pair
+    multiplied in one matmul by the decode step; prefill and decode logits as before (fp32 rounding apart)."""
+    from anyseek.model.concat import adjacent_weights, joined_view
+
+    monkeypatch.setattr(engine_module, "supports", lambda model: False)  # paged steps: `layers.mla_forward`
+    model = make_model(case)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def run():
+        eng = Engine(model, max_batch=3, max_len=120, page=16)
+        logits, _, _ = eng.prefill([0, 1, 2], PROMPTS)
+        return [logits] + [eng.decode([0, 1, 2], t) for t in ([4, 5, 6], [7, 8, 9])]
+
+    def pairs():
+        return adjacent_weights(model) + [(m.q_proj.weight, m.kv_a_proj_with_mqa.weight) for m in model.modules()
+                                          if hasattr(m, "q_proj")]  # fmt: skip
+
+    assert not any(joined_view([p.data for p in g], 0) is not None for g in pairs())
+    before = run()
+    calls = []
+    linear = layers.F.linear
+    monkeypatch.setattr(layers.F, "linear", lambda x, w, *a: calls.append(w.shape[0]) or linear(x, w, *a))
+    layers.join_weights(model)
+    assert len(pairs()) >= 4 and all(joined_view([p.data for p in g], 0) is not None for g in pairs())
+    assert all(torch.equal(p, state[n]) for n, p in model.named_parameters())
+    after = run()
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(after, before))
+    if case == "no_qlora_halfsplit":  # q_proj|kv_a_proj_with_mqa: one matmul a layer, prefill and two steps
+        assert calls.count(model.config.num_attention_heads * 24 + 24) == 3 * 3
+
+
 @pytest.mark.parametrize("paged", [True, False])
 def test_lookahead_steps_give_the_tokens_of_plain_steps(paged, monkeypatch):
     """`lookahead`: each decode step launched before the previous step's tokens are read back (its inputs taking them

@@ -21,8 +21,25 @@ import torch.nn.functional as F
 from anyseek import kernels
 from anyseek.kernels import registry
 from anyseek.infer.cache import PagedLatentCache
+from anyseek.model.concat import adjacent_weights, fused_linear, join_rows, joined_view
 from anyseek.model.mla import MLA
 from anyseek.model.moe import MoE
+
+
+def join_weights(model: torch.nn.Module) -> None:
+    """Lay out, for inference, the weights that are multiplied side by side row after row in one buffer each
+    (`model.concat.join_rows`): the groups the model joins (gate|up of the dense MLPs and shared experts, q_a|kv_a),
+    which it would otherwise concatenate, a copy of the weights, at every forward (16B: 23 MB a shared-expert layer,
+    90 MB the dense one), and MLA's q_proj|kv_a_proj_with_mqa where there is no q LoRA, which the decode step then
+    runs as one matmul (`_q_and_kv_a`). The values stay the same. For models loaded to serve or generate, not
+    during training (the trainer's working copy lays out its own)."""
+    pairs = [(m.q_proj.weight, m.kv_a_proj_with_mqa.weight) for m in model.modules()
+             if isinstance(m, MLA) and hasattr(m, "q_proj") and _plain(m.q_proj, m.kv_a_proj_with_mqa)]  # fmt: skip
+    join_rows(adjacent_weights(model) + pairs)
+
+
+def _plain(*layers) -> bool:
+    return all(type(m) is torch.nn.Linear and m.bias is None for m in layers)
 
 
 @dataclass
@@ -45,11 +62,12 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
     """MLA of the new tokens x [T, D] -> [T, D]; writes their latents to attention layer `layer` of the cache."""
     T, H, N, R, L = x_TD.shape[0], m.n_heads, m.nope, m.rope, m.kv_lora_rank
     if hasattr(m, "q_proj"):
-        q_TQ = m.q_proj(x_TD)
-        kv_a_TX = m.kv_a_proj_with_mqa(x_TD)
-    else:
-        q_TQ = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x_TD)))
-        kv_a_TX = m.kv_a_proj_with_mqa(x_TD)
+        q_TQ, kv_a_TX = _q_and_kv_a(m, x_TD)
+    else:  # as the training forward: both down-projections in one matmul (a view of their weights once joined)
+        q_a_TQ, kv_a_TX = fused_linear(x_TD, [m.q_a_proj, m.kv_a_proj_with_mqa]).split(
+            [m.q_a_proj.out_features, m.kv_a_proj_with_mqa.out_features], dim=-1
+        )
+        q_TQ = m.q_b_proj(m.q_a_layernorm(q_a_TQ))
     q_nope_THN, q_pe_THR = q_TQ.view(T, H, N + R).split([N, R], dim=-1)
     # `apply_rope`'s rotation (and output layout) in one kernel each on GPUs, read from the projections in place
     q_pe_THR = kernels.rope_rotate(q_pe_THR, step.cos, step.sin, interleaved_in=m.rope_interleave)
@@ -75,6 +93,15 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
         o_lat_THL = o_lat_THL.to(q_nope_THN.dtype)
         out_THV = torch.bmm(o_lat_THL.transpose(0, 1), w_uv_HVL.transpose(1, 2).to(o_lat_THL.dtype)).transpose(0, 1)
     return m.o_proj(out_THV.reshape(T, H * m.v_dim))
+
+
+def _q_and_kv_a(m: MLA, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_proj(x) and kv_a_proj_with_mqa(x): one matmul where `join_weights` laid the two weights out together."""
+    q, kv_a = m.q_proj, m.kv_a_proj_with_mqa
+    w = joined_view([q.weight, kv_a.weight], 0) if _plain(q, kv_a) else None
+    if w is None:
+        return q(x_TD), kv_a(x_TD)
+    return F.linear(x_TD, w).split([q.out_features, kv_a.out_features], dim=-1)
 
 
 DENSE_MOE_TOKENS = 64  # decode batches up to this size run every expert on every token (below)

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from anyseek import checkpoint
 from anyseek.hf import load_pretrained
+from anyseek.infer.layers import join_weights
 from anyseek.storage import CheckpointError
 
 
@@ -47,6 +48,7 @@ def load_model(folder: Path, device: str | None = None, dtype: str | None = None
         model = load_pretrained(folder, dtype=dt, device=dev)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise CLIError(f"{folder}: cannot load the model ({e})") from e
+    join_weights(model)  # the weights multiplied side by side in one buffer each: no copy of them per forward
     return model.eval()
 
 

@@ -124,6 +124,18 @@ def split_last(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
     return _SplitLast.apply(x, sizes)
 
 
+def join_rows(groups) -> None:
+    """Lay out each group of 2-D parameters row after row in one new buffer (the parameters' data become its views),
+    so that `cat_rows` reads them as a view instead of copying them at every forward; groups already laid out so, or
+    of mixed dtypes, stay as they are. One group at a time (its size in extra memory while it is copied)."""
+    for group in groups:
+        parts = [p.data for p in group]
+        if len({t.dtype for t in parts}) == 1 and joined_view(parts, 0) is None:
+            joined = torch.cat(parts)
+            for p, view in zip(group, joined.split([t.shape[0] for t in parts])):
+                p.data = view
+
+
 def adjacent_weights(model: nn.Module) -> list[tuple[nn.Parameter, ...]]:
     """The parameter groups that `cat_rows` joins, in row order, for every module that declares them
     (`joined_weights()`); a buffer laid out with each group consecutive lets them be used without a copy."""

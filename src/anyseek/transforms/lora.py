@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from anyseek import kernels
-from anyseek.model.concat import adjacent_weights, joined_view
+from anyseek.model.concat import adjacent_weights, join_rows
 from anyseek.model.moe import MLP, Experts, MoE, Router, addend
 from anyseek.model.norm import RMSNorm
 
@@ -267,13 +267,8 @@ def _dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _join_frozen(model: nn.Module) -> None:
     """Lay out each weight group the model joins (`model.concat.adjacent_weights`: q_a|kv_a, gate|up) row after
     row in one buffer, so that `cat_rows` reads the frozen base weights as a view instead of copying them at every
-    forward (the working copy does this for trained weights; frozen ones are not in it). One group at a time."""
-    for group in adjacent_weights(model):
-        parts = [p.data for p in group]
-        if len({t.dtype for t in parts}) == 1 and joined_view(parts, 0) is None:
-            joined = torch.cat(parts)
-            for p, view in zip(group, joined.split([t.shape[0] for t in parts])):
-                p.data = view
+    forward (the working copy does this for trained weights; frozen ones are not in it)."""
+    join_rows(adjacent_weights(model))
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
