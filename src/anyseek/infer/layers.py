@@ -69,9 +69,9 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
         )
         q_TQ = m.q_b_proj(m.q_a_layernorm(q_a_TQ))
     q_nope_THN, q_pe_THR = q_TQ.view(T, H, N + R).split([N, R], dim=-1)
-    # `apply_rope`'s rotation (and output layout) in one kernel each on GPUs, read from the projections in place
-    q_pe_THR = kernels.rope_rotate(q_pe_THR, step.cos, step.sin, interleaved_in=m.rope_interleave)
     if step.cu_seqlens is not None:  # prefill: the training path (which also needs the latent and k_pe)
+        # `apply_rope`'s rotation (and output layout) in one kernel each on GPUs, read from the projections in place
+        q_pe_THR = kernels.rope_rotate(q_pe_THR, step.cos, step.sin, interleaved_in=m.rope_interleave)
         latent_TL, k_pe_TR = kv_a_TX.split([L, R], dim=-1)
         latent_TL = m.kv_a_layernorm(latent_TL)
         k_pe_TR = kernels.rope_rotate(k_pe_TR, step.cos, step.sin, interleaved_in=m.rope_interleave)
@@ -86,12 +86,16 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
                                 m.rope_interleave)  # fmt: skip
         w_HXL = m.kv_b_proj.weight.view(H, N + m.v_dim, L)
         w_uk_HNL, w_uv_HVL = w_HXL[:, :N], w_HXL[:, N:]
-        q_lat_HTL = torch.bmm(q_nope_THN.transpose(0, 1), w_uk_HNL.to(q_nope_THN.dtype))
         c = cache.layer(layer)
-        q_THX = torch.cat([q_lat_HTL.transpose(0, 1), q_pe_THR], dim=-1).to(c.dtype)
-        o_lat_THL = kernels.mla_decode(q_THX, c, step.block_table, step.kv_lens, L, m.softmax_scale)
-        o_lat_THL = o_lat_THL.to(q_nope_THN.dtype)
-        out_THV = torch.bmm(o_lat_THL.transpose(0, 1), w_uv_HVL.transpose(1, 2).to(o_lat_THL.dtype)).transpose(0, 1)
+        dt = q_nope_THN.dtype
+        # the absorbed query [q_nope W_UK | rope(q_pe)] and the heads' outputs written where they are read next:
+        # the products into strided views (cuBLAS takes their row stride), the rotation straight into its columns
+        q_THX = torch.empty(T, H, L + R, dtype=dt, device=x_TD.device)
+        torch.bmm(q_nope_THN.transpose(0, 1), w_uk_HNL.to(dt), out=q_THX[..., :L].transpose(0, 1))
+        kernels.rope_rotate(q_pe_THR, step.cos, step.sin, out=q_THX[..., L:], interleaved_in=m.rope_interleave)
+        o_lat_THL = kernels.mla_decode(q_THX.to(c.dtype), c, step.block_table, step.kv_lens, L, m.softmax_scale)
+        out_THV = torch.empty(T, H, m.v_dim, dtype=dt, device=x_TD.device)
+        torch.bmm(o_lat_THL.to(dt).transpose(0, 1), w_uv_HVL.transpose(1, 2).to(dt), out=out_THV.transpose(0, 1))
     return m.o_proj(out_THV.reshape(T, H * m.v_dim))
 
 
