@@ -1,5 +1,5 @@
 """Fused elementwise kernels (`kernels.rms_norm`, `add_rms_norm`, `swiglu`, `cross_entropy_rows`, `rope_rotate`,
-`mla_cache_write`): the Triton backends against their pure-PyTorch twins, on CPU under TRITON_INTERPRET=1 (in a
+`mla_cache_write`, `gumbel_argmax`): the Triton backends against their pure-PyTorch twins, on CPU under TRITON_INTERPRET=1 (in a
 subprocess: the variable never leaks; tests/interpreter.py) and on a GPU (marked cuda). The fused optimizer is in test_fused_adamw.py, the
 router and the low-rank merge in test_fused_router_merge.py.
 
@@ -244,6 +244,28 @@ def cache_write_errors(T, L, R, dtype, w_dtype, inter_in, strided, device, seed=
             ("others", (got[rest] - 7.0).abs().max().item() if rest.any() else 0.0, 0.0)]
 
 
+# (name, rows, vocabulary): the sampler's draw
+GUMBEL_CASES = [("one_row_one_token", 1, 1), ("odd_vocab", 3, 2049), ("rows", 5, 5000)]
+
+
+def gumbel_errors(B, V, device, seed=0):
+    """[(what, ids that differ from the twin's, allowed 0)]: zero logits (the draw is the argmax of the noise: the
+    hash itself, bit for bit), random logits, and rows with all but a few logits -inf (after top-k)."""
+    from anyseek.kernels.reference.sampling import gumbel_argmax as ref
+    from anyseek.kernels.triton.sampling import gumbel_argmax as fused
+
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randint(-(2**62), 2**62, (B,), generator=g)
+    masked = torch.full((B, V), float("-inf"))
+    masked[:, torch.randperm(V, generator=g)[: min(3, V)]] = 0.0
+    rows = []
+    for what, logits in (("zero", torch.zeros(B, V)), ("random", torch.randn(B, V, generator=g) * 4),
+                         ("top3", masked)):  # fmt: skip
+        got = fused(logits.to(device), keys.to(device)).cpu()
+        rows.append((what, int((got != ref(logits, keys)).sum()), 0))
+    return rows
+
+
 def _worker() -> None:
     """Runs in the subprocess: every case of this module; reports one JSON line."""
     results = {}
@@ -263,6 +285,9 @@ def _worker() -> None:
     for name, *case in ROPE_CASES:
         table = rope_errors(*case[:3], getattr(torch, case[3]), *case[4:], "cpu")
         results[f"rope_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
+    for name, B, V in GUMBEL_CASES:
+        table = gumbel_errors(B, V, "cpu")
+        results[f"gumbel_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
     for name, *case in CACHE_CASES:
         table = cache_write_errors(*case[:3], getattr(torch, case[3]), getattr(torch, case[4]), *case[5:], "cpu")
         results[f"cache_{name}"] = {"pass": all(err <= tol for _, err, tol in table), "table": table}
@@ -277,7 +302,8 @@ def interp_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [f"rms_norm_{c[0]}" for c in NORM_CASES] + [f"xent_{c[0]}" for c in XENT_CASES]
                          + [f"rope_{c[0]}" for c in ROPE_CASES] + [f"add_norm_{c[0]}" for c in ADD_NORM_CASES]
-                         + [f"swiglu_{c[0]}" for c in SWIGLU_CASES] + [f"cache_{c[0]}" for c in CACHE_CASES])
+                         + [f"swiglu_{c[0]}" for c in SWIGLU_CASES] + [f"cache_{c[0]}" for c in CACHE_CASES]
+                         + [f"gumbel_{c[0]}" for c in GUMBEL_CASES])
 def test_interpreter(interp_results, name):
     interpreter.check(interp_results, name, "(what, err, err_torch)")
 
@@ -364,6 +390,15 @@ def test_gpu_rope_rotate(case, dtype):
 def test_gpu_mla_cache_write(case, dtype):
     name, T, L, R, _, w_dtype, *flags = case
     table = cache_write_errors(T * 13, L, R, dtype, getattr(torch, w_dtype), *flags, "cuda")
+    assert all(err <= tol for _, err, tol in table), table
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B, V", [(1, 102400), (64, 102400), (7, 129280), (3, 33)])
+def test_gpu_gumbel_argmax(B, V):
+    """The draw's noise bit for bit (zero logits) and the same ids on random and top-k-masked logits; at the 16B and
+    V3 vocabularies (ties broken to the first index in both)."""
+    table = gumbel_errors(B, V, "cuda")
     assert all(err <= tol for _, err, tol in table), table
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from anyseek import kernels
+
 
 @dataclass
 class SamplingParams:
@@ -116,8 +118,7 @@ class Sampler:
             drop_BV[:, 0] = False
             logits_BV = logits_BV.scatter(1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
         row_keys = [_mix(_mix(seed * 0x9E3779B9 + r) + i) for seed, r, i in keys]
-        u_BV = uniform(_h2d(row_keys, logits_BV.device), logits_BV.shape[-1])
-        return (logits_BV - torch.log(-torch.log(u_BV))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(logits)
+        return kernels.gumbel_argmax(logits_BV, _h2d(row_keys, logits_BV.device))  # a draw from softmax(logits)
 
 
 def _h2d(values: list[int], device: torch.device) -> torch.Tensor:
@@ -139,20 +140,3 @@ def _mix(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x  # as a signed int64
 
 
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def uniform(keys_B: torch.Tensor, V: int) -> torch.Tensor:
-    """Counter-based uniforms in (0, 1), fp32 [B, V]: splitmix64 of key_b + (v + 1) * golden, on the device."""
-    x = keys_B[:, None] + torch.arange(1, V + 1, device=keys_B.device, dtype=torch.int64) * _signed(0x9E3779B97F4A7C15)
-    x = (x ^ _srl(x, 30)) * _signed(0xBF58476D1CE4E5B9)
-    x = (x ^ _srl(x, 27)) * _signed(0x94D049BB133111EB)
-    x = x ^ _srl(x, 31)
-    u = (_srl(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
-    return u

@@ -187,6 +187,17 @@ def mla_cache_write(cache_NX: torch.Tensor, slots_T: torch.Tensor, kv_a_TX: torc
     registry.get("mla_cache_write", kv_a_TX)(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in)
 
 
+def gumbel_argmax(logits_BV: torch.Tensor, keys_B: torch.Tensor) -> torch.Tensor:
+    """A draw from softmax(logits) per row, Gumbel-max with counter-based noise: argmax over v of logits[b, v] -
+    log(-log(u)), u in (0, 1) the splitmix64 hash of keys[b] + (v + 1) * golden (24 bits; `reference/sampling.py`),
+    so a row's draw depends on its logits and key only. logits fp32 [B, V], keys int64 [B] -> ids int64 [B]. One
+    pass over the logits on GPUs where the twin makes the [B, V] noise in about fifteen."""
+    if logits_BV.dim() != 2 or keys_B.shape != (logits_BV.shape[0],) or keys_B.dtype != torch.int64:
+        raise ValueError(f"gumbel_argmax: logits [B, V] and int64 keys [B], got logits {tuple(logits_BV.shape)}, "
+                         f"keys {tuple(keys_B.shape)} {keys_B.dtype}")
+    return registry.get("gumbel_argmax", logits_BV)(logits_BV, keys_B)
+
+
 def adamw_flat(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, low: torch.Tensor | None,
                scale: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                skip: torch.Tensor | None = None, seed: int = 0) -> None:

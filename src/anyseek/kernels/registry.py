@@ -6,7 +6,7 @@ an availability check `available(example) -> (ok, reason)` and the device types 
 - explicit: a run's context `with using(attention="sdpa", moe="reference"):` (the trainer enters one built from its
   config around everything it runs), `set_backend(op, name)` (process-wide, for interactive use), or the environment,
   `ANYSEEK_ATTENTION=name` for both attention ops, `ANYSEEK_MOE=name` for routed_experts and lora_routed_experts
-  (whose backends bear the same names), `ANYSEEK_DECODE=name` for mla_decode and mla_cache_write,
+  (whose backends bear the same names), `ANYSEEK_DECODE=name` for mla_decode, mla_cache_write and gumbel_argmax,
   `ANYSEEK_NORM=name` for rms_norm and add_rms_norm, `ANYSEEK_ROPE=name` for rope_rotate, `ANYSEEK_SWIGLU=name`
   for swiglu, `ANYSEEK_XENT=name` for cross_entropy_rows, `ANYSEEK_ADAMW=name` for the optimizer steps
   (adamw_flat, sq_norm, adamw_tensors),
@@ -44,6 +44,7 @@ ENV_VARS = {
     "lora_routed_experts": "ANYSEEK_MOE",
     "mla_decode": "ANYSEEK_DECODE",
     "mla_cache_write": "ANYSEEK_DECODE",
+    "gumbel_argmax": "ANYSEEK_DECODE",
     "rms_norm": "ANYSEEK_NORM",
     "add_rms_norm": "ANYSEEK_NORM",
     "swiglu": "ANYSEEK_SWIGLU",
@@ -66,7 +67,7 @@ ENV_VARS = {
 # short names accepted by set_backend for groups of ops
 OP_GROUPS = {"attention": ("mla_attention", "varlen_attention"), "moe": ("routed_experts", "lora_routed_experts"),
              "norm": ("rms_norm", "add_rms_norm"), "rope": ("rope_rotate",), "swiglu": ("swiglu",),
-             "xent": ("cross_entropy_rows",), "decode": ("mla_decode", "mla_cache_write"),
+             "xent": ("cross_entropy_rows",), "decode": ("mla_decode", "mla_cache_write", "gumbel_argmax"),
              "adamw": ("adamw_flat", "sq_norm", "adamw_tensors"), "router": ("route_topk", "route_weights"),
              "lowrank": ("low_rank_merge",), "quant4": ("quant4_linear", "quant4_routed_experts"),
              "fp8": ("fp8_linear", "fp8_routed_experts", "fp8_pack_rows", "fp8_unpack_rows")}
@@ -237,7 +238,8 @@ def example_for(op: str, device: str | torch.device | None = None, dtype: torch.
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     shape = {"mla_attention": (1, 16, 192), "varlen_attention": (1, 16, 128), "routed_experts": (1, 1024),
-             "mla_decode": (1, 16, 576), "mla_cache_write": (1, 576), "rms_norm": (1, 1024),
+             "mla_decode": (1, 16, 576), "mla_cache_write": (1, 576), "gumbel_argmax": (1, 129280),
+             "rms_norm": (1, 1024),
              "add_rms_norm": (1, 1024), "swiglu": (1, 4096),
              "cross_entropy_rows": (1, 129280),
              "adamw_flat": (1024,), "sq_norm": (1024,), "adamw_tensors": (1024,),
@@ -338,6 +340,7 @@ def _register_defaults() -> None:
              "cross_entropy_rows": ("xent", "xent", "fp32 softmax"),
              "rope_rotate": ("rope", "rope", "complex multiply in fp32"),
              "mla_cache_write": ("cache", "cache", "F.rms_norm, complex multiply, index_copy_"),
+             "gumbel_argmax": ("sampling", "sampling", "the [B, V] noise in int64 ops, then argmax"),
              "adamw_flat": ("adamw", "adamw", "foreach-free flat ops"),
              "sq_norm": ("adamw", "adamw", "foreach-free flat ops"),
              "adamw_tensors": ("adamw", "adamw", "the flat twin, tensor by tensor"),
