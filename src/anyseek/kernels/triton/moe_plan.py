@@ -33,17 +33,9 @@ def _plan_count_kernel(IDS, COUNTS, M, S, SEG: tl.constexpr):
 
 
 @triton.jit
-def _plan_scan_kernel(COUNTS, BASE, OFFS, TILE_E, TILE_ROW, E, S, U, block_m, BE: tl.constexpr, BS: tl.constexpr,
-                      BU: tl.constexpr):
-    re = tl.arange(0, BE)
-    rs = tl.arange(0, BS)
-    inside = (re[:, None] <= E) & (rs[None, :] < S)  # experts 0..E-1, then group E: the rows no expert takes
-    c = tl.load(COUNTS + re[:, None] * S + rs[None, :], mask=inside, other=0)
-    tot = tl.sum(c, axis=1)  # [BE] rows of each expert
-    first = tl.cumsum(tot, axis=0) - tot  # offs[e]; offs[E]: the real experts' rows in all
-    base = first[:, None] + tl.cumsum(c, axis=1) - c
-    tl.store(BASE + re[:, None] * S + rs[None, :], base, mask=inside)
-    tl.store(OFFS + re, first, mask=re <= E)
+def _store_tiles(TILE_E, TILE_ROW, re, tot, first, E, U, block_m, BU: tl.constexpr):
+    """The row-tile map from each expert's rows (tot) and first row (first), over the experts re ([BE]): tile u's
+    expert (-1 past the last tile) and first row. Tiles never straddle two experts."""
     tiles = tl.where(re < E, (tot + block_m - 1) // block_m, 0)
     cum = tl.cumsum(tiles, axis=0)  # inclusive; experts past E have no tiles
     for u0 in range(0, U, BU):
@@ -55,6 +47,21 @@ def _plan_scan_kernel(COUNTS, BASE, OFFS, TILE_E, TILE_ROW, E, S, U, block_m, BE
         start_u = tl.sum(tl.where(pick, cum[None, :] - tiles[None, :], 0), axis=1)
         tl.store(TILE_E + u, tl.where(e_u < E, e_c, -1), mask=u < U)
         tl.store(TILE_ROW + u, first_u + (u - start_u) * block_m, mask=u < U)
+
+
+@triton.jit
+def _plan_scan_kernel(COUNTS, BASE, OFFS, TILE_E, TILE_ROW, E, S, U, block_m, BE: tl.constexpr, BS: tl.constexpr,
+                      BU: tl.constexpr):
+    re = tl.arange(0, BE)
+    rs = tl.arange(0, BS)
+    inside = (re[:, None] <= E) & (rs[None, :] < S)  # experts 0..E-1, then group E: the rows no expert takes
+    c = tl.load(COUNTS + re[:, None] * S + rs[None, :], mask=inside, other=0)
+    tot = tl.sum(c, axis=1)  # [BE] rows of each expert
+    first = tl.cumsum(tot, axis=0) - tot  # offs[e]; offs[E]: the real experts' rows in all
+    base = first[:, None] + tl.cumsum(c, axis=1) - c
+    tl.store(BASE + re[:, None] * S + rs[None, :], base, mask=inside)
+    tl.store(OFFS + re, first, mask=re <= E)
+    _store_tiles(TILE_E, TILE_ROW, re, tot, first, E, U, block_m, BU)
 
 
 @triton.jit
@@ -73,17 +80,7 @@ def _plan_one_kernel(IDS, SLOT, TOK, OFFS, TILE_E, TILE_ROW, M, E, U, block_m, K
     row = tl.sum(hit * (first[:, None] + tl.cumsum(hit, axis=1) - hit), axis=0)  # [SEG]: each id's row
     tl.store(SLOT + row, at, mask=at < M)
     tl.store(TOK + row, at // K, mask=at < M)
-    tiles = tl.where(re < E, (tot + block_m - 1) // block_m, 0)
-    cum = tl.cumsum(tiles, axis=0)
-    for u0 in range(0, U, BU):
-        u = u0 + tl.arange(0, BU)
-        e_u = tl.sum(((cum[None, :] <= u[:, None]) & (re[None, :] < E)).to(tl.int32), axis=1)
-        e_c = tl.minimum(e_u, E - 1)
-        pick = re[None, :] == e_c[:, None]
-        first_u = tl.sum(tl.where(pick, first[None, :], 0), axis=1)
-        start_u = tl.sum(tl.where(pick, cum[None, :] - tiles[None, :], 0), axis=1)
-        tl.store(TILE_E + u, tl.where(e_u < E, e_c, -1), mask=u < U)
-        tl.store(TILE_ROW + u, first_u + (u - start_u) * block_m, mask=u < U)
+    _store_tiles(TILE_E, TILE_ROW, re, tot, first, E, U, block_m, BU)
 
 
 ONE_KERNEL_CELLS = 32768  # the one-program plan while experts x ids (padded to powers of two) stay within this
