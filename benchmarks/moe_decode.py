@@ -41,22 +41,22 @@ def inputs(T: int, seed: int = 1):
     return x, ids, w.reshape(-1)
 
 
-def step(x, ids, w_M, small_: bool):
+def step(x, ids, w_M, narrow: bool):
     out = []
     for gu, dn in weights:
-        plan = build_plan(ids, E, tri.block_m(dev, small_))
-        out.append(tri.experts_fwd(x, w_M, gu, dn, plan, False, small_=small_)[0])
+        plan = build_plan(ids, E, tri.block_m(dev, narrow))
+        out.append(tri.experts_fwd(x, w_M, gu, dn, plan, False, narrow=narrow)[0])
     return out
 
 
-def time_us(T: int, small_: bool) -> tuple[float, torch.Tensor]:
+def time_us(T: int, narrow: bool) -> tuple[float, torch.Tensor]:
     """us a layer (graph replay), and layer 0's output."""
     x, ids, w_M = inputs(T)
-    step(x, ids, w_M, small_)  # compile
+    step(x, ids, w_M, narrow)  # compile
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = step(x, ids, w_M, small_)
+        out = step(x, ids, w_M, narrow)
     g.replay()
     torch.cuda.synchronize()
     t = time.perf_counter()

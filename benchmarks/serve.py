@@ -97,12 +97,14 @@ def serve_random(argv: list[str]) -> int:
     """(subprocess) `anyseek serve` of a random flavor built in memory: argv = FLAVOR then serve's arguments, the
     checkpoint being a folder with the tokenizer only."""
     from anyseek.infer import serve
+    from anyseek.infer.layers import join_weights
 
     parser = argparse.ArgumentParser()
     serve.configure(parser)
     args = parser.parse_args(argv[1:])
     device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
     model = random_model(argv[0], device)
+    join_weights(model)  # as `loading.load_model` lays out a model it loads
     word_tokenizer(model.config.vocab_size, Path(args.checkpoint))
     return serve.serve(model, Path(args.checkpoint), args)
 

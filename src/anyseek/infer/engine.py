@@ -19,6 +19,7 @@ import torch
 from anyseek.infer.cache import PAGE, PagedLatentCache
 from anyseek.infer.cpu_decode import CpuDecoder, supports
 from anyseek.infer.layers import Step, layer_forward
+from anyseek.infer.sampling import upload_ints
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -69,10 +70,7 @@ class Engine:
     # ---- inputs -------------------------------------------------------------------------------------------------
     def _upload(self, *rows: list[int]) -> list[torch.Tensor]:
         """Host lists -> device int64 tensors, in one transfer."""
-        flat = torch.tensor([v for r in rows for v in r], dtype=torch.int64)
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
-        return list(flat.split([len(r) for r in rows]))
+        return list(upload_ints([v for r in rows for v in r], self.device).split([len(r) for r in rows]))
 
     def _rope(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.rotary(positions_T)
@@ -152,14 +150,15 @@ class Engine:
         src[b] >= 0, else ids[b]; so a step can be launched before the previous one's sampled tokens reach the host
         (`Generator`'s lookahead; with graphs no host sync, elsewhere they are read back first)."""
         B = len(seq_ids)
-        if prev is not None and not (self.use_graphs and self.cpu is None):
+        bucket = next((b for b in GRAPH_BUCKETS if b >= B), B)
+        graph = (self._graphs.get(bucket) or self._capture(bucket)) if self.use_graphs else None
+        if prev is not None and graph is None:  # no graph input to resolve them in: read them back
             got = prev[0].tolist()
             ids, prev = [got[j] if j >= 0 else t for t, j in zip(ids, prev[1])], None
         if self.cpu is not None:
             return self._cpu_decode(seq_ids, ids)
-        if not self.use_graphs:
+        if graph is None:
             return self.extend(seq_ids, [[t] for t in ids])[0]
-        bucket = next((b for b in GRAPH_BUCKETS if b >= B), B)
         starts = [self.cache.seqs[s].length for s in seq_ids]
         pos, slots, table, lens = [], [], [], []
         for sid, s in zip(seq_ids, starts):
@@ -173,12 +172,6 @@ class Engine:
             ids = [-j - 1 if j >= 0 else t for t, j in zip(ids, prev[1])]
         row = [ids + [0] * pad, pos + [0] * pad, slots + [0] * pad, table + [0] * (pad * self.width),
                lens + [1] * pad]  # fmt: skip
-        graph = self._graphs.get(bucket) or self._capture(bucket)
-        if graph is None:
-            if prev is not None:
-                got = prev[0].tolist()
-                ids = [got[-t - 1] if t < 0 else t for t in ids[:B]]
-            return self.extend(seq_ids, [[t] for t in ids[:B]])[0]
         g, static_in, logits, host_in = graph
         # two host buffers in turn: this one's last copy (two steps ago) is done, as the caller has read that step's
         # sampled ids since; the previous step's copy may still be in flight (lookahead)

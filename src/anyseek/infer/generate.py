@@ -211,23 +211,24 @@ class Generator:
         self._retire()  # finished at their first token
         if self.lookahead:
             stepped = self._step_ahead()
-            return stepped if not admit else list({id(r): r for r in admit + stepped}.values())
-        if not self.running:
-            return admit
-        self.stats.steps += 1
-        stepped = list(self.running)
-        t0 = self.clock()
-        if self.speculative:
-            self._spec_step(stepped)
+        elif self.running:
+            stepped = list(self.running)
+            t0 = self.clock()
+            (self._spec_step if self.speculative else self._step)(stepped)
+            self._spent(len(stepped), self.clock() - t0)
+            self._retire()
         else:
-            self._step(stepped)
-        took = self.clock() - t0
-        self.stats.decode_seconds += took
-        self.stats.decode_rows += len(stepped)
-        if self.waiting:  # the waiting ones that had a free slot lost this step's decoding
-            self._wait_cost += min(len(self.waiting), self.max_batch - len(stepped)) * took
-        self._retire()
+            stepped = []
         return stepped if not admit else list({id(r): r for r in admit + stepped}.values())
+
+    def _spent(self, rows: int, took: float) -> None:
+        """A decode step's accounting: its rows (0: nothing was launched), its seconds, and the decoding lost by
+        the waiting requests that had a free slot (`batch_arrivals`)."""
+        self.stats.steps += rows > 0
+        self.stats.decode_rows += rows
+        self.stats.decode_seconds += took
+        if self.waiting:
+            self._wait_cost += min(len(self.waiting), self.max_batch - rows) * took
 
     def _due(self) -> bool:
         """Whether waiting requests may be admitted in this step (`batch_arrivals`)."""
@@ -288,15 +289,10 @@ class Generator:
             logits_BV = self.engine.decode([r.id for r in launch], last, None if prev is None else (prev[1], src))
             keys = [(r.key, len(r.tokens) + (j >= 0)) for r, j in zip(launch, src)]
             self._pending = (launch, self.sampler(logits_BV, [r.slot for r in launch], keys))
-            self.stats.steps += 1
-            self.stats.decode_rows += len(launch)
         if prev is not None:
             for r, t in zip(prev[0], prev[1].tolist()):  # host sync: the GPU has the next step already
                 self._accept(r, t)
-        took = self.clock() - t0
-        self.stats.decode_seconds += took
-        if self.waiting:
-            self._wait_cost += min(len(self.waiting), self.max_batch - len(launch)) * took
+        self._spent(len(launch), self.clock() - t0)
         self._retire()
         if not self.running:  # (a step launched for sequences that all turned out finished: nothing to read)
             self._pending = None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from anyseek import kernels
 from anyseek.kernels import registry
 from anyseek.infer.cache import PagedLatentCache
-from anyseek.model.concat import adjacent_weights, fused_linear, join_rows, joined_view
+from anyseek.model.concat import adjacent_weights, join_rows, joined_view
 from anyseek.model.mla import MLA
 from anyseek.model.moe import MoE
 
@@ -31,7 +31,7 @@ def join_weights(model: torch.nn.Module) -> None:
     (`model.concat.join_rows`): the groups the model joins (gate|up of the dense MLPs and shared experts, q_a|kv_a),
     which it would otherwise concatenate, a copy of the weights, at every forward (16B: 23 MB a shared-expert layer,
     90 MB the dense one), and MLA's q_proj|kv_a_proj_with_mqa where there is no q LoRA, which the decode step then
-    runs as one matmul (`_q_and_kv_a`). The values stay the same. For models loaded to serve or generate, not
+    runs as one matmul (`_pair`). The values stay the same. For models loaded to serve or generate, not
     during training (the trainer's working copy lays out its own)."""
     pairs = [(m.q_proj.weight, m.kv_a_proj_with_mqa.weight) for m in model.modules()
              if isinstance(m, MLA) and hasattr(m, "q_proj") and _plain(m.q_proj, m.kv_a_proj_with_mqa)]  # fmt: skip
@@ -62,11 +62,9 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
     """MLA of the new tokens x [T, D] -> [T, D]; writes their latents to attention layer `layer` of the cache."""
     T, H, N, R, L = x_TD.shape[0], m.n_heads, m.nope, m.rope, m.kv_lora_rank
     if hasattr(m, "q_proj"):
-        q_TQ, kv_a_TX = _q_and_kv_a(m, x_TD)
-    else:  # as the training forward: both down-projections in one matmul (a view of their weights once joined)
-        q_a_TQ, kv_a_TX = fused_linear(x_TD, [m.q_a_proj, m.kv_a_proj_with_mqa]).split(
-            [m.q_a_proj.out_features, m.kv_a_proj_with_mqa.out_features], dim=-1
-        )
+        q_TQ, kv_a_TX = _pair(m.q_proj, m.kv_a_proj_with_mqa, x_TD)
+    else:
+        q_a_TQ, kv_a_TX = _pair(m.q_a_proj, m.kv_a_proj_with_mqa, x_TD)
         q_TQ = m.q_b_proj(m.q_a_layernorm(q_a_TQ))
     q_nope_THN, q_pe_THR = q_TQ.view(T, H, N + R).split([N, R], dim=-1)
     if step.cu_seqlens is not None:  # prefill: the training path (which also needs the latent and k_pe)
@@ -99,13 +97,13 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
     return m.o_proj(out_THV.reshape(T, H * m.v_dim))
 
 
-def _q_and_kv_a(m: MLA, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_proj(x) and kv_a_proj_with_mqa(x): one matmul where `join_weights` laid the two weights out together."""
-    q, kv_a = m.q_proj, m.kv_a_proj_with_mqa
-    w = joined_view([q.weight, kv_a.weight], 0) if _plain(q, kv_a) else None
+def _pair(a: torch.nn.Module, b: torch.nn.Module, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a(x) and b(x) for two projections of the same input: one matmul where their weights lie together
+    (`join_weights`), else each its own (no per-step copy of the weights to join them)."""
+    w = joined_view([a.weight, b.weight], 0) if _plain(a, b) else None
     if w is None:
-        return q(x_TD), kv_a(x_TD)
-    return F.linear(x_TD, w).split([q.out_features, kv_a.out_features], dim=-1)
+        return a(x_TD), b(x_TD)
+    return F.linear(x_TD, w).split([a.out_features, b.out_features], dim=-1)
 
 
 DENSE_MOE_TOKENS = 64  # decode batches up to this size run every expert on every token (below)

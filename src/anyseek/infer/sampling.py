@@ -69,11 +69,11 @@ class Sampler:
             self._track()
         if self.seen is not None:
             self.seen[slot] = False
-            self.seen[slot, _h2d(tokens, self.seen.device)] = True
+            self.seen[slot, upload_ints(tokens, self.seen.device)] = True
 
     def mark(self, slots: list[int], ids_B: torch.Tensor) -> None:
         if self.seen is not None:
-            self.seen[_h2d(slots, ids_B.device), ids_B] = True
+            self.seen[upload_ints(slots, ids_B.device), ids_B] = True
 
     def __call__(self, logits_BV: torch.Tensor, slots: list[int], keys: list[tuple[int, int]]) -> torch.Tensor:
         """fp32 logits [B, V] of the sequences in `slots`; keys[b] = (request number, index of the token drawn)
@@ -89,7 +89,7 @@ class Sampler:
                 groups.setdefault(p.knobs, []).append(b)
             ids_B = torch.empty(len(slots), dtype=torch.int64, device=logits_BV.device)
             for rows in groups.values():
-                idx = _h2d(rows, logits_BV.device)
+                idx = upload_ints(rows, logits_BV.device)
                 ids_B[idx] = self._group(logits_BV.index_select(0, idx), [ps[b] for b in rows],
                                          [slots[b] for b in rows], [keys[b] for b in rows])  # fmt: skip
         self.mark(slots, ids_B)
@@ -100,7 +100,7 @@ class Sampler:
         """Rows whose parameters share their knobs (ps[b]: row b's, seeds may differ) -> ids [B]."""
         p = ps[0]
         if self.seen is not None and p.repetition_penalty != 1:
-            seen_BV = self.seen[_h2d(slots, logits_BV.device)]
+            seen_BV = self.seen[upload_ints(slots, logits_BV.device)]
             penalized = torch.where(logits_BV > 0, logits_BV / p.repetition_penalty, logits_BV * p.repetition_penalty)
             logits_BV = torch.where(seen_BV, penalized, logits_BV)
         if p.greedy:
@@ -118,12 +118,12 @@ class Sampler:
             drop_BV[:, 0] = False
             logits_BV = logits_BV.scatter(1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
         row_keys = [_mix(_mix(seed * 0x9E3779B9 + r) + i) for seed, r, i in keys]
-        return kernels.gumbel_argmax(logits_BV, _h2d(row_keys, logits_BV.device))  # a draw from softmax(logits)
+        return kernels.gumbel_argmax(logits_BV, upload_ints(row_keys, logits_BV.device))  # a draw from softmax(logits)
 
 
-def _h2d(values: list[int], device: torch.device) -> torch.Tensor:
+def upload_ints(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints -> int64 on `device` without waiting for the device's queue (pinned memory, an asynchronous copy:
-    `Generator`'s lookahead reads nothing back until the step's tokens)."""
+    `Generator`'s lookahead reads nothing back until the step's tokens; the engine's inputs go the same way)."""
     t = torch.tensor(values, dtype=torch.int64)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 

@@ -113,14 +113,12 @@ def _build(model, folder, args: argparse.Namespace):
     """The model's Generator (graphs captured), the API's view of it, the decode thread and a banner line."""
     from anyseek.infer import loading
     from anyseek.infer.generate import GenerationError, Generator
-    from anyseek.infer.layers import join_weights
     from anyseek.infer.loading import CLIError
     from anyseek.infer.openai_api import Frontend, chat_template, generation_defaults
     from anyseek.infer.worker import Worker
 
     tok, eos = loading.load_tokenizer(folder)
     template, special = chat_template(folder)
-    join_weights(model)  # (load_model did; a model built elsewhere, e.g. benchmarks/serve.py's random one)
     try:
         gen = Generator(model, max_batch=args.max_batch, max_len=args.max_len, speculative=args.speculative,
                         cache_tokens=args.max_tokens_in_flight, prefill_tokens=args.prefill_tokens,

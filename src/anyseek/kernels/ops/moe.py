@@ -14,7 +14,7 @@ import triton
 
 from anyseek import kernels
 from anyseek.kernels.reference.moe import effective_weights
-from anyseek.kernels.triton.moe import block_m, experts_bwd, experts_fwd, small
+from anyseek.kernels.triton.moe import block_m, experts_bwd, experts_fwd, narrow_tiles
 from anyseek.kernels.triton.moe_lora import experts_bwd_lora, experts_fwd_lora
 from anyseek.kernels.triton.moe_plan import build_plan
 
@@ -36,14 +36,14 @@ def _(topk_ids, num_experts, block_m):
 def _fwd_op(
     x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slot: torch.Tensor,
     tok: torch.Tensor, offs: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, save: bool,
-    add: torch.Tensor | None = None, small_: bool = False,
+    add: torch.Tensor | None = None, narrow: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     return experts_fwd(x, w, gate_up, down, (slot, tok, offs, tile_expert, tile_row), save, add_TD=add,
-                       small_=small_)  # fmt: skip
+                       narrow=narrow)  # fmt: skip
 
 
 @_fwd_op.register_fake
-def _(x, w, gate_up, down, slot, tok, offs, tile_expert, tile_row, save, add=None, small_=False):
+def _(x, w, gate_up, down, slot, tok, offs, tile_expert, tile_row, save, add=None, narrow=False):
     M, F = slot.shape[0], gate_up.shape[1]
     return x.new_empty(x.shape), x.new_empty(M if save else 0, F), x.new_empty(M, F // 2)
 
@@ -85,11 +85,11 @@ class _RoutedExperts(torch.autograd.Function):
         """grad: whether grad mode was on at the call (inside `forward` it is off; needs_input_grad is not)."""
         ctx.params = params  # the weights as parameters, for their gradient destinations (or None)
         save = grad and any(ctx.needs_input_grad[:5])
-        few = small(topk_ids_TK.numel(), save)  # decoding: narrow row tiles (their own plan)
-        plan = torch.ops.anyseek.moe_plan(topk_ids_TK, gate_up_EFD.shape[0], block_m(x_TD.device, few))
+        narrow = narrow_tiles(topk_ids_TK.numel(), save)  # decoding: narrow row tiles (their own plan)
+        plan = torch.ops.anyseek.moe_plan(topk_ids_TK, gate_up_EFD.shape[0], block_m(x_TD.device, narrow))
         w_M = topk_weights_TK.reshape(-1)
         y_TD, h_MF, act_MI = torch.ops.anyseek.moe_experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, *plan, save, add_TD,
-                                                               few)  # fmt: skip
+                                                               narrow)  # fmt: skip
         ctx.save_for_backward(x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, *plan)
         ctx.w_shape, ctx.w_dtype = topk_weights_TK.shape, topk_weights_TK.dtype
         return y_TD

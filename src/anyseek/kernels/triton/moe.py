@@ -293,23 +293,23 @@ def _nk(t):
     return t.stride(0), t.stride(2), t.stride(1)
 
 
-def small(M: int, save: bool) -> bool:
+def narrow_tiles(M: int, save: bool) -> bool:
     """Whether the forward of M routed rows takes the "small_" launch settings (and a plan of their BLOCK_M)."""
     return not save and M <= SMALL_ROWS
 
 
-def block_m(device: torch.device, small_: bool = False) -> int:
+def block_m(device: torch.device, narrow: bool = False) -> int:
     """The row tile the routing plan is built for: the grouped GEMMs' (all equal), or the "small_" ones'."""
-    return _config(device, "small_gemm" if small_ else "gemm")["BLOCK_M"]
+    return _config(device, "small_gemm" if narrow else "gemm")["BLOCK_M"]
 
 
 def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None, low_dn=None, add_TD=None,
-                l_token_gu=None, small_: bool = False):  # fmt: skip
+                l_token_gu=None, narrow: bool = False):  # fmt: skip
     """-> y [T, D] (+ add_TD, a contiguous [T, D] addend, when given), h [M, F] (pre-activations, empty unless
     save), act [M, I] (weighted SwiGLU output). low_gu / low_dn: the two GEMMs' rank-r terms (see `_gemm`; LoRA,
     `experts_fwd_lora`); l_token_gu: the first one's products per token (`_gemm`'s l_token); the second one's are
-    made by a narrow pass first (`_narrow`). small_: the "small_" settings (`small`; the plan built for their
-    `block_m`)."""
+    made by a narrow pass first (`_narrow`). narrow: the "small_" settings (`narrow_tiles`; the plan built for
+    their `block_m`)."""
     T, D = x_TD.shape
     F = gate_up_EFD.shape[1]
     I = F // 2
@@ -318,7 +318,7 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None,
     h_MF = x_TD.new_empty(M if save else 0, F)
     if M == 0:
         return (x_TD.new_zeros(T, D) if add_TD is None else add_TD.clone()), h_MF, act_MI
-    pre = "small_" if small_ else ""
+    pre = "small_" if narrow else ""
     _gemm(x_TD, gate_up_EFD, _nk(gate_up_EFD), act_MI, plan, I, D, _config(x_TD.device, pre + "swiglu"), gather=True,
           epi=EPI_SWIGLU, h=h_MF if save else None, w=w_M, save_h=save, up_cols=I, low_rank=low_gu,
           l_token=l_token_gu)  # fmt: skip
