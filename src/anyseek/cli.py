@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e) if not isinstance(e, KeyError) else f"missing key {e}"
         if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
             msg = f"{e.filename}: {e.strerror or msg}"
-        print(f"error: {msg.strip()}" + ("" if "\n" in msg else "  (--debug shows the traceback)"), file=sys.stderr)
+        # one write of the whole line: under torchrun every rank shares this stderr, and print's two writes
+        # (the text, then the newline) let two ranks' lines run into one
+        sys.stderr.write(f"error: {msg.strip()}" + ("" if "\n" in msg else "  (--debug shows the traceback)") + "\n")
+        sys.stderr.flush()
         return 2
 
 
