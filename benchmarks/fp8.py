@@ -113,7 +113,7 @@ def compile_targets(out: Path | None) -> bool:
             {"num_warps": 8, "num_stages": 4}),
         "quantize rows": (fp8_quant._rows_kernel, {
             "X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "M": i32, "K": i32, "stride_x": i32, "stride_q": i32,
-            "stride_s": i32}, {"BR": fp8_quant.BR, "TILE": 128}, {"num_warps": 4}),
+            "stride_s": i32}, {"BR": fp8_quant.BR, "TILE": 128, "POW2": True}, {"num_warps": 4}),
         "quantize rows_t (re-tiling)": (fp8_quant._cols_t_kernel, {
             "X": "*fp8e4nv", "SX": "*fp32", "QT": "*fp8e4nv", "ST": "*fp32", "M": i32, "K": i32, "stride_x": i32,
             "stride_sx": i32, "stride_qt": i32, "stride_st": i32},

@@ -137,7 +137,7 @@ def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     q_act, s_act = fp8_grouped.swiglu_quant(h, w_M)
     y_slot = fp8_grouped.grouped_gemm(q_act, s_act, q_dn, s_dn, plan, BLOCK_M, x_TD.dtype, scatter=True)
     saved = (q_x, s_x, h, q_act, s_act, q_gut, s_gut, q_dnt, s_dnt, topk_ids_TK, topk_weights_TK, *plan)
-    return y_slot.view(T, K, D).float().sum(1).to(x_TD.dtype), saved
+    return y_slot.view(T, K, D).sum(1, dtype=torch.float32).to(x_TD.dtype), saved  # (no fp32 copy)
 
 
 def experts_backward(dy_TD: torch.Tensor, saved):
@@ -159,7 +159,7 @@ def experts_backward(dy_TD: torch.Tensor, saved):
     d_gu = fp8_grouped.grouped_wgrad(*fp8_grouped.plan_rows_t(dh, plan, BLOCK_M),
                                      *fp8_grouped.plan_rows_t(q_x, plan, BLOCK_M, gather=True, s_RB=s_x), plan, E,
                                      BLOCK_M)  # fmt: skip
-    return dx_slot.view(T, K, D).float().sum(1).to(dy_TD.dtype), dw.view(T, K), d_gu, d_dn
+    return dx_slot.view(T, K, D).sum(1, dtype=torch.float32).to(dy_TD.dtype), dw.view(T, K), d_gu, d_dn
 
 
 class _FP8ExpertsTriton(torch.autograd.Function):
