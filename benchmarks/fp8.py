@@ -26,6 +26,10 @@ Sections, in order (each prints a markdown table):
            against anyseek's bf16 Triton grouped GEMM (same plan, gather and scatter, plain epilogue) and
            torch._grouped_mm bf16 on rows permuted beforehand (copy not timed); then the experts' whole forward +
            backward, `kernels.fp8_routed_experts` against the bf16 Triton experts.
+  profile  (only when asked) where the time goes: torch.profiler's kernel table (the top kernels by GPU time a
+           step, grouped by kernel name) of the routed experts' forward + backward at the --flavors / --tokens
+           shapes, FP8 and bf16, then of the training step of --train-flavors in both precisions (eager: kernels
+           replayed in a CUDA graph are not all attributed).
   train    `small` (--train-flavors: also e.g. 16B/4, the 16B's shapes cut to 4 decoder layers; --data: the corpus),
            one optimizer step as `anyseek train` runs it (CUDA graphs, working copy), bf16 against
            train.precision=fp8, at 8192 and 32768 tokens: ms/step, tokens/s, peak memory, loss after the steps.
@@ -53,7 +57,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from anyseek.kernels.reference import fp8 as ref
 
-SECTIONS = ("compile", "check", "gemm", "quant", "grouped", "train", "tune")
+SECTIONS = ("compile", "check", "gemm", "quant", "grouped", "train", "tune", "profile")
 DEFAULT = ("compile", "check", "gemm", "quant", "grouped", "train")
 
 
@@ -415,6 +419,66 @@ def experts_table(device, flavors, tokens_list, out: Path | None) -> None:
           rows, out, "experts")
 
 
+def kernel_table(prof, steps: int, top: int = 14) -> list[list]:
+    """torch.profiler's kernels, summed by name: [name, calls a step, ms a step, share] for the `top` longest, then
+    the rest in one row, then the total."""
+    by: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            row = by.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time
+    total = sum(v[1] for v in by.values()) or 1.0
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])
+    rows = [[name[:70], f"{n / steps:.0f}", f"{us / steps / 1e3:.3f}", f"{100 * us / total:.1f}%"]
+            for name, (n, us) in ranked[:top]]  # fmt: skip
+    rest = ranked[top:]
+    if rest:
+        rows.append([f"({len(rest)} other kernels)", f"{sum(v[0] for _, v in rest) / steps:.0f}",
+                     f"{sum(v[1] for _, v in rest) / steps / 1e3:.3f}",
+                     f"{100 * sum(v[1] for _, v in rest) / total:.1f}%"])  # fmt: skip
+    rows.append(["total", f"{sum(v[0] for v in by.values()) / steps:.0f}", f"{total / steps / 1e3:.3f}", "100%"])
+    return rows
+
+
+def _profile(fn, steps: int = 3):
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_table(prof, steps)
+
+
+def experts_profile(device, flavors, tokens_list, out: Path | None) -> None:
+    """The routed experts' forward + backward under torch.profiler, FP8 and bf16: the kernel tables."""
+    from anyseek.kernels.ops import fp8 as fp8_ops
+    from anyseek.kernels.ops import moe as moe_ops
+    from anyseek.model.config import ModelConfig
+
+    for flavor in flavors:
+        c = ModelConfig.from_name(flavor)
+        E, I, K, D = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.hidden_size
+        for T in tokens_list:
+            ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K].contiguous()
+            w = torch.rand(T, K, device=device)
+            x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+            gu = (torch.randn(E, 2 * I, D, device=device) * 0.02).requires_grad_()
+            dn = (torch.randn(E, D, I, device=device) * 0.02).requires_grad_()
+            gub, dnb = gu.detach().bfloat16().requires_grad_(), dn.detach().bfloat16().requires_grad_()
+            dy = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+            for name, fn in (("fp8", partial(_experts_step, fp8_ops.fp8_routed_experts, x, ids, w, gu, dn, dy)),
+                             ("bf16", partial(_experts_step, moe_ops.routed_experts, x, ids, w, gub, dnb, dy))):
+                table(f"Routed experts fwd + bwd, {flavor}, {T} tokens, {name}: kernels a step",
+                      ["kernel", "calls", "ms", "share"], _profile(fn), out, f"profile-experts-{flavor}-{T}-{name}")
+            del x, gu, dn, gub, dnb, dy
+            torch.cuda.empty_cache()
+
+
 def tune_table(device, out: Path | None) -> None:
     from anyseek.kernels.triton import fp8_gemm
 
@@ -465,7 +529,8 @@ def train_case(args) -> None:
     data_dir = args.data or ensure_prepared("wiki-sample", vocab_size=32000)
     overrides = [f"--data.path={json.dumps(str(data_dir))}", f"--data.tokens_per_batch={tokens}",
                  "--data.max_seqlen=2048", "--train.tensorboard=false", f"--train.precision={precision}",
-                 "--train.eval_every=100000", "--train.save_every=100000", "--train.warmup_steps=5"]
+                 "--train.eval_every=100000", "--train.save_every=100000", "--train.warmup_steps=5",
+                 *(["--train.cuda_graphs=false"] if args.eager else [])]
     name, _, layers = flavor.partition("/")
     if layers:  # a one-GPU proxy of a larger flavor: its shapes, fewer decoder layers
         overrides.append(f"--model.num_hidden_layers={layers}")
@@ -494,6 +559,24 @@ def train_case(args) -> None:
         print("RESULT " + json.dumps({"ms": dt * 1e3, "tok_s": int(tokens) / dt,
                                       "mem": torch.cuda.max_memory_allocated() / 2**30,
                                       "loss_first": losses[0], "loss_last": losses[-1]}), flush=True)
+        if args.profile_steps:
+            print("PROFILE " + json.dumps(_profile(step, args.profile_steps)), flush=True)
+
+
+def train_profile(tokens_list, args, out: Path | None) -> None:
+    """The training step's kernels, bf16 and FP8, eager (`--train.cuda_graphs=false`: every kernel attributed)."""
+    for flavor, tokens in [(f, t) for f in args.train_flavors.split(",") for t in tokens_list]:
+        for precision in ("bf16", "fp8"):
+            cmd = [sys.executable, __file__, "--train-case", f"{precision}:{tokens}:{flavor}", "--steps", "3",
+                   "--warmup", "3", "--profile-steps", "3", "--eager", *(["--data", args.data] if args.data else [])]
+            p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            res = [ln for ln in p.stdout.splitlines() if ln.startswith("PROFILE ")]
+            if p.returncode or not res:
+                print(f"profile {precision} {tokens}: FAILED\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}", flush=True)
+                continue
+            table(f"Training step, {flavor}, {tokens} tokens, {precision} (eager): kernels a step",
+                  ["kernel", "calls", "ms", "share"], json.loads(res[-1][len("PROFILE "):]), out,
+                  f"profile-train-{flavor.replace('/', '-')}-{tokens}-{precision}")
 
 
 def train_table(tokens_list, args, out: Path | None) -> None:
@@ -533,6 +616,8 @@ def main() -> None:
     p.add_argument("--train-flavors", default="small", help="train: flavors, FLAVOR/N for its shapes cut to N "
                    "decoder layers (e.g. small,16B/4)")
     p.add_argument("--train-case", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile-steps", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.train_case:
         return train_case(args)
@@ -549,7 +634,7 @@ def main() -> None:
     ok = True
     if "compile" in sections:
         ok &= compile_targets(out)
-    if any(s in sections for s in ("check", "gemm", "quant", "grouped", "train", "tune")):
+    if any(s in sections for s in ("check", "gemm", "quant", "grouped", "train", "tune", "profile")):
         if not torch.cuda.is_available():
             raise SystemExit("check/gemm/quant/train need a CUDA GPU (--only compile runs without one)")
         device = torch.device("cuda")
@@ -568,6 +653,9 @@ def main() -> None:
             tune_table(device, out)
         if "train" in sections:
             train_table(tokens, args, out)
+        if "profile" in sections:
+            experts_profile(device, args.flavors.split(","), tokens, out)
+            train_profile(tokens, args, out)
     sys.exit(0 if ok else 1)
 
 
