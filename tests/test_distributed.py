@@ -105,9 +105,11 @@ def test_expert_parallel_run_equals_data_parallel(runs, data_dir):
 @pytest.mark.slow
 def test_fp8_expert_parallel_run_tracks_fp8_data_parallel(data_dir, tmp_path, monkeypatch):
     """train.precision=fp8 with EP=2 (the recipe's emulation on the CPU): the experts stay FP8 under expert
-    parallelism and their rows travel in FP8, so the first step's loss is the data-parallel FP8 run's exactly (a row
-    arrives as the values the experts quantize it to) and later ones within 1e-4 (the Wgrad tiles along the rows
-    hold both ranks' rows under EP). Experts left in full precision under EP (as before FP8 dispatch) fail it."""
+    parallelism and their rows travel in FP8 (the outputs' gradients too), so the first step's loss is the
+    data-parallel FP8 run's exactly (a row arrives as the values the experts quantize it to), the second within 1e-5
+    (one update apart: the Wgrad tiles along the rows hold both ranks' rows under EP) and later ones within 5e-4 (the
+    two trajectories drift apart as such tiny differences do: 2e-4 by step 6 here). Experts left in full precision
+    under EP (as before FP8 dispatch) fail the first step's check."""
     monkeypatch.setenv("ANYSEEK_FP8", "reference")
     steps = ["--train.max_steps=6", "--train.grad_clip=0", "--model.bias_update_speed=0.01", "--train.precision=fp8"]
     for name, extra in (("dp", []), ("ep", ["--parallel.ep=2"])):
@@ -115,8 +117,9 @@ def test_fp8_expert_parallel_run_tracks_fp8_data_parallel(data_dir, tmp_path, mo
     dp, ep = train_losses(tmp_path / "dp"), train_losses(tmp_path / "ep")
     assert list(ep) == list(dp) == list(range(1, 7))
     assert ep[1] == pytest.approx(dp[1], rel=1e-6)
+    assert ep[2] == pytest.approx(dp[2], rel=1e-5)
     for step in dp:
-        assert ep[step] == pytest.approx(dp[step], rel=1e-4), step
+        assert ep[step] == pytest.approx(dp[step], rel=5e-4), step
 
 
 @pytest.mark.slow

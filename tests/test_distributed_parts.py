@@ -87,6 +87,7 @@ def _fp8_expert_parallel_equals_local() -> None:
     import torch.distributed as dist
 
     from anyseek import kernels
+    from anyseek.distributed import expert_parallel
     from anyseek.distributed.expert_parallel import capacity_rows, dispatch_combine, dispatch_combine_fixed
 
     rank = dist.get_rank()
@@ -109,15 +110,45 @@ def _fp8_expert_parallel_equals_local() -> None:
                               (capacity_rows(17, K, 2, 2, factor=0), False)):  # fmt: skip
         x_ep, w_ep = x.clone().requires_grad_(), w.clone().requires_grad_()
         gu_ep, d_ep = gate_up[mine].clone().requires_grad_(), down[mine].clone().requires_grad_()
-        y_ep = (dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, fp8=True) if capacity is None else
-                dispatch_combine_fixed(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, capacity,
-                                       torch.zeros((), dtype=torch.bool), None, overlap, fp8=True))  # fmt: skip
-        (y_ep * g).sum().backward()
+        sends, exchange_fp8 = [], expert_parallel._exchange_fp8
+        expert_parallel._exchange_fp8 = lambda t, *a: sends.append(t.shape) or exchange_fp8(t, *a)
+        try:
+            y_ep = (dispatch_combine(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, fp8=True) if capacity is None
+                    else dispatch_combine_fixed(x_ep, ids, w_ep, gu_ep, d_ep, dist.group.WORLD, capacity,
+                                                torch.zeros((), dtype=torch.bool), None, overlap, fp8=True))  # fmt: skip
+            (y_ep * g).sum().backward()
+        finally:
+            expert_parallel._exchange_fp8 = exchange_fp8
+        # in FP8: the rows on their way to the experts (here, unless `_Start` packed them), then the outputs' gradients
+        assert len(sends) == (1 if overlap else 2) and all(shape[1] == D for shape in sends), sends
         torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(w_ep.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
         for full, got in ((gu_ref.grad[mine], gu_ep.grad), (d_ref.grad[mine], d_ep.grad)):
             assert (got - full).norm() < 0.05 * full.norm(), (got - full).norm() / full.norm()
+
+
+def _fp8_output_gradients_travel_as_fp8() -> None:
+    """The combine's exchange with fp8_grad: its output as it is (bf16 combine), its gradient on the way to the
+    experts as `fp8_pack_rows` sends rows, i.e. the quantized values (power-of-two 1x128 scales), not the exact ones."""
+    import torch.distributed as dist
+
+    from anyseek import kernels
+    from anyseek.distributed.expert_parallel import _AllToAll
+
+    rank = dist.get_rank()
+
+    def rows(r: int, seed: int) -> torch.Tensor:  # rank r's [4, 200]: rows of very different ranges, a short tile
+        return torch.randn(4, 200, generator=torch.Generator().manual_seed(seed + r)) * torch.logspace(-3, 3, 4)[:, None]
+
+    x = rows(rank, 0).requires_grad_()
+    (y,) = _AllToAll.apply([2, 2], [2, 2], dist.group.WORLD, False, True, x)
+    torch.testing.assert_close(y, torch.cat([rows(p, 0)[2 * rank:2 * rank + 2] for p in (0, 1)]), rtol=0, atol=0)
+    y.backward(rows(rank, 100))
+    sent = torch.cat([rows(p, 100)[2 * rank:2 * rank + 2] for p in (0, 1)])  # what the two ranks send back here
+    want = kernels.fp8_unpack_rows(*kernels.fp8_pack_rows(sent), torch.float32)
+    assert (want - sent).abs().max() > 0, "the gradient is exactly representable: the test would not see a rounding"
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
 
 
 def _collectives(result: str) -> None:
@@ -133,6 +164,7 @@ def _collectives(result: str) -> None:
     par = Parallel.from_torchrun(ParallelConfig(timeout_s=5), "cpu")
     _expert_parallel_equals_local()
     _fp8_expert_parallel_equals_local()
+    _fp8_output_gradients_travel_as_fp8()
     rank = par.env.rank
     stats = StepStats(loss=torch.tensor(float("nan") if rank == 1 else 2.0), tokens=10,
                       expert_load=torch.tensor([[1.0, 2.0]]) * (rank + 1), stop_requested=rank == 0)

@@ -10,8 +10,10 @@ to the rank that holds their expert and back with two `all_to_all_single`s (coun
 
 FP8 training (experts whose module says `fp8`): the rows travel as E4M3 bytes with power-of-two 1x128 scales
 (`kernels.fp8_pack_rows`, ~1.03 bytes an element instead of 2) and the experts run `kernels.fp8_routed_experts`,
-which quantize the rows to the very values they arrived as; outputs and gradients travel in bf16 (DeepSeek-V3's
-FP8 dispatch, bf16 combine).
+which quantize the rows to the very values they arrived as. So do the outputs' gradients on their way to the
+experts (the activation gradient before the down projection, which the experts' backward quantizes the same way);
+the outputs, and the rows' gradients on their way back, travel in bf16 (DeepSeek-V3's FP8 dispatch, bf16 combine,
+forward and backward).
 
 Backward is the same exchange with the splits swapped (`_AllToAll`). The one host sync per MoE layer and forward is
 the split sizes: `all_to_all_single` takes them as Python ints.
@@ -53,11 +55,12 @@ class _AllToAll(torch.autograd.Function):
     back the same way. Every rank runs the same exchanges in the same order, forward and backward: a gradient that
     is None here (say, no rows arrived) travels as zeros, so no rank skips a collective the others wait in. fp8: the
     first tensor travels as E4M3 bytes and power-of-two scales (`kernels.fp8_pack_rows`) and arrives as those
-    values in its dtype; its gradient travels back in that dtype."""
+    values in its dtype; fp8_grad: so does the first tensor's gradient on its way back (else in its dtype)."""
 
     @staticmethod
-    def forward(ctx, out_splits: list[int], in_splits: list[int], group, fp8: bool, *tensors: torch.Tensor):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, out_splits: list[int], in_splits: list[int], group, fp8: bool, fp8_grad: bool,
+                *tensors: torch.Tensor):  # fmt: skip
+        ctx.splits, ctx.group, ctx.fp8_grad = (out_splits, in_splits), group, fp8_grad
         ctx.shapes = [(t.shape[1:], t.dtype, t.device) for t in tensors]
         first = _exchange_fp8 if fp8 else _exchange
         return (first(tensors[0], out_splits, in_splits, group),
@@ -67,11 +70,12 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         out_splits, in_splits = ctx.splits
         back = []
-        for g, (shape, dtype, device) in zip(grads, ctx.shapes):
+        for i, (g, (shape, dtype, device)) in enumerate(zip(grads, ctx.shapes)):
             if g is None:
                 g = torch.zeros((sum(out_splits), *shape), dtype=dtype, device=device)
-            back.append(_exchange(g, in_splits, out_splits, ctx.group))
-        return (None, None, None, None, *back)
+            send = _exchange_fp8 if ctx.fp8_grad and i == 0 else _exchange
+            back.append(send(g, in_splits, out_splits, ctx.group))
+        return (None, None, None, None, None, *back)
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -216,13 +220,13 @@ def dispatch_combine_fixed(
         add_TD = addend(add_TD)  # the shared experts, while the rows travel
         recv_SD, recv_w_S = _Wait.apply(flight, recv_SD, recv_w_S)
     else:
-        recv_SD, recv_w_S = _AllToAll.apply(splits, splits, group, fp8, send_SD, send_w_S)
+        recv_SD, recv_w_S = _AllToAll.apply(splits, splits, group, fp8, False, send_SD, send_w_S)
     # row j of source s's block: the first local expert whose running count passes j (E_loc: past the count)
     ends = recv_counts_E.view(ep, E_loc).cumsum(1)
     local_S = torch.searchsorted(ends, torch.arange(C, device=dev).expand(ep, C).contiguous(), right=True)
     experts = kernels.fp8_routed_experts if fp8 else kernels.routed_experts
     y_SD = experts(recv_SD, local_S.view(-1, 1), recv_w_S[:, None], gate_up_local, down_local)
-    (back_SD,) = _AllToAll.apply(splits, splits, group, False, y_SD)
+    (back_SD,) = _AllToAll.apply(splits, splits, group, False, fp8, y_SD)  # fp8: the outputs' gradients
     y_TD = _sum_slots(back_SD.index_select(0, at_slot_M), T, K, x_TD.dtype)
     add_TD = addend(add_TD)
     return y_TD if add_TD is None else y_TD + add_TD
@@ -329,9 +333,9 @@ def dispatch_combine(
     x's dtype. Every rank of `group` must call it (with its own tokens, possibly none). peak: raised (on the device)
     to the most rows this rank sent to or received from one rank. fp8 (FP8 training, DeepSeek-V3's recipe): the
     rows travel as E4M3 with power-of-two 1x128 scales (`kernels.fp8_pack_rows`: about half the bytes) and the
-    experts are `kernels.fp8_routed_experts`, which quantize them to the same values; the outputs travel back, and
-    the rows' gradients too, in x's dtype (the paper's combine in bf16). Same maths as `kernels.fp8_routed_experts`
-    on all E experts."""
+    experts are `kernels.fp8_routed_experts`, which quantize them to the same values; so do the outputs' gradients
+    on their way to the experts; the outputs travel back, and the rows' gradients too, in x's dtype (the paper's
+    combine in bf16). Same maths as `kernels.fp8_routed_experts` on all E experts."""
     T, K = topk_ids_TK.shape
     ep, E_loc = dist.get_world_size(group), gate_up_local.shape[0]
     _, order_M, counts_E, recv_counts_E = _count_slots(topk_ids_TK, ep * E_loc, group)
@@ -344,7 +348,7 @@ def dispatch_combine(
     in_splits, out_splits = splits_2R.tolist()  # the host sync: Python ints for the row exchange
     if peak is not None:
         peak.clamp_(min=max(in_splits + out_splits))
-    rows_ND, w_N = _AllToAll.apply(out_splits, in_splits, group, fp8, rows_MD, w_M)
+    rows_ND, w_N = _AllToAll.apply(out_splits, in_splits, group, fp8, False, rows_MD, w_M)
     N = rows_ND.shape[0]
     local_ids_N = torch.arange(E_loc, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts_E, output_size=N)
     experts = kernels.fp8_routed_experts if fp8 else kernels.routed_experts
@@ -352,7 +356,7 @@ def dispatch_combine(
         y_ND = experts(rows_ND, local_ids_N[:, None], w_N[:, None], gate_up_local, down_local)
     else:  # nothing arrived: keep the exchanges in the autograd graph, or this rank's backward would skip them
         y_ND = rows_ND * w_N[:, None].to(rows_ND.dtype) + 0 * (gate_up_local.sum() + down_local.sum())
-    (y_MD,) = _AllToAll.apply(in_splits, out_splits, group, False, y_ND)
+    (y_MD,) = _AllToAll.apply(in_splits, out_splits, group, False, fp8, y_ND)  # fp8: the outputs' gradients
     # each token's K rows gathered back into slot order and summed in fp32 (k in order: deterministic; no atomics,
     # no fp32 copy of the rows: the stop-46 profile of 16B EP4 spent ~60 of 352 ms of compute in that glue)
     return _sum_slots(_Permute.apply(y_MD, at_slot_M, order_M), T, K, x_TD.dtype)

@@ -146,7 +146,7 @@ def experts_backward(dy_TD: torch.Tensor, saved):
     T, K = topk_ids_TK.shape
     E, D = q_gut.shape[0], dy_TD.shape[1]
     slot = plan[0].long()
-    q_dy, s_dy = fp8_quant.quantize_rows(dy_TD)
+    q_dy, s_dy = fp8_quant.quantize_rows(dy_TD, pow2=True)  # as expert parallelism sends dy to the experts
     d_act = fp8_grouped.grouped_gemm(q_dy, s_dy, q_dnt, s_dnt, plan, BLOCK_M, torch.float32, gather=True)
     dh, dw_M = fp8_grouped.dswiglu(h, topk_weights_TK.reshape(-1)[slot], d_act, dy_TD.dtype)
     q_dh, s_dh = fp8_quant.quantize_rows(dh)
@@ -154,7 +154,7 @@ def experts_backward(dy_TD: torch.Tensor, saved):
     dw = torch.zeros(T * K, dtype=torch.float32, device=dy_TD.device)
     valid = topk_ids_TK.reshape(-1)[slot] < E  # rows of slots no expert takes: in no tile, their values unset
     dw[slot] = torch.where(valid, dw_M, 0.0)
-    d_dn = fp8_grouped.grouped_wgrad(*fp8_grouped.plan_rows_t(dy_TD, plan, BLOCK_M, gather=True),
+    d_dn = fp8_grouped.grouped_wgrad(*fp8_grouped.plan_rows_t(q_dy, plan, BLOCK_M, gather=True, s_RB=s_dy),
                                      *fp8_grouped.plan_rows_t(q_act, plan, BLOCK_M, s_RB=s_act), plan, E, BLOCK_M)
     d_gu = fp8_grouped.grouped_wgrad(*fp8_grouped.plan_rows_t(dh, plan, BLOCK_M),
                                      *fp8_grouped.plan_rows_t(q_x, plan, BLOCK_M, gather=True, s_RB=s_x), plan, E,

@@ -283,16 +283,16 @@ def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
 
 def experts_backward(dy_TD: torch.Tensor, saved):
     """-> (dx [T, D] in dy's dtype, d topk_weights [T, K] fp32, d gate_up [E, F, D] fp32, d down [E, D, I] fp32).
-    d_act = dy[tok] W_down (dy per 1x128 tile, the blocks transposed), through the weighted SwiGLU in fp32 to dh
-    (rounded to dy's dtype, quantized per 1x128 tile), dx = dh W_gate_up summed over a token's K rows in fp32; the
-    weight gradients over each expert's rows in 1x128 tiles along them (dy and dh as they are, act and x from their
-    FP8 copies), fp32."""
+    d_act = dy[tok] W_down (dy per 1x128 tile with power-of-two scales, as expert parallelism sends it to the
+    experts, the blocks transposed), through the weighted SwiGLU in fp32 to dh (rounded to dy's dtype, quantized per
+    1x128 tile), dx = dh W_gate_up summed over a token's K rows in fp32; the weight gradients over each expert's rows
+    in 1x128 tiles along them (dh as it is, dy, act and x from their FP8 copies), fp32."""
     q_x, s_x, h, q_act, s_act, q_gu, s_gu, q_dn, s_dn, topk_ids_TK, topk_weights_TK = saved
     T, K = topk_ids_TK.shape
     E = q_gu.shape[0]
     slot, tok, expert = _routing(topk_ids_TK, E)
     rows = torch.arange(len(slot), device=dy_TD.device)
-    q_dy, s_dy = quantize_rows(dy_TD)
+    q_dy, s_dy = quantize_rows(dy_TD, pow2=True)
     d_act = grouped_gemm(q_dy, s_dy, q_dn.transpose(1, 2), s_dn.transpose(1, 2), expert, tok, torch.float32)
     dh, dw_M = dswiglu_weighted(h, topk_weights_TK.reshape(-1)[slot], d_act)
     dh = dh.to(dy_TD.dtype)
@@ -302,12 +302,12 @@ def experts_backward(dy_TD: torch.Tensor, saved):
     dx_slot[slot] = dx_rows.float()
     dw = torch.zeros(T * K, dtype=torch.float32, device=dy_TD.device)
     dw[slot] = dw_M
-    x_deq, act_deq = dequantize_rows(q_x, s_x), dequantize_rows(q_act, s_act)
+    x_deq, act_deq, dy_deq = dequantize_rows(q_x, s_x), dequantize_rows(q_act, s_act), dequantize_rows(q_dy, s_dy)
     d_gu = torch.zeros(q_gu.shape, dtype=torch.float32, device=dy_TD.device)
     d_dn = torch.zeros(q_dn.shape, dtype=torch.float32, device=dy_TD.device)
     for e in range(E):
         at = (expert == e).nonzero().flatten()
         if at.numel():
-            d_dn[e] = gemm(*quantize_rows_t(dy_TD[tok[at]]), *quantize_rows_t(act_deq[at]))
+            d_dn[e] = gemm(*quantize_rows_t(dy_deq[tok[at]]), *quantize_rows_t(act_deq[at]))
             d_gu[e] = gemm(*quantize_rows_t(dh[at]), *quantize_rows_t(x_deq[tok[at]]))
     return dx_slot.view(T, K, -1).sum(1).to(dy_TD.dtype), dw.view(T, K), d_gu, d_dn
