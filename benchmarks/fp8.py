@@ -138,7 +138,7 @@ def compile_targets(out: Path | None) -> bool:
             {"num_warps": 8, "num_stages": 4}),
         "grouped wgrad": (fp8_grouped._wgrad_kernel, {
             "AT": "*fp8e4nv", "SAT": "*fp32", "BT": "*fp8e4nv", "SBT": "*fp32", "C": "*fp32", "U_FIRST": "*i32",
-            "TILE_ROW": "*i32", "OFFS": "*i32", "N1": i32, "N2": i32, "stride_a": i32, "stride_sa": i32,
+            "OFFS": "*i32", "N1": i32, "N2": i32, "stride_a": i32, "stride_sa": i32,
             "stride_b": i32, "stride_sb": i32, "stride_ce": i32, "stride_c": i32},
             {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "SCALED": False}, {"num_warps": 8, "num_stages": 4}),
         "plan rows_t (gather, dequant)": (fp8_grouped._plan_rows_t_kernel, {

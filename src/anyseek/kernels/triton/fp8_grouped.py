@@ -154,29 +154,38 @@ def _plan_rows_t_kernel(X, SX, TOK, QT, ST, OFFS, TILE_E, TILE_ROW, C, stride_x,
 
 
 @triton.jit
-def _wgrad_kernel(AT, SAT, BT, SBT, C, U_FIRST, TILE_ROW, OFFS, N1, N2, stride_a, stride_sa, stride_b, stride_sb,
-                  stride_ce, stride_c, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+def _wgrad_kernel(AT, SAT, BT, SBT, C, U_FIRST, OFFS, N1, N2, stride_a, stride_sa, stride_b, stride_sb, stride_ce,
+                  stride_c, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                  SCALED: tl.constexpr):  # fmt: skip
     """C[e] = A_e^T B_e in fp32, A^T [N1, M] and B^T [N2, M] in E4M3 with scales per (plan tile, column), SAT
     [U, N1] and SBT [U, N2]: the reduction runs over expert e's plan tiles, each a 128-wide K-block promoted into
     fp32 with its scales (one contiguous load of each side's: the dense Wgrad went from 301 to 652 TFLOP/s when its
-    scales were laid out so, `fp8_gemm.CONFIG`)."""
+    scales were laid out so, `fp8_gemm.CONFIG`). Expert e's tiles are consecutive, U_FIRST[e] on, and cover its rows
+    OFFS[e]:OFFS[e+1] 128 at a time (`moe_plan`), so the loop steps its pointers as the dense GEMM's does (no load
+    of a tile's first row in the loop for the next K-block's addresses to wait on)."""
     e = tl.program_id(1)
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(N1, BM), tl.cdiv(N2, BN), GROUP_M)
     i = pid_m * BM + tl.arange(0, BM)
     j = pid_n * BN + tl.arange(0, BN)
     i_c, j_c = (i % N1).to(tl.int64), (j % N2).to(tl.int64)
-    end = tl.load(OFFS + e + 1)
+    row0, end = tl.load(OFFS + e), tl.load(OFFS + e + 1)
+    u0 = tl.load(U_FIRST + e)
+    rk = tl.arange(0, BK)
+    a_ptr = AT + i_c[:, None] * stride_a + (row0 + rk)[None, :]
+    b_ptr = BT + j_c[:, None] * stride_b + (row0 + rk)[None, :]
+    sa_ptr = SAT + u0.to(tl.int64) * stride_sa + i_c
+    sb_ptr = SBT + u0.to(tl.int64) * stride_sb + j_c
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for u in range(tl.load(U_FIRST + e), tl.load(U_FIRST + e + 1)):
-        rk = tl.load(TILE_ROW + u) + tl.arange(0, BK)
-        k_ok = (rk < end)[None, :]
-        a = tl.load(AT + i_c[:, None] * stride_a + rk[None, :], mask=k_ok, other=0.0)
-        b = tl.load(BT + j_c[:, None] * stride_b + rk[None, :], mask=k_ok, other=0.0)
+    for kb in range(tl.cdiv(end - row0, BK)):
+        k_ok = (rk < end - row0 - kb * BK)[None, :]
+        a = tl.load(a_ptr, mask=k_ok, other=0.0)
+        b = tl.load(b_ptr, mask=k_ok, other=0.0)
         block = block_dot(a, b, SCALED)
-        sa = tl.load(SAT + u * stride_sa + i_c)
-        sb = tl.load(SBT + u * stride_sb + j_c)
-        acc += block * (sa[:, None] * sb[None, :])
+        acc += block * (tl.load(sa_ptr)[:, None] * tl.load(sb_ptr)[None, :])
+        a_ptr += BK
+        b_ptr += BK
+        sa_ptr += stride_sa
+        sb_ptr += stride_sb
     c_ptr = C + e.to(tl.int64) * stride_ce + i.to(tl.int64)[:, None] * stride_c + j[None, :]
     tl.store(c_ptr, acc, mask=(i < N1)[:, None] & (j < N2)[None, :])
 
@@ -222,7 +231,7 @@ def grouped_wgrad(at_N1M: torch.Tensor, sat: torch.Tensor, bt_N2M: torch.Tensor,
     BM = 32 if at_N1M.device.type == "cpu" else 128
     grid = (triton.cdiv(N1, BM) * triton.cdiv(N2, BN), n_experts)
     launch(_wgrad_kernel, grid, cfg)(
-        at_N1M, sat, bt_N2M, sbt, c, tile_starts(plan, n_experts, block_m), plan[4], plan[2], N1, N2,
+        at_N1M, sat, bt_N2M, sbt, c, tile_starts(plan, n_experts, block_m), plan[2], N1, N2,
         at_N1M.stride(0), sat.stride(0), bt_N2M.stride(0), sbt.stride(0), c.stride(0), c.stride(1),
         BM=BM, BN=BN, BK=TILE, GROUP_M=group_m, SCALED=scaled_dot(at_N1M.device))  # fmt: skip
     return c
