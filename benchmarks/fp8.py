@@ -549,7 +549,6 @@ def train_case(args) -> None:
         for _ in range(args.warmup):
             step()
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
@@ -557,7 +556,10 @@ def train_case(args) -> None:
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / args.steps
         print("RESULT " + json.dumps({"ms": dt * 1e3, "tok_s": int(tokens) / dt,
+                                      # the whole run's peaks (graph capture and pools included): what the
+                                      # GPU must hold, allocated and as the caching allocator reserves it
                                       "mem": torch.cuda.max_memory_allocated() / 2**30,
+                                      "reserved": torch.cuda.max_memory_reserved() / 2**30,
                                       "loss_first": losses[0], "loss_last": losses[-1]}), flush=True)
         if args.profile_steps:
             print("PROFILE " + json.dumps(_profile(step, args.profile_steps)), flush=True)
@@ -594,11 +596,12 @@ def train_table(tokens_list, args, out: Path | None) -> None:
                 continue
             r = got[precision] = json.loads(res[-1][len("RESULT "):])
             speed = f"{got['bf16']['ms'] / r['ms']:.2f}x" if "bf16" in got else ""
-            rows.append([flavor, tokens, precision, f"{r['ms']:.1f}", f"{r['tok_s']:,.0f}", f"{r['mem']:.2f}",
+            rows.append([flavor, tokens, precision, f"{r['ms']:.1f}", f"{r['tok_s']:,.0f}",
+                         f"{r['mem']:.2f} / {r.get('reserved', float('nan')):.2f}",
                          f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}", speed])
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
     table(f"Training step (`anyseek train`'s step: CUDA graphs, bf16 working copy; {args.warmup} warm-up "
-          f"+ {args.steps} timed steps)", ["flavor", "tokens", "precision", "ms/step", "tokens/s", "peak GiB",
+          f"+ {args.steps} timed steps)", ["flavor", "tokens", "precision", "ms/step", "tokens/s", "peak GiB (allocated / reserved, whole run)",
                                            "loss (first -> last step)", "vs bf16"], rows, out, "train")
 
 
