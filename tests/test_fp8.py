@@ -335,7 +335,14 @@ def _worker() -> None:
         table = [(n, ((t - r).norm() / r.norm()).item(), 0.0) for n, t, r in zip(["y", "dx", "dW"], got, want)]
         results[name] = {"pass": interpreter.passes(table, atol=1e-6), "table": table}
     ids, ts, dy = _experts_case()
-    got = _run_experts(fp8_ops.fp8_routed_experts, ids, ts, dy)
+    # every buffer the kernels allocate starts as NaN (a fresh CPU allocation is zeros, which would hide a kernel
+    # that leaves part of its output unwritten, e.g. an expert without rows)
+    empty = torch.empty
+    torch.empty = lambda *a, **k: (lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(empty(*a, **k))
+    try:
+        got = _run_experts(fp8_ops.fp8_routed_experts, ids, ts, dy)
+    finally:
+        torch.empty = empty
     want = _run_experts(fp8_autograd.fp8_routed_experts_reference, ids, ts, dy)
     table = [(n, ((t - r).norm() / r.norm()).item(), 0.0)
              for n, t, r in zip(["y", "dx", "d weights", "d gate_up", "d down"], got, want)]  # fmt: skip
