@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
 # the Triton interpreter's workers, longest first (seconds on the 2-core CI machine, stop 48)
 INTERPRETER_WORKERS = ["test_moe_triton.py", "test_attention_triton.py", "test_quant4.py", "test_fp8.py",
                        "test_fused_kernels.py", "test_decode_kernel.py", "test_fused_router_merge.py",
-                       "test_fused_adamw.py"]  # fmt: skip
+                       "test_fused_adamw.py", "test_decode_launches.py"]  # fmt: skip
 
 
 def pytest_collection_finish(session):
