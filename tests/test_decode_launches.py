@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import collections
 
-import pytest
-
 import interpreter
+import pytest
 
 # one MoE layer of a decode step: two add-norms, q|kv_a (one matmul: `join_weights`), the cache write, W_UK, the
 # query's rope, the attention, W_UV, o_proj, the router's linear and top-k, the shared experts' gate|up, SwiGLU and
