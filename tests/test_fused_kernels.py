@@ -209,19 +209,22 @@ def rope_errors(T, H, R, dtype, inter_in, inter_out, conj, inplace, strided, dev
     return [("out", (got.cpu().float() - want.float()).abs().max().item(), ulp * 4 * want.abs().max().item() + 1e-6)]
 
 
-# (name, T, L, R, dtype, weight dtype, pairs interleaved in, kv_a rows strided): the latent-cache write
+# (name, T, L, R, dtype, weight dtype, pairs interleaved in, kv_a rows strided, query heads (0: no query)): the
+# latent-cache write
 CACHE_CASES = [
-    ("fp16_pairs", 37, 40, 16, "float16", "float16", True, False),
-    ("fp32_halves_strided", 5, 48, 8, "float32", "float32", False, True),
-    ("one_token_v3_widths", 1, 512, 64, "float16", "float16", True, False),
-    ("fp16_x_fp32_w_twin", 9, 32, 16, "float16", "float32", True, True),  # other roundings: the twin runs
+    ("fp16_pairs", 37, 40, 16, "float16", "float16", True, False, 3),
+    ("fp32_halves_strided", 5, 48, 8, "float32", "float32", False, True, 2),
+    ("one_token_v3_widths", 1, 512, 64, "float16", "float16", True, False, 16),
+    ("no_query", 4, 40, 16, "float16", "float16", True, False, 0),
+    ("fp16_x_fp32_w_twin", 9, 32, 16, "float16", "float32", True, True, 3),  # other roundings: the twin runs
 ]
 
 
-def cache_write_errors(T, L, R, dtype, w_dtype, inter_in, strided, device, seed=0):
+def cache_write_errors(T, L, R, dtype, w_dtype, inter_in, strided, heads, device, seed=0):
     """[(what, max |kernel - twin|, allowed)] for `mla_cache_write` into scattered rows of a cache filled with 7s:
     the written rows within 2 ulps of the twin (the norm's reciprocal square root may round apart), every other row
-    untouched."""
+    untouched; with query heads, their rope part (read from strided heads) written into the last R columns of a
+    wider buffer as the twin's `rope_rotate` does, within 2 ulps, the buffer's other columns untouched."""
     from anyseek.kernels.reference.cache import mla_cache_write as ref
     from anyseek.kernels.triton.cache import mla_cache_write as fused
 
@@ -232,16 +235,26 @@ def cache_write_errors(T, L, R, dtype, w_dtype, inter_in, strided, device, seed=
     ang = torch.randn(T, R // 2, generator=g)
     cos, sin = ang.cos(), ang.sin()
     slots = torch.randperm(3 * T, generator=g)[:T]
+    q_pe = (torch.randn(T, heads, R + 3, generator=g) * 4).to(dtype)[..., :R] if heads else None
+    q_want = torch.full((T, heads, L + R), 7.0, dtype=dtype) if heads else None
+    q_got = torch.full((T, heads, L + R), 7.0, dtype=dtype, device=device) if heads else None
     want = torch.full((3 * T, L + R), 7.0, dtype=dtype)
-    ref(want, slots, kv, w, 1e-6, cos, sin, inter_in)
+    ref(want, slots, kv, w, 1e-6, cos, sin, inter_in, q_pe, q_want[..., L:] if heads else None)
     got = torch.full((3 * T, L + R), 7.0, dtype=dtype, device=device)
-    fused(got, slots.to(device), kv.to(device), w.to(device), 1e-6, cos.to(device), sin.to(device), inter_in)
+    fused(got, slots.to(device), kv.to(device), w.to(device), 1e-6, cos.to(device), sin.to(device), inter_in,
+          q_pe.to(device) if heads else None, q_got[..., L:] if heads else None)  # fmt: skip
     got = got.cpu().float()
     ulp = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
     rest = torch.ones(3 * T, dtype=torch.bool)
     rest[slots] = False
-    return [("rows", (got[slots] - want[slots].float()).abs().max().item(), 2 * ulp * want[slots].abs().max().item()),
-            ("others", (got[rest] - 7.0).abs().max().item() if rest.any() else 0.0, 0.0)]
+    table = [("rows", (got[slots] - want[slots].float()).abs().max().item(), 2 * ulp * want[slots].abs().max().item()),
+             ("others", (got[rest] - 7.0).abs().max().item() if rest.any() else 0.0, 0.0)]
+    if heads:
+        q_got = q_got.cpu().float()
+        table += [("query rope", (q_got[..., L:] - q_want[..., L:].float()).abs().max().item(),
+                   2 * ulp * q_want[..., L:].float().abs().max().item()),
+                  ("query's other columns", (q_got[..., :L] - 7.0).abs().max().item(), 0.0)]  # fmt: skip
+    return table
 
 
 # (name, rows, vocabulary): the sampler's draw

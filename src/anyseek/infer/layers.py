@@ -78,19 +78,18 @@ def mla_forward(m: MLA, x_TD: torch.Tensor, step: Step, cache: PagedLatentCache,
         q_THC = torch.cat([q_nope_THN, q_pe_THR], dim=-1)
         out_THV = kernels.mla_attention(q_THC, k_nope_THN, k_pe_TR.contiguous(), v_THV, step.cu_seqlens,
                                         step.max_seqlen, m.softmax_scale, True)  # fmt: skip
-    else:  # the cache rows written by one kernel (the norm, the rope, the row copy), read by the absorbed attention
-        norm = m.kv_a_layernorm
-        kernels.mla_cache_write(cache.flat(layer), step.slots, kv_a_TX, norm.weight, norm.eps, step.cos, step.sin,
-                                m.rope_interleave)  # fmt: skip
-        w_HXL = m.kv_b_proj.weight.view(H, N + m.v_dim, L)
-        w_uk_HNL, w_uv_HVL = w_HXL[:, :N], w_HXL[:, N:]
-        c = cache.layer(layer)
+    else:  # the cache rows and the query's rope written by one kernel, read by the absorbed attention
         dt = q_nope_THN.dtype
         # the absorbed query [q_nope W_UK | rope(q_pe)] and the heads' outputs written where they are read next:
         # the products into strided views (cuBLAS takes their row stride), the rotation straight into its columns
         q_THX = torch.empty(T, H, L + R, dtype=dt, device=x_TD.device)
+        norm = m.kv_a_layernorm
+        kernels.mla_cache_write(cache.flat(layer), step.slots, kv_a_TX, norm.weight, norm.eps, step.cos, step.sin,
+                                m.rope_interleave, q_pe_THR, q_THX[..., L:])  # fmt: skip
+        w_HXL = m.kv_b_proj.weight.view(H, N + m.v_dim, L)
+        w_uk_HNL, w_uv_HVL = w_HXL[:, :N], w_HXL[:, N:]
+        c = cache.layer(layer)
         torch.bmm(q_nope_THN.transpose(0, 1), w_uk_HNL.to(dt), out=q_THX[..., :L].transpose(0, 1))
-        kernels.rope_rotate(q_pe_THR, step.cos, step.sin, out=q_THX[..., L:], interleaved_in=m.rope_interleave)
         o_lat_THL = kernels.mla_decode(q_THX.to(c.dtype), c, step.block_table, step.kv_lens, L, m.softmax_scale)
         out_THV = torch.empty(T, H, m.v_dim, dtype=dt, device=x_TD.device)
         torch.bmm(o_lat_THL.to(dt).transpose(0, 1), w_uv_HVL.transpose(1, 2).to(dt), out=out_THV.transpose(0, 1))

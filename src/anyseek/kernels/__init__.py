@@ -169,12 +169,15 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
 
 
 def mla_cache_write(cache_NX: torch.Tensor, slots_T: torch.Tensor, kv_a_TX: torch.Tensor, weight_L: torch.Tensor,
-                    eps: float, cos: torch.Tensor, sin: torch.Tensor, interleaved_in: bool) -> None:  # fmt: skip
+                    eps: float, cos: torch.Tensor, sin: torch.Tensor, interleaved_in: bool,
+                    q_pe_THR: torch.Tensor | None = None, q_out_THR: torch.Tensor | None = None) -> None:  # fmt: skip
     """The latent cache rows of T new tokens, in place: row slots[t] of the flat cache [N, L+R] gets the token's
     normalized latent, `rms_norm(kv_a[t, :L], weight_L, eps)`, then its rotated k_pe, `rope_rotate(kv_a[t, L:], cos,
     sin, interleaved_in=interleaved_in)` (pairs out interleaved), both in the cache's dtype. kv_a [T, L+R] (the
-    MLA's kv_a projection; last dim contiguous), slots int64 [T], cos/sin fp32 [T, R/2]. One kernel on GPUs where the
-    decode step ran four (the norm, the rope, a concatenation, the row copy)."""
+    MLA's kv_a projection; last dim contiguous), slots int64 [T], cos/sin fp32 [T, R/2]. With q_pe [T, H, R] and
+    q_out [T, H, R] (last dims contiguous; q_out typically the rope columns of the absorbed query), also the
+    query's rotation with the same cos/sin, `rope_rotate(q_pe, cos, sin, out=q_out, interleaved_in=interleaved_in)`.
+    One kernel on GPUs where the decode step ran five (the norm, two ropes, a concatenation, the row copy)."""
     T, X = kv_a_TX.shape if kv_a_TX.dim() == 2 else (-1, -1)
     L = weight_L.shape[0] if weight_L.dim() == 1 else -1
     if (T < 0 or L < 0 or X - L <= 0 or (X - L) % 2 or kv_a_TX.stride(-1) != 1 or cache_NX.dim() != 2
@@ -184,7 +187,14 @@ def mla_cache_write(cache_NX: torch.Tensor, slots_T: torch.Tensor, kv_a_TX: torc
                          f"[L], cos/sin [T, R/2] with R even; got cache {tuple(cache_NX.shape)}, slots "
                          f"{tuple(slots_T.shape)}, kv_a {tuple(kv_a_TX.shape)}, weight {tuple(weight_L.shape)}, cos "
                          f"{tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    registry.get("mla_cache_write", kv_a_TX)(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in)
+    if (q_pe_THR is None) != (q_out_THR is None) or (q_pe_THR is not None and (
+            q_pe_THR.dim() != 3 or q_pe_THR.shape[0] != T or q_pe_THR.shape[2] != X - L
+            or q_out_THR.shape != q_pe_THR.shape or q_pe_THR.stride(-1) != 1 or q_out_THR.stride(-1) != 1)):
+        raise ValueError(f"mla_cache_write: q_pe and q_out together, each [T, H, R] = [{T}, H, {X - L}] with a "
+                         f"contiguous last dim; got q_pe {None if q_pe_THR is None else tuple(q_pe_THR.shape)}, "
+                         f"q_out {None if q_out_THR is None else tuple(q_out_THR.shape)}")
+    registry.get("mla_cache_write", kv_a_TX)(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in,
+                                             q_pe_THR, q_out_THR)  # fmt: skip
 
 
 def gumbel_argmax(logits_BV: torch.Tensor, keys_B: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The latent-cache write of a decode step in one Triton kernel (`kernels.mla_cache_write`): per new token, the
-RMSNorm of its latent and the rotary embedding of its k_pe, stored straight into its cache row. The decode step ran
-four kernels for it per layer (the norm, the rope, a concatenation, an index copy), each a launch-bound few
-microseconds at decoding's few rows. The maths is `kernels.reference.cache`'s (the norm as `triton/rmsnorm.py`'s,
+RMSNorm of its latent and the rotary embedding of its k_pe, stored straight into its cache row, and (given the
+query's rope part) the rotation of the query's H heads with the same cos/sin. The decode step ran five kernels for
+it per layer (the norm, two ropes, a concatenation, an index copy), each a launch-bound few microseconds at
+decoding's few rows. The maths is `kernels.reference.cache`'s (the norm as `triton/rmsnorm.py`'s,
 the rotation as `triton/rope.py`'s); where the dtypes would round differently than that twin, the twin runs.
 """
 
@@ -13,8 +14,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _cache_write_kernel(KV, W, COS, SIN, SLOTS, OUT, stride_kv, stride_out, L, eps, BL: tl.constexpr,
-                        R2: tl.constexpr, IN_INTER: tl.constexpr):  # fmt: skip
+def _cache_write_kernel(KV, W, COS, SIN, SLOTS, OUT, Q, QO, stride_kv, stride_out, sqt, sqh, sot, soh, H, L, eps,
+                        BL: tl.constexpr, R2: tl.constexpr, IN_INTER: tl.constexpr, Q_ROPE: tl.constexpr,
+                        BH: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     kv = KV + t * stride_kv
     row = OUT + tl.load(SLOTS + t).to(tl.int64) * stride_out
@@ -39,9 +41,24 @@ def _cache_write_kernel(KV, W, COS, SIN, SLOTS, OUT, stride_kv, stride_out, L, e
     out_im = (re * s + im * c).to(OUT.dtype.element_ty)
     j = tl.arange(0, 2 * R2)
     tl.store(row + L + j, tl.reshape(tl.join(out_re, out_im), (2 * R2,)))  # interleaved, as rope_rotate writes
+    if Q_ROPE:  # the query's heads, as `triton/rope.py` rotates them (fp32, then the output's dtype)
+        h = tl.arange(0, BH)
+        hmask = (h < H)[:, None]
+        q_row = Q + t * sqt + h[:, None].to(tl.int64) * sqh
+        if IN_INTER:
+            q = tl.load(q_row + j[None, :], mask=hmask, other=0.0).to(tl.float32)
+            q_re, q_im = tl.split(tl.reshape(q, (BH, R2, 2)))
+        else:
+            q_re = tl.load(q_row + i[None, :], mask=hmask, other=0.0).to(tl.float32)
+            q_im = tl.load(q_row + R2 + i[None, :], mask=hmask, other=0.0).to(tl.float32)
+        o_re = (q_re * c[None, :] - q_im * s[None, :]).to(QO.dtype.element_ty)
+        o_im = (q_re * s[None, :] + q_im * c[None, :]).to(QO.dtype.element_ty)
+        o_row = QO + t * sot + h[:, None].to(tl.int64) * soh
+        tl.store(o_row + j[None, :], tl.reshape(tl.join(o_re, o_im), (BH, 2 * R2)), mask=hmask)
 
 
-def mla_cache_write(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in):
+def mla_cache_write(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in, q_pe_THR=None,
+                    q_out_THR=None):  # fmt: skip
     """As `anyseek.kernels.mla_cache_write`."""
     T, L = kv_a_TX.shape[0], weight_L.shape[0]
     R = kv_a_TX.shape[1] - L
@@ -49,14 +66,18 @@ def mla_cache_write(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interle
     if not same or R // 2 & (R // 2 - 1):  # other roundings, or a rope width that is not a power of two
         from anyseek.kernels.reference.cache import mla_cache_write as reference
 
-        return reference(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in)
+        return reference(cache_NX, slots_T, kv_a_TX, weight_L, eps, cos, sin, interleaved_in, q_pe_THR, q_out_THR)
     if T == 0:
         return None
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     BL = triton.next_power_of_2(L)
-    _cache_write_kernel[(T,)](kv_a_TX, weight_L, cos, sin, slots_T, cache_NX, kv_a_TX.stride(0), cache_NX.stride(0),
-                              L, eps, BL=BL, R2=R // 2, IN_INTER=interleaved_in,
-                              num_warps=min(8, max(1, BL // 256)))  # fmt: skip
+    q = q_pe_THR is not None
+    qi, qo = (q_pe_THR, q_out_THR) if q else (kv_a_TX, kv_a_TX)  # (unread without the query)
+    H = q_pe_THR.shape[1] if q else 1
+    _cache_write_kernel[(T,)](kv_a_TX, weight_L, cos, sin, slots_T, cache_NX, qi, qo, kv_a_TX.stride(0),
+                              cache_NX.stride(0), qi.stride(0), qi.stride(1) if q else 0, qo.stride(0),
+                              qo.stride(1) if q else 0, H, L, eps, BL=BL, R2=R // 2, IN_INTER=interleaved_in,
+                              Q_ROPE=q, BH=triton.next_power_of_2(H), num_warps=min(8, max(1, BL // 256)))  # fmt: skip
     return None
 
 
