@@ -51,6 +51,9 @@ class Engine:
         self._graphs: dict[int, tuple] = {}
         self._turn = 0  # which of a graph's two host input buffers the next step fills
         self.cpu = CpuDecoder(model, self.cache, max_len, per_seq) if cpu else None  # few-op CPU steps
+        # cos/sin of every position a sequence's pages hold, computed once: a step gathers its rows (two kernels,
+        # where computing them took six): the values the rotary embedding gives those positions (elementwise)
+        self._rope_table = model.rotary(torch.arange(per_seq * self.cache.page, device=self.device))
 
     def pages_needed(self, n_tokens: int) -> int:
         """Pages a sequence of at most `n_tokens` cached tokens holds at its longest (on the CPU: its whole block)."""
@@ -73,7 +76,9 @@ class Engine:
         return list(upload_ints([v for r in rows for v in r], self.device).split([len(r) for r in rows]))
 
     def _rope(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.rotary(positions_T)
+        """cos/sin fp32 [T, R/2] of positions [T] (each within a sequence's pages)."""
+        cos_PR, sin_PR = self._rope_table
+        return cos_PR.index_select(0, positions_T), sin_PR.index_select(0, positions_T)
 
     def _cached_step(self, seq_ids: list[int], starts: list[int], counts: list[int], extra: list[int]) -> tuple:
         """Step for `counts[b]` new tokens of sequence b at positions starts[b].. attending over the cache."""
