@@ -2,8 +2,10 @@
 TRITON_INTERPRET=1, and its results come back as one JSON line.
 
 A child process, because Triton reads the variable when it is imported: set in the test process it would leak into
-every later test that imports triton. The worker is the module itself run as a script, so its cases and error
-functions are the ones its GPU tests use. A test module follows this shape:
+every later test that imports triton. In the child every floating tensor torch.empty and its kin make starts as
+NaN (`_poison`; ANYSEEK_TEST_POISON=0 turns it off), so a kernel that leaves part of its output unwritten fails
+its case instead of passing on a fresh allocation's zeros. The worker is the module itself run as a script, so its
+cases and error functions are the ones its GPU tests use. A test module follows this shape:
 
     def _worker() -> None:  # in the child: every case -> {name: {"pass": bool, "table": [...]}}
         ...
@@ -33,6 +35,44 @@ from pathlib import Path
 
 PREFIX = "RESULTS "
 TIMEOUT_S = 600
+
+
+_MAKERS: dict[str, object] = {}  # the unpoisoned allocators (`unpoison`)
+
+
+def _poison() -> None:
+    """In the child: every floating tensor that torch.empty / empty_like / empty_strided / Tensor.new_empty make
+    starts as NaN. A fresh CPU allocation is zeros, which hides a kernel that leaves part of its output unwritten
+    (on a GPU that memory holds whatever was there); NaN shows it."""
+    import torch
+
+    _MAKERS.update(empty=torch.empty, empty_like=torch.empty_like, empty_strided=torch.empty_strided,
+                   new_empty=torch.Tensor.new_empty)  # fmt: skip
+
+    def poisoned(make):
+        def fn(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() and t.numel() else t
+
+        return fn
+
+    torch.empty, torch.empty_like, torch.empty_strided = map(poisoned, (torch.empty, torch.empty_like,
+                                                                       torch.empty_strided))  # fmt: skip
+    torch.Tensor.new_empty = poisoned(torch.Tensor.new_empty)
+
+
+def unpoison() -> None:
+    """The allocators as they were (a worker that counts the ops a step runs, which the NaN fills would add to)."""
+    import torch
+
+    if _MAKERS:
+        torch.empty, torch.empty_like, torch.empty_strided = (_MAKERS["empty"], _MAKERS["empty_like"],
+                                                               _MAKERS["empty_strided"])  # fmt: skip
+        torch.Tensor.new_empty = _MAKERS["new_empty"]
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("ANYSEEK_TEST_POISON", "1") == "1":
+    _poison()
 
 
 def _child(path: str, threads: int) -> subprocess.Popen:
