@@ -27,6 +27,7 @@ import triton
 
 from anyseek.kernels import fp8 as fp8_autograd
 from anyseek.kernels.triton import fp8_gemm, fp8_grouped, fp8_quant
+from anyseek.kernels.triton.moe import _sum_k
 from anyseek.kernels.triton.moe_plan import build_plan
 
 E4M3 = torch.float8_e4m3fn
@@ -127,7 +128,7 @@ def _expert_blocks(w_ENK: torch.Tensor):
 def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     """As `reference.fp8.experts_forward`, on the Triton kernels: -> (y [T, D], saved)."""
     T, K = topk_ids_TK.shape
-    E, D = gate_up_EFD.shape[0], gate_up_EFD.shape[2]
+    E = gate_up_EFD.shape[0]
     plan = build_plan(topk_ids_TK, E, BLOCK_M)
     q_x, s_x = fp8_quant.quantize_rows(x_TD, pow2=True)  # power-of-two scales: as expert parallelism sends x
     q_gu, s_gu, q_gut, s_gut = _expert_blocks(gate_up_EFD)
@@ -137,14 +138,14 @@ def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     q_act, s_act = fp8_grouped.swiglu_quant(h, w_M)
     y_slot = fp8_grouped.grouped_gemm(q_act, s_act, q_dn, s_dn, plan, BLOCK_M, x_TD.dtype, scatter=True)
     saved = (q_x, s_x, h, q_act, s_act, q_gut, s_gut, q_dnt, s_dnt, topk_ids_TK, topk_weights_TK, *plan)
-    return y_slot.view(T, K, D).sum(1, dtype=torch.float32).to(x_TD.dtype), saved  # (no fp32 copy)
+    return _sum_k(y_slot, T, x_TD.dtype), saved  # (a token's K rows summed in fp32 and rounded once, one kernel)
 
 
 def experts_backward(dy_TD: torch.Tensor, saved):
     """As `reference.fp8.experts_backward`: -> (dx, d topk_weights fp32, d gate_up fp32, d down fp32)."""
     q_x, s_x, h, q_act, s_act, q_gut, s_gut, q_dnt, s_dnt, topk_ids_TK, topk_weights_TK, *plan = saved
     T, K = topk_ids_TK.shape
-    E, D = q_gut.shape[0], dy_TD.shape[1]
+    E = q_gut.shape[0]
     slot = plan[0].long()
     q_dy, s_dy = fp8_quant.quantize_rows(dy_TD, pow2=True)  # as expert parallelism sends dy to the experts
     d_act = fp8_grouped.grouped_gemm(q_dy, s_dy, q_dnt, s_dnt, plan, BLOCK_M, torch.float32, gather=True)
@@ -159,7 +160,7 @@ def experts_backward(dy_TD: torch.Tensor, saved):
     d_gu = fp8_grouped.grouped_wgrad(*fp8_grouped.plan_rows_t(dh, plan, BLOCK_M),
                                      *fp8_grouped.plan_rows_t(q_x, plan, BLOCK_M, gather=True, s_RB=s_x), plan, E,
                                      BLOCK_M)  # fmt: skip
-    return dx_slot.view(T, K, D).sum(1, dtype=torch.float32).to(dy_TD.dtype), dw.view(T, K), d_gu, d_dn
+    return _sum_k(dx_slot, T, dy_TD.dtype), dw.view(T, K), d_gu, d_dn
 
 
 class _FP8ExpertsTriton(torch.autograd.Function):

@@ -89,7 +89,7 @@ def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, s
     a [R, K] (scales [R, KB]) and b [E, N, K] (128x128 block scales [E, NB, KB]); plan = `moe_plan.build_plan`'s
     (slot, tok, offs, tile_expert, tile_row) built with `block_m` (the row tile here). gather: a holds the tokens
     (row(r) = tok[r]); else a holds the M routed rows in plan order. Rows of slots no expert takes are not written
-    (with scatter: zeros)."""
+    (their values are unspecified, as `kernels.routed_experts` says of those slots)."""
     slot, tok, offs, tile_expert, tile_row = plan
     M, (E, N, K) = slot.numel(), b_ENK.shape
     KB = triton.cdiv(K, TILE)
@@ -104,8 +104,7 @@ def grouped_gemm(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, s
     if a_RK.device.type == "cpu" and out_dtype != torch.float32:  # (the interpreter rounds to bf16 toward zero)
         return grouped_gemm(a_RK, sa_RB, b_ENK, sb_E, plan, block_m, torch.float32, gather, scatter,
                             config).to(out_dtype)  # fmt: skip
-    # (scattered: zeros in the rows of slots no expert takes, which no tile writes, so that sums over them are 0)
-    c = (torch.zeros if scatter else torch.empty)(M, N, dtype=out_dtype, device=a_RK.device)
+    c = torch.empty(M, N, dtype=out_dtype, device=a_RK.device)
     if M == 0 or N == 0:
         return c
     sa_RB, sb_E = sa_RB.contiguous(), sb_E.contiguous()
