@@ -71,12 +71,12 @@ def unpoison() -> None:
         torch.Tensor.new_empty = _MAKERS["new_empty"]
 
 
-if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("ANYSEEK_TEST_POISON", "1") == "1":
-    _poison()
+if os.environ.get("ANYSEEK_INTERPRETER_CHILD") == "1" and os.environ.get("ANYSEEK_TEST_POISON", "1") == "1":
+    _poison()  # (only in the worker's child: a whole test session run under TRITON_INTERPRET=1 keeps its allocators)
 
 
 def _child(path: str, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=str(threads), ANYSEEK_INTERPRETER_CHILD="1")
     return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)  # fmt: skip
 
