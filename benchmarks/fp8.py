@@ -386,14 +386,15 @@ def _experts_step(fn, x, ids, w, gate_up, down, dy) -> None:
     fn(x, ids, w, gate_up, down).backward(dy)
 
 
-def experts_table(device, flavors, tokens_list, out: Path | None) -> None:
-    """The routed experts' whole forward + backward (quantization, plan, GEMMs, SwiGLU, combine): FP8 against the
-    bf16 Triton experts (`kernels/ops/moe.py`), same inputs."""
+def _experts_cases(device, flavors, tokens_list):
+    """For each flavor and token count, the routed experts' forward + backward on the same inputs (balanced random
+    routing): -> (flavor, T, config, FP8 step, bf16 Triton step); FP8 takes fp32 weights (quantized each call),
+    bf16 their bf16 copies. The generator lets go of a case's tensors when asked for the next (the caller drops its
+    steps first)."""
     from anyseek.kernels.ops import fp8 as fp8_ops
     from anyseek.kernels.ops import moe as moe_ops
     from anyseek.model.config import ModelConfig
 
-    rows = []
     for flavor in flavors:
         c = ModelConfig.from_name(flavor)
         E, I, K, D = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.hidden_size
@@ -405,15 +406,24 @@ def experts_table(device, flavors, tokens_list, out: Path | None) -> None:
             dn = (torch.randn(E, D, I, device=device) * 0.02).requires_grad_()
             gub, dnb = gu.detach().bfloat16().requires_grad_(), dn.detach().bfloat16().requires_grad_()
             dy = torch.randn(T, D, device=device, dtype=torch.bfloat16)
-
-            flop = 18 * T * K * D * I  # forward 6 M D I, backward twice that
-            t8 = _bench(partial(_experts_step, fp8_ops.fp8_routed_experts, x, ids, w, gu, dn, dy))
-            t16 = _bench(partial(_experts_step, moe_ops.routed_experts, x, ids, w, gub, dnb, dy))
-            rows.append([flavor, T, f"{E} experts, top-{K}", f"{t8 * 1e3:.2f}", f"{flop / t8 / 1e12:.0f}",
-                         f"{t16 * 1e3:.2f}", f"{flop / t16 / 1e12:.0f}", f"{t16 / t8:.2f}x"])
-            print(" | ".join(str(v) for v in rows[-1]), flush=True)
+            yield (flavor, T, c, partial(_experts_step, fp8_ops.fp8_routed_experts, x, ids, w, gu, dn, dy),
+                   partial(_experts_step, moe_ops.routed_experts, x, ids, w, gub, dnb, dy))  # fmt: skip
             del x, gu, dn, gub, dnb, dy
             torch.cuda.empty_cache()
+
+
+def experts_table(device, flavors, tokens_list, out: Path | None) -> None:
+    """The routed experts' whole forward + backward (quantization, plan, GEMMs, SwiGLU, combine): FP8 against the
+    bf16 Triton experts (`kernels/ops/moe.py`), same inputs."""
+    rows = []
+    for flavor, T, c, fp8_step, bf16_step in _experts_cases(device, flavors, tokens_list):
+        E, I, K, D = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.hidden_size
+        flop = 18 * T * K * D * I  # forward 6 M D I, backward twice that
+        t8, t16 = _bench(fp8_step), _bench(bf16_step)
+        rows.append([flavor, T, f"{E} experts, top-{K}", f"{t8 * 1e3:.2f}", f"{flop / t8 / 1e12:.0f}",
+                     f"{t16 * 1e3:.2f}", f"{flop / t16 / 1e12:.0f}", f"{t16 / t8:.2f}x"])
+        print(" | ".join(str(v) for v in rows[-1]), flush=True)
+        del fp8_step, bf16_step  # (the case's tensors freed before the next is made)
     table("Routed experts, forward + backward (FP8: weights quantized from fp32 each call; bf16: bf16 weights)",
           ["flavor", "tokens", "experts", "FP8 ms", "FP8 TFLOP/s", "bf16 Triton ms", "bf16 TFLOP/s", "FP8 speed-up"],
           rows, out, "experts")
@@ -456,27 +466,11 @@ def _profile(fn, steps: int = 3):
 
 def experts_profile(device, flavors, tokens_list, out: Path | None) -> None:
     """The routed experts' forward + backward under torch.profiler, FP8 and bf16: the kernel tables."""
-    from anyseek.kernels.ops import fp8 as fp8_ops
-    from anyseek.kernels.ops import moe as moe_ops
-    from anyseek.model.config import ModelConfig
-
-    for flavor in flavors:
-        c = ModelConfig.from_name(flavor)
-        E, I, K, D = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.hidden_size
-        for T in tokens_list:
-            ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K].contiguous()
-            w = torch.rand(T, K, device=device)
-            x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-            gu = (torch.randn(E, 2 * I, D, device=device) * 0.02).requires_grad_()
-            dn = (torch.randn(E, D, I, device=device) * 0.02).requires_grad_()
-            gub, dnb = gu.detach().bfloat16().requires_grad_(), dn.detach().bfloat16().requires_grad_()
-            dy = torch.randn(T, D, device=device, dtype=torch.bfloat16)
-            for name, fn in (("fp8", partial(_experts_step, fp8_ops.fp8_routed_experts, x, ids, w, gu, dn, dy)),
-                             ("bf16", partial(_experts_step, moe_ops.routed_experts, x, ids, w, gub, dnb, dy))):
-                table(f"Routed experts fwd + bwd, {flavor}, {T} tokens, {name}: kernels a step",
-                      ["kernel", "calls", "ms", "share"], _profile(fn), out, f"profile-experts-{flavor}-{T}-{name}")
-            del x, gu, dn, gub, dnb, dy
-            torch.cuda.empty_cache()
+    for flavor, T, _, fp8_step, bf16_step in _experts_cases(device, flavors, tokens_list):
+        for name, fn in (("fp8", fp8_step), ("bf16", bf16_step)):
+            table(f"Routed experts fwd + bwd, {flavor}, {T} tokens, {name}: kernels a step",
+                  ["kernel", "calls", "ms", "share"], _profile(fn), out, f"profile-experts-{flavor}-{T}-{name}")
+        del fn, fp8_step, bf16_step  # (the case's tensors freed before the next is made)
 
 
 def tune_table(device, out: Path | None) -> None:

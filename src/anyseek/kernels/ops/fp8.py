@@ -27,7 +27,7 @@ import triton
 
 from anyseek.kernels import fp8 as fp8_autograd
 from anyseek.kernels.triton import fp8_gemm, fp8_grouped, fp8_quant
-from anyseek.kernels.triton.moe import _sum_k
+from anyseek.kernels.triton.moe import sum_k
 from anyseek.kernels.triton.moe_plan import build_plan
 
 E4M3 = torch.float8_e4m3fn
@@ -138,7 +138,7 @@ def experts_forward(x_TD, topk_ids_TK, topk_weights_TK, gate_up_EFD, down_EDI):
     q_act, s_act = fp8_grouped.swiglu_quant(h, w_M)
     y_slot = fp8_grouped.grouped_gemm(q_act, s_act, q_dn, s_dn, plan, BLOCK_M, x_TD.dtype, scatter=True)
     saved = (q_x, s_x, h, q_act, s_act, q_gut, s_gut, q_dnt, s_dnt, topk_ids_TK, topk_weights_TK, *plan)
-    return _sum_k(y_slot, T, x_TD.dtype), saved  # (a token's K rows summed in fp32 and rounded once, one kernel)
+    return sum_k(y_slot, T, x_TD.dtype), saved  # (a token's K rows summed in fp32 and rounded once, one kernel)
 
 
 def experts_backward(dy_TD: torch.Tensor, saved):
@@ -160,7 +160,7 @@ def experts_backward(dy_TD: torch.Tensor, saved):
     d_gu = fp8_grouped.grouped_wgrad(*fp8_grouped.plan_rows_t(dh, plan, BLOCK_M),
                                      *fp8_grouped.plan_rows_t(q_x, plan, BLOCK_M, gather=True, s_RB=s_x), plan, E,
                                      BLOCK_M)  # fmt: skip
-    return _sum_k(dx_slot, T, dy_TD.dtype), dw.view(T, K), d_gu, d_dn
+    return sum_k(dx_slot, T, dy_TD.dtype), dw.view(T, K), d_gu, d_dn
 
 
 class _FP8ExpertsTriton(torch.autograd.Function):

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from anyseek.kernels.triton.rope import rotate
+
 
 @triton.jit
 def _cache_write_kernel(KV, W, COS, SIN, SLOTS, OUT, Q, QO, stride_kv, stride_out, sqt, sqh, sot, soh, H, L, eps,
@@ -37,8 +39,8 @@ def _cache_write_kernel(KV, W, COS, SIN, SLOTS, OUT, Q, QO, stride_kv, stride_ou
         im = tl.load(kv + L + R2 + i).to(tl.float32)
     c = tl.load(COS + t * R2 + i)
     s = tl.load(SIN + t * R2 + i)
-    out_re = (re * c - im * s).to(OUT.dtype.element_ty)
-    out_im = (re * s + im * c).to(OUT.dtype.element_ty)
+    out_re, out_im = rotate(re, im, c, s)
+    out_re, out_im = out_re.to(OUT.dtype.element_ty), out_im.to(OUT.dtype.element_ty)
     j = tl.arange(0, 2 * R2)
     tl.store(row + L + j, tl.reshape(tl.join(out_re, out_im), (2 * R2,)))  # interleaved, as rope_rotate writes
     if Q_ROPE:  # the query's heads, as `triton/rope.py` rotates them (fp32, then the output's dtype)
@@ -51,8 +53,8 @@ def _cache_write_kernel(KV, W, COS, SIN, SLOTS, OUT, Q, QO, stride_kv, stride_ou
         else:
             q_re = tl.load(q_row + i[None, :], mask=hmask, other=0.0).to(tl.float32)
             q_im = tl.load(q_row + R2 + i[None, :], mask=hmask, other=0.0).to(tl.float32)
-        o_re = (q_re * c[None, :] - q_im * s[None, :]).to(QO.dtype.element_ty)
-        o_im = (q_re * s[None, :] + q_im * c[None, :]).to(QO.dtype.element_ty)
+        o_re, o_im = rotate(q_re, q_im, c[None, :], s[None, :])
+        o_re, o_im = o_re.to(QO.dtype.element_ty), o_im.to(QO.dtype.element_ty)
         o_row = QO + t * sot + h[:, None].to(tl.int64) * soh
         tl.store(o_row + j[None, :], tl.reshape(tl.join(o_re, o_im), (BH, 2 * R2)), mask=hmask)
 

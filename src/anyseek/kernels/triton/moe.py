@@ -267,7 +267,7 @@ def _sum_k_kernel(X, Y, ADD, T, D, K: tl.constexpr, HAS_ADD: tl.constexpr, BT: t
     tl.store(Y + t[:, None] * D + d[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
-def _sum_k(rows_MD: torch.Tensor, T: int, dtype: torch.dtype, add_TD: torch.Tensor | None = None) -> torch.Tensor:
+def sum_k(rows_MD: torch.Tensor, T: int, dtype: torch.dtype, add_TD: torch.Tensor | None = None) -> torch.Tensor:
     """[T*K, D] in slot order -> [T, D]: the K rows of each token summed in fp32, in a fixed order, rounded to
     `dtype` once (one kernel: torch's fp32 sum then cast read and wrote the [T, D] result twice more). add_TD
     (contiguous [T, D] or None): added into the same fp32 sum (the shared experts' output: no separate add)."""
@@ -327,7 +327,7 @@ def experts_fwd(x_TD, w_M, gate_up_EFD, down_EDI, plan, save: bool, low_gu=None,
         _narrow(act_MI, low_dn[1], low_dn[2], plan, I, low_dn[0])
     _gemm(act_MI, down_EDI, _nk(down_EDI), y_slot_MD, plan, D, I, _config(x_TD.device, pre + "gemm"), scatter=True,
           low_rank=low_dn, l_rows=low_dn is not None)  # fmt: skip
-    return _sum_k(y_slot_MD, T, x_TD.dtype, add_TD), h_MF, act_MI
+    return sum_k(y_slot_MD, T, x_TD.dtype, add_TD), h_MF, act_MI
 
 
 def _dh(dy_TD, w_M, down_EDI, h_MF, plan, low_rank=None, l_token=None):
@@ -360,7 +360,7 @@ def _dx(dh_MF, x_TD, gate_up_EFD, plan, low_rank=None):
     dx_slot_MD = x_TD.new_empty(M, D)
     cfg = _config(x_TD.device, "gemm" if low_rank is None else "lora_dx")
     _gemm(dh_MF, gu, _kn(gu), dx_slot_MD, plan, D, F, cfg, scatter=True, low_rank=low_rank)
-    return _sum_k(dx_slot_MD, T, x_TD.dtype)
+    return sum_k(dx_slot_MD, T, x_TD.dtype)
 
 
 def experts_bwd(dy_TD, x_TD, w_M, gate_up_EFD, down_EDI, h_MF, act_MI, plan, dgu=None, ddn=None):

@@ -18,6 +18,12 @@ BLOCK_ROWS = 32
 
 
 @triton.jit
+def rotate(re, im, c, s):
+    """A pair's rotation, (re + i im)(c + i s), in the inputs' precision (fp32 here): -> (re', im')."""
+    return re * c - im * s, re * s + im * c
+
+
+@triton.jit
 def _rope_kernel(X, Y, COS, SIN, n_rows, H, sxt, sxh, syt, syh, R2: tl.constexpr, IN_INTER: tl.constexpr,
                  OUT_INTER: tl.constexpr, CONJ: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -36,8 +42,8 @@ def _rope_kernel(X, Y, COS, SIN, n_rows, H, sxt, sxh, syt, syh, R2: tl.constexpr
     s = tl.load(SIN + t[:, None] * R2 + i[None, :], mask=rmask, other=0.0)
     if CONJ:
         s = -s
-    out_re = (re * c - im * s).to(Y.dtype.element_ty)
-    out_im = (re * s + im * c).to(Y.dtype.element_ty)
+    out_re, out_im = rotate(re, im, c, s)
+    out_re, out_im = out_re.to(Y.dtype.element_ty), out_im.to(Y.dtype.element_ty)
     y_row = Y + t[:, None] * syt + h[:, None] * syh
     if OUT_INTER:
         j = tl.arange(0, 2 * R2)
